@@ -1,0 +1,145 @@
+"""One normalised model configuration, read from GGUF metadata.
+
+Where a GGUF omits a hyperparameter, the value is filled exactly as llama.cpp's `llama_model::load_hparams`
+fills it (Gemma 3: every 6th layer global, local rope base 10 000, query scale 1/sqrt(head_dim) except 27B).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import ModelFileError
+from .gguf_io import GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "gemma3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one attention kind (global or sliding)."""
+
+    base: float
+    n_rot: int  # rotated dims per head (partial rotary when < head_dim)
+    neox: bool = True  # NEOX: rotate (i, i + n_rot/2) pairs; normal: adjacent (2i, 2i+1) pairs
+    scaling: str = "none"  # none | linear | yarn
+    factor: float = 1.0
+    original_ctx: int = 0  # YaRN: the trained context length
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float | None = None  # llama.cpp default: 1.0 for yarn
+    yarn_attn_factor: float = 1.0
+    freq_factors: tuple[float, ...] | None = None  # `rope_freqs.weight`: per-pair divisors of the frequency
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int  # key length
+    v_head_dim: int
+    ffn_dim: int
+    n_vocab: int
+    norm_eps: float
+    ctx_train: int
+    rope: RopeConfig
+    rope_local: RopeConfig | None = None  # rope of sliding-window layers when it differs (Gemma 3)
+    sliding_window: int = 0  # 0: no sliding-window layers
+    sliding_layers: tuple[bool, ...] = ()  # per layer: True where attention is sliding-window
+    attn_scale: float = 0.0  # multiplies q.k; 1/sqrt(head_dim) unless the model says otherwise
+    embed_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(d_model)
+    final_logit_softcap: float = 0.0
+    attn_logit_softcap: float = 0.0
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3, Gemma 3
+    sandwich_norm: bool = False  # Gemma: post-attention and post-FFN norms
+    activation: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU)
+    tied_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def rope_for(self, layer: int) -> RopeConfig:
+        return self.rope_local if (self.rope_local is not None and self.is_sliding(layer)) else self.rope
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.n_head // self.n_kv_head
+
+
+def _rope_scaling(get, arch: str, n_rot: int, base: float) -> RopeConfig:
+    scaling = get(f"{arch}.rope.scaling.type", "none") or "none"
+    factor = float(get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if scaling == "none" and factor != 1.0:
+        scaling = "linear"
+    if scaling not in ("none", "linear", "yarn"):
+        raise ModelFileError(f"rope scaling type '{scaling}' is not supported (none, linear, yarn)")
+    return RopeConfig(
+        base=base, n_rot=n_rot, neox=True, scaling=scaling, factor=factor,
+        original_ctx=int(get(f"{arch}.rope.scaling.original_context_length", 0) or 0),
+        yarn_beta_fast=float(get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0) or 32.0),
+        yarn_beta_slow=float(get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0) or 1.0),
+        yarn_attn_factor=float(get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0),
+    )
+
+
+def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    arch = gguf.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Gemma 3)")
+
+    def get(key, default=None):
+        return gguf.get(key, default)
+
+    def need(key):
+        value = gguf.get(key)
+        if value is None:
+            raise ModelFileError(f"{gguf.path}: metadata key '{key}' is missing; the file is not a complete {arch} model")
+        return value
+
+    n_layer = int(need(f"{arch}.block_count"))
+    d_model = int(need(f"{arch}.embedding_length"))
+    n_head = int(need(f"{arch}.attention.head_count"))
+    n_kv_head = int(get(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(get(f"{arch}.attention.key_length", d_model // n_head))
+    v_head_dim = int(get(f"{arch}.attention.value_length", head_dim))
+    n_rot = int(get(f"{arch}.rope.dimension_count", head_dim))
+    base = float(get(f"{arch}.rope.freq_base", 10000.0))
+    rope = _rope_scaling(get, arch, n_rot, base)
+    if "rope_freqs.weight" in gguf.tensors:
+        from .quant.weights import dequantize  # rope_freqs is a tiny F32 tensor
+        t = gguf.tensors["rope_freqs.weight"]
+        rope = RopeConfig(**{**rope.__dict__, "freq_factors": tuple(float(v) for v in dequantize(t.data, t.type, t.shape[-1]).ravel())})
+    tokens = get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens) if tokens is not None else gguf.tensor("token_embd.weight").shape[0]
+
+    common = dict(
+        arch=arch, name=str(get("general.name", arch)), n_layer=n_layer, d_model=d_model, n_head=n_head,
+        n_kv_head=n_kv_head, head_dim=head_dim, v_head_dim=v_head_dim,
+        ffn_dim=int(need(f"{arch}.feed_forward_length")), n_vocab=n_vocab,
+        norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        ctx_train=int(get(f"{arch}.context_length", 4096)), rope=rope,
+        tied_output="output.weight" not in gguf.tensors,
+    )
+    if arch in ("qwen2", "qwen3"):
+        return ModelConfig(**common, attn_scale=1.0 / math.sqrt(head_dim), qkv_bias=arch == "qwen2",
+                           qk_norm=arch == "qwen3", activation="silu")
+
+    # gemma3, as llama.cpp: sliding pattern 6 (layers 5, 11, ... global), local rope base 10 000 unscaled
+    pattern = 6
+    sliding = tuple((il % pattern) < (pattern - 1) for il in range(n_layer))
+    rope_local = RopeConfig(base=10000.0, n_rot=n_rot, neox=True)
+    attn_scale = (1.0 / math.sqrt(d_model / n_head)) if n_layer == 62 else 1.0 / math.sqrt(head_dim)  # 27B
+    return ModelConfig(
+        **common, rope_local=rope_local,
+        sliding_window=int(get(f"{arch}.attention.sliding_window", 4096)), sliding_layers=sliding,
+        attn_scale=attn_scale, embed_scale=math.sqrt(d_model),
+        final_logit_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+        attn_logit_softcap=float(get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
+        qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
+    )

@@ -1,0 +1,21 @@
+"""The errors a user can cause. Each message says what was wrong and what to do about it."""
+
+
+class CupyllmError(Exception):
+    """Base class: the CLI prints these as one line, without a traceback."""
+
+
+class ModelFileError(CupyllmError):
+    """A model file is missing, truncated, corrupt, or of an architecture/tensor type we do not run."""
+
+
+class ContextOverflowError(CupyllmError):
+    """A request needs more KV positions than the cache was sized for."""
+
+
+class BudgetError(CupyllmError):
+    """A memory budget that no KV plan can fit."""
+
+
+class DeviceError(CupyllmError):
+    """The GPU path was asked for but is not usable (no CuPy, no device, a kernel failed to compile)."""

@@ -1,0 +1,129 @@
+"""The KV cache: per layer, K and V rows encoded in their formats, and the position held by every slot.
+
+Global-attention layers hold one slot per position up to `ctx`. Sliding-window layers hold a ring of
+`window + max_chunk` slots: a prefill chunk of up to `max_chunk` tokens is written before it attends, and
+the ring is just large enough that this never evicts a key an earlier query of the same chunk still needs.
+Attention masks by the slot positions (empty slots hold -1), so both layouts read the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ContextOverflowError
+from .formats import KVFormat, get_format
+
+EMPTY = -1
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What a cache stores: K and V formats and how many positions it holds."""
+
+    ctx: int
+    kv_type_k: str = "f16"
+    kv_type_v: str = "f16"
+    max_chunk: int = 512  # largest prefill chunk written at once (sizes the sliding-window rings)
+
+
+@dataclass
+class LayerKV:
+    k_format: KVFormat
+    v_format: KVFormat
+    n_kv: int
+    head_dim: int
+    v_head_dim: int
+    capacity: int
+    ring: bool  # slot = position % capacity (sliding window) instead of slot = position
+    window: int = 0
+    k_data: np.ndarray = field(init=False, repr=False)
+    v_data: np.ndarray = field(init=False, repr=False)
+    slot_pos: np.ndarray = field(init=False, repr=False)
+    n_used: int = field(init=False, default=0)  # slots [0, n_used) may hold keys
+
+    def __post_init__(self):
+        k_row = self.k_format.row_bytes(self.head_dim)
+        v_row = self.v_format.row_bytes(self.v_head_dim)
+        self.k_data = np.zeros((self.capacity, self.n_kv, k_row), np.uint8)
+        self.v_data = np.zeros((self.capacity, self.n_kv, v_row), np.uint8)
+        self.slot_pos = np.full(self.capacity, EMPTY, np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_data.nbytes + self.v_data.nbytes
+
+    def slots_for(self, positions: np.ndarray) -> np.ndarray:
+        return positions % self.capacity if self.ring else positions
+
+    def write(self, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+        """Encode k [n, n_kv, head_dim] and v [n, n_kv, v_head_dim] into the slots of `positions`."""
+        n = len(positions)
+        slots = self.slots_for(np.asarray(positions))
+        self.k_data[slots] = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim)).reshape(n, self.n_kv, -1)
+        self.v_data[slots] = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim)).reshape(n, self.n_kv, -1)
+        self.slot_pos[slots] = positions
+        self.n_used = max(self.n_used, int(slots.max()) + 1)
+
+    def decode(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Slots [start, stop) as float32 k, v and their positions."""
+        n = stop - start
+        k = self.k_format.decode(self.k_data[start:stop].reshape(n * self.n_kv, -1), self.head_dim)
+        v = self.v_format.decode(self.v_data[start:stop].reshape(n * self.n_kv, -1), self.v_head_dim)
+        return (k.reshape(n, self.n_kv, self.head_dim), v.reshape(n, self.n_kv, self.v_head_dim),
+                self.slot_pos[start:stop])
+
+    def chunks(self, chunk_slots: int):
+        """Yield (k, v, positions) over the used slots, `chunk_slots` at a time, decoded."""
+        for start in range(0, self.n_used, chunk_slots):
+            yield self.decode(start, min(start + chunk_slots, self.n_used))
+
+    def clear(self) -> None:
+        self.slot_pos[:] = EMPTY
+        self.n_used = 0
+
+
+@dataclass
+class KVCache:
+    spec: KVSpec
+    layers: list[LayerKV]
+    n_past: int = 0  # positions [0, n_past) are cached
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, spec: KVSpec) -> "KVCache":
+        k_format = get_format(spec.kv_type_k, head_dim=cfg.head_dim)
+        v_format = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim)
+        layers = []
+        for layer in range(cfg.n_layer):
+            sliding = cfg.is_sliding(layer)
+            capacity = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if sliding else spec.ctx
+            layers.append(LayerKV(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
+                                  capacity=capacity, ring=sliding, window=cfg.sliding_window if sliding else 0))
+        return cls(spec, layers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def check_room(self, n_new: int) -> None:
+        if self.n_past + n_new > self.spec.ctx:
+            raise ContextOverflowError(
+                f"{self.n_past} cached + {n_new} new tokens exceed the context of {self.spec.ctx} tokens; "
+                f"raise -c/--ctx (ctx=...) or shorten the prompt / max_tokens")
+
+    def clear(self) -> None:
+        for layer in self.layers:
+            layer.clear()
+        self.n_past = 0
+
+
+def kv_bytes(cfg: ModelConfig, spec: KVSpec) -> int:
+    """Bytes a cache for `spec` takes, without allocating it."""
+    k_row = get_format(spec.kv_type_k, head_dim=cfg.head_dim).row_bytes(cfg.head_dim)
+    v_row = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim).row_bytes(cfg.v_head_dim)
+    total = 0
+    for layer in range(cfg.n_layer):
+        slots = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if cfg.is_sliding(layer) else spec.ctx
+        total += slots * cfg.n_kv_head * (k_row + v_row)
+    return total

@@ -1,0 +1,420 @@
+// Encode on append: quantize n new tokens' K (or V) rows and scatter them into the cache.
+//
+//   src   [n_new, n_heads, head_dim]  float or __half
+//   slots [n_new] int32                cache row of each token (rows outside [0, n_slots) are skipped)
+//   cache [n_slots, n_heads, row_bytes] uint8, row_bytes = head_dim / kBlockValues * kBlockBytes
+//   table  the format's float table (kv_formats.cuh), nullptr for scalar formats
+//
+// One kernel template, kv_encode<Fmt, Src, kNormMode>; the work of one "unit" (a value, a block or a
+// group) is done by Encoder<Fmt>, one specialization per format family. Every encoder reproduces the
+// NumPy reference (cupyllm/kv/) bit for bit: same float operations in the same order, each rounded
+// once (__f*_rn intrinsics, never contracted into FMAs), same tie-breaks.
+//
+// Launch geometry (mirrored in cupyllm/backend/gpu_kv.py): blockDim = Encoder::kCtaThreads,
+// gridDim = ceil(n_units / Encoder::kUnitsPerCta), n_units = n_new * n_heads * head_dim / kBlockValues.
+#include "kv_formats.cuh"
+
+namespace cupyllm {
+
+// turbo.stored_norm modes: what the fp16 norm of a rotated group holds.
+enum NormMode : int { kNormRaw = 0, kNormLsq = 1, kNormCorrected = 2 };
+
+template <class Fmt, class Enable = void>
+struct Encoder;
+
+// ---- f32 / f16 / bf16: one thread per value ---------------------------------------------------
+
+__device__ __forceinline__ void store_float_value(FmtF32, u8* out, float v) { *reinterpret_cast<float*>(out) = v; }
+__device__ __forceinline__ void store_float_value(FmtF16, u8* out, float v) { store_u16(out, float_to_f16_bits(v)); }
+__device__ __forceinline__ void store_float_value(FmtBF16, u8* out, float v) {
+    // scalar.f32_to_bf16_bits: integer round-to-nearest-even; a NaN keeps its top bits, quieted.
+    const u32 u = __float_as_uint(v);
+    const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    const u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    store_u16(out, static_cast<u16>(is_nan ? ((u >> 16) | 0x40u) : rounded));
+}
+
+template <class Fmt>
+struct FloatEncoder {
+    static constexpr int kUnitThreads = 1, kUnitsPerCta = 256, kCtaThreads = 256;
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float*, int) {
+        store_float_value(Fmt{}, out, to_float(x[0]));
+    }
+};
+template <> struct Encoder<FmtF32> : FloatEncoder<FmtF32> {};
+template <> struct Encoder<FmtF16> : FloatEncoder<FmtF16> {};
+template <> struct Encoder<FmtBF16> : FloatEncoder<FmtBF16> {};
+
+// ---- llama.cpp 32-value blocks: one warp per block, lane j holds x[j] ----------------------------
+
+struct WarpBlockGeometry {
+    static constexpr int kUnitThreads = 32, kUnitsPerCta = 8, kCtaThreads = 256;
+};
+
+// d ? 1.0f/d : 0.0f
+__device__ __forceinline__ float inverse_or_zero(float d) { return d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f; }
+
+// C's float -> int conversion (toward zero), as scalar._trunc_int.
+__device__ __forceinline__ int trunc_to_int(float v) { return __float2int_rz(v); }
+
+// Lane j < 16 writes qs[j] = low nibble of q[j] | low nibble of q[j + 16] << 4.
+__device__ __forceinline__ void store_nibbles(u8* qs, int q, int lane) {
+    const int upper = __shfl_down_sync(kFullMask, q, 16);
+    if (lane < 16) qs[lane] = static_cast<u8>((q & 0x0F) | ((upper & 0x0F) << 4));
+}
+
+// Lanes 0/1 write the little-endian uint32 whose bit j is bit 4 of q[j] (qh of q5_0 / q5_1),
+// as two 16-bit halves since the field is only 2-byte aligned.
+__device__ __forceinline__ void store_bit4(u8* qh, int q, int lane) {
+    const u32 bits = __ballot_sync(kFullMask, (q >> 4) & 1);
+    if (lane < 2) store_u16(qh + 2 * lane, static_cast<u16>(bits >> (16 * lane)));
+}
+
+// d = m / -nmax (m: the largest-magnitude value, first on ties), q = min(2*nmax-1, trunc(x*id + nmax + 0.5)).
+template <int kNmax>
+__device__ __forceinline__ int symmetric_code(float x, int lane, float& d) {
+    const float m = warp_signed_absmax_first(x, lane);
+    d = __fdiv_rn(m, static_cast<float>(-kNmax));
+    const float id = inverse_or_zero(d);
+    const int q = trunc_to_int(__fadd_rn(__fmul_rn(x, id), static_cast<float>(kNmax) + 0.5f));
+    return min(q, 2 * kNmax - 1);
+}
+
+// d = (max - min) / qmax, q = min(qmax, trunc((x - min)*id + 0.5)).
+template <int kQmax>
+__device__ __forceinline__ int affine_code(float x, float& d, float& lo) {
+    lo = warp_min(x);
+    const float hi = warp_max(x);
+    d = __fdiv_rn(__fsub_rn(hi, lo), static_cast<float>(kQmax));
+    const float id = inverse_or_zero(d);
+    const int q = trunc_to_int(__fadd_rn(__fmul_rn(__fsub_rn(x, lo), id), 0.5f));
+    return min(q, kQmax);
+}
+
+template <>
+struct Encoder<FmtQ8_0> : WarpBlockGeometry {
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float*, int lane) {
+        const float v = to_float(x[lane]);
+        const float d = __fdiv_rn(warp_max(fabsf(v)), 127.0f);
+        const float a = __fmul_rn(v, inverse_or_zero(d));
+        // roundf: halves away from zero, like scalar._roundf (exact in float32)
+        out[2 + lane] = static_cast<u8>(static_cast<i8>(static_cast<int>(roundf(a))));
+        if (lane == 0) store_u16(out, float_to_f16_bits(d));
+    }
+};
+
+template <>
+struct Encoder<FmtQ4_0> : WarpBlockGeometry {
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float*, int lane) {
+        float d;
+        const int q = symmetric_code<8>(to_float(x[lane]), lane, d);
+        store_nibbles(out + 2, q, lane);
+        if (lane == 0) store_u16(out, float_to_f16_bits(d));
+    }
+};
+
+template <>
+struct Encoder<FmtQ5_0> : WarpBlockGeometry {
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float*, int lane) {
+        float d;
+        const int q = symmetric_code<16>(to_float(x[lane]), lane, d);
+        store_bit4(out + 2, q, lane);
+        store_nibbles(out + 6, q, lane);
+        if (lane == 0) store_u16(out, float_to_f16_bits(d));
+    }
+};
+
+template <>
+struct Encoder<FmtQ6_0> : WarpBlockGeometry {
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float*, int lane) {
+        float d;
+        const int q = symmetric_code<32>(to_float(x[lane]), lane, d);
+        // qh[k] = hi(q[k]) | hi(q[k+16]) << 2 | hi(q[k+8]) << 4 | hi(q[k+24]) << 6, hi(q) = q >> 4
+        const int hi = q >> 4;
+        const int hi8 = __shfl_down_sync(kFullMask, hi, 8);
+        const int hi16 = __shfl_down_sync(kFullMask, hi, 16);
+        const int hi24 = __shfl_down_sync(kFullMask, hi, 24);
+        if (lane < 8) out[2 + lane] = static_cast<u8>(hi | (hi16 << 2) | (hi8 << 4) | (hi24 << 6));
+        store_nibbles(out + 10, q, lane);
+        if (lane == 0) store_u16(out, float_to_f16_bits(d));
+    }
+};
+
+template <>
+struct Encoder<FmtQ4_1> : WarpBlockGeometry {
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float*, int lane) {
+        float d, lo;
+        const int q = affine_code<15>(to_float(x[lane]), d, lo);
+        store_nibbles(out + 4, q, lane);
+        if (lane == 0) {
+            store_u16(out, float_to_f16_bits(d));
+            store_u16(out + 2, float_to_f16_bits(lo));
+        }
+    }
+};
+
+template <>
+struct Encoder<FmtQ5_1> : WarpBlockGeometry {
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float*, int lane) {
+        float d, lo;
+        const int q = affine_code<31>(to_float(x[lane]), d, lo);
+        store_bit4(out + 4, q, lane);
+        store_nibbles(out + 8, q, lane);
+        if (lane == 0) {
+            store_u16(out, float_to_f16_bits(d));
+            store_u16(out + 2, float_to_f16_bits(lo));
+        }
+    }
+};
+
+// ---- rotated groups: shared pieces ---------------------------------------------------------------
+
+// Load a group in the warp layout (value i in lane i % 32, slot i / 32) and rotate it.
+template <int G, class Src>
+__device__ __forceinline__ void load_rotated_group(const Src* x, float (&y)[G / 32], int lane) {
+#pragma unroll
+    for (int s = 0; s < G / 32; ++s) y[s] = to_float(x[s * 32 + lane]);
+    warp_rotate<G>(y, lane);
+}
+
+// turbo.group_norm_and_z: r = sqrt(tree_sum(y*y)), z = y * (r > 0 ? sqrt(G)/r : 0). Returns r.
+template <int G>
+__device__ __forceinline__ float group_norm_and_z(const float (&y)[G / 32], float (&z)[G / 32]) {
+    float sq[G / 32];
+#pragma unroll
+    for (int s = 0; s < G / 32; ++s) sq[s] = __fmul_rn(y[s], y[s]);
+    const float r = __fsqrt_rn(warp_group_tree_sum<G>(sq));
+    const float scale = r > 0.0f ? __fdiv_rn(sqrt_group<G>(), r) : 0.0f;
+#pragma unroll
+    for (int s = 0; s < G / 32; ++s) z[s] = __fmul_rn(y[s], scale);
+    return r;
+}
+
+// turbo.stored_norm for raw norm r, unit coordinates z and their reconstructions c (warp layout).
+template <int G, int kNormMode>
+__device__ __forceinline__ u16 stored_norm_bits(float r, const float (&z)[G / 32], const float (&c)[G / 32]) {
+    if constexpr (kNormMode == kNormRaw) {
+        return float_to_f16_bits(r);
+    } else {
+        float cc[G / 32];
+#pragma unroll
+        for (int s = 0; s < G / 32; ++s) cc[s] = __fmul_rn(c[s], c[s]);
+        const float ll = warp_group_tree_sum<G>(cc);
+        if constexpr (kNormMode == kNormLsq) {
+            float zc[G / 32];
+#pragma unroll
+            for (int s = 0; s < G / 32; ++s) zc[s] = __fmul_rn(z[s], c[s]);
+            const float num = warp_group_tree_sum<G>(zc);
+            const float ratio = ll > 0.0f ? __fdiv_rn(num, ll) : 0.0f;
+            return float_to_f16_bits(__fmul_rn(r, ratio));
+        } else {
+            static_assert(kNormMode == kNormCorrected, "unknown norm mode");
+            const float factor = ll > 0.0f ? __fdiv_rn(sqrt_group<G>(), __fsqrt_rn(ll)) : 1.0f;
+            return float_to_f16_bits(__fmul_rn(r, factor));
+        }
+    }
+}
+
+// Byte `byte_index` of the LSB-first stream holding `count` codes of kWidth bits (codes in smem).
+template <int kWidth, class Code>
+__device__ __forceinline__ u8 packed_stream_byte(const Code* codes, int count, int byte_index) {
+    u32 byte = 0;
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+        const int p = byte_index * 8 + b;
+        const int i = p / kWidth;
+        if (i < count) byte |= ((static_cast<u32>(codes[i]) >> (p - i * kWidth)) & 1u) << b;
+    }
+    return static_cast<u8>(byte);
+}
+
+// ---- turbo{2,3,4}: one warp per group ---------------------------------------------------------------
+
+template <int kBits, int G>
+struct Encoder<FmtTurbo<kBits, G>> {
+    using Fmt = FmtTurbo<kBits, G>;
+    static constexpr int kUnitThreads = 32, kUnitsPerCta = 4, kCtaThreads = 128;
+    static constexpr int kCodeBytes = Fmt::kBlockBytes - 2;
+
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float* table, int lane) {
+        __shared__ u8 codes_smem[kUnitsPerCta][G];
+        u8* codes = codes_smem[threadIdx.x / 32];
+        const float* levels = table;
+        const float* bounds = table + Fmt::kLevels;
+
+        float y[G / 32], z[G / 32], c[G / 32];
+        load_rotated_group<G>(x, y, lane);
+        const float r = group_norm_and_z<G>(y, z);
+#pragma unroll
+        for (int s = 0; s < G / 32; ++s) {
+            // code = #{j : z > BOUNDS[j]}: the nearest level, the lower one exactly on a boundary
+            int code = 0;
+#pragma unroll
+            for (int j = 0; j < Fmt::kLevels - 1; ++j) code += z[s] > bounds[j];
+            codes[s * 32 + lane] = static_cast<u8>(code);
+            c[s] = levels[code];
+        }
+        const u16 norm = stored_norm_bits<G, kNormMode>(r, z, c);
+        __syncwarp();
+        for (int byte = lane; byte < kCodeBytes; byte += 32)
+            out[2 + byte] = packed_stream_byte<kBits>(codes, G, byte);
+        if (lane == 0) store_u16(out, norm);
+        __syncwarp();  // codes_smem is reused by this warp's next unit only after every lane read it
+    }
+};
+
+// ---- *_tcq: Viterbi over the bitshift trellis, one CTA per group, one thread per state ------------
+//
+// state_{t+1} = (state_t >> k) | new_bits << (L - k); the predecessors of s' are (m << k) | r with
+// m = s' & (2^(L-k) - 1), r = 0 .. 2^k - 1. Thread s' computes
+//   cost_t[s'] = min_r cost_{t-1}[(m << k) | r] + (z[t] - CODEBOOK[s'])^2
+// scanning r upwards and replacing only on a strictly smaller cost (a tie keeps the smaller
+// predecessor), exactly as tcq._viterbi_numba; the 2^k threads sharing m compute the same minimum,
+// which saves a barrier per step. The final state is the smallest argmin; thread 0 backtracks.
+
+template <int kK, int kL, int G>
+struct Encoder<FmtTcq<kK, kL, G>> {
+    using Fmt = FmtTcq<kK, kL, G>;
+    static constexpr int kStates = 1 << kL;
+    static constexpr int kLowStates = 1 << (kL - kK);  // values of m
+    static constexpr int kPreds = 1 << kK;
+    static constexpr int kUnitThreads = kStates, kUnitsPerCta = 1, kCtaThreads = kStates;
+    static_assert(kStates >= 64 && kStates <= 1024, "one thread per state, at most 1024");
+    static_assert(Fmt::kBlockBytes - 2 <= kStates, "one thread per stream byte");
+
+    // Costs are stored transposed, cost of state (m << k) | r at r * kRowStride + m: the 2^k
+    // predecessors one thread reads sit in 2^k rows at the same column, so a warp reading one r
+    // hits consecutive words; the padding spreads the writes (consecutive s') over all banks.
+    static constexpr int kRowStride = kLowStates + 32 / kPreds;
+    __device__ static int cost_index(int state) { return (state & (kPreds - 1)) * kRowStride + (state >> kK); }
+
+    template <class Src, int kNormMode>
+    __device__ static void encode(const Src* x, u8* out, const float* table, int thread) {
+        __shared__ float z_smem[G];
+        __shared__ float cost_smem[2][kPreds * kRowStride];
+        __shared__ u8 choice[G][kLowStates];  // best r of step t for each m
+        __shared__ short states[G];
+        __shared__ float best_cost[kStates / 32];
+        __shared__ int best_state[kStates / 32];
+        __shared__ float group_r;
+
+        const int lane = thread & 31, warp = thread >> 5;
+        if (warp == 0) {  // rotate and normalise the group: z in N(0, 1) units
+            float y[G / 32], z[G / 32];
+            load_rotated_group<G>(x, y, lane);
+            const float r = group_norm_and_z<G>(y, z);
+#pragma unroll
+            for (int s = 0; s < G / 32; ++s) z_smem[s * 32 + lane] = z[s];
+            if (lane == 0) group_r = r;
+        }
+        __syncthreads();
+
+        const int state = thread;
+        const float centroid = table[state];
+        const int m = state & (kLowStates - 1);
+        float d = __fsub_rn(z_smem[0], centroid);
+        float cost = __fmul_rn(d, d);
+        cost_smem[0][cost_index(state)] = cost;
+        __syncthreads();
+        for (int t = 1; t < G; ++t) {
+            const float* prev = cost_smem[(t - 1) & 1];
+            float best = prev[m];  // r = 0: row 0, column m
+            int best_r = 0;
+#pragma unroll
+            for (int r = 1; r < kPreds; ++r) {
+                const float c = prev[r * kRowStride + m];
+                if (c < best) { best = c; best_r = r; }
+            }
+            if (state < kLowStates) choice[t][m] = static_cast<u8>(best_r);  // state == m here
+            d = __fsub_rn(z_smem[t], centroid);
+            cost = __fadd_rn(best, __fmul_rn(d, d));
+            cost_smem[t & 1][cost_index(state)] = cost;
+            __syncthreads();
+        }
+
+        // argmin over the final costs, the smallest state on ties
+        float c = cost;
+        int s = state;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float oc = __shfl_xor_sync(kFullMask, c, offset);
+            const int os = __shfl_xor_sync(kFullMask, s, offset);
+            if (oc < c || (oc == c && os < s)) { c = oc; s = os; }
+        }
+        if (lane == 0) { best_cost[warp] = c; best_state[warp] = s; }
+        __syncthreads();
+        if (thread == 0) {
+            float bc = best_cost[0];
+            int bs = best_state[0];
+            for (int w = 1; w < kStates / 32; ++w)  // warps hold increasing state ranges
+                if (best_cost[w] < bc) { bc = best_cost[w]; bs = best_state[w]; }
+            for (int t = G - 1; t > 0; --t) {
+                states[t] = static_cast<short>(bs);
+                const int low = bs & (kLowStates - 1);
+                bs = (low << kK) | choice[t][low];
+            }
+            states[0] = static_cast<short>(bs);
+        }
+        __syncthreads();
+
+        if (warp == 0) {  // norm of the chosen reconstruction
+            float z[G / 32], cb[G / 32];
+#pragma unroll
+            for (int i = 0; i < G / 32; ++i) {
+                z[i] = z_smem[i * 32 + lane];
+                cb[i] = table[states[i * 32 + lane]];
+            }
+            const u16 norm = stored_norm_bits<G, kNormMode>(group_r, z, cb);
+            if (lane == 0) store_u16(out, norm);
+        }
+        // stream bit p belongs to state t = min(p / k, G - 1), bit p - t*k of its window
+        const int byte = thread;
+        if (byte < Fmt::kBlockBytes - 2) {
+            u32 value = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                const int p = byte * 8 + b;
+                if (p < Fmt::kStreamBits) {
+                    const int t = min(p / kK, G - 1);
+                    value |= ((static_cast<u32>(states[t]) >> (p - t * kK)) & 1u) << b;
+                }
+            }
+            out[2 + byte] = static_cast<u8>(value);
+        }
+    }
+};
+
+}  // namespace cupyllm
+
+// ---- the kernel --------------------------------------------------------------------------------------
+
+template <class Fmt, class Src, int kNormMode>
+__global__ void __launch_bounds__(cupyllm::Encoder<Fmt>::kCtaThreads)
+kv_encode(const Src* __restrict__ src, const int* __restrict__ slots, cupyllm::u8* __restrict__ cache,
+          int n_new, int n_slots, int n_heads, int head_dim, const float* __restrict__ table) {
+    using E = cupyllm::Encoder<Fmt>;
+    const int units_per_head = head_dim / Fmt::kBlockValues;
+    const long long n_units = static_cast<long long>(n_new) * n_heads * units_per_head;
+    const long long unit = static_cast<long long>(blockIdx.x) * E::kUnitsPerCta + threadIdx.x / E::kUnitThreads;
+    if (unit >= n_units) return;  // uniform per unit: warps / CTAs of one unit leave together
+    const int token = static_cast<int>(unit / (static_cast<long long>(n_heads) * units_per_head));
+    const int within = static_cast<int>(unit % (static_cast<long long>(n_heads) * units_per_head));
+    const int slot = slots[token];
+    if (slot < 0 || slot >= n_slots) return;
+    const size_t row_bytes = static_cast<size_t>(units_per_head) * Fmt::kBlockBytes;
+    const int head = within / units_per_head;
+    const int block = within % units_per_head;
+    const Src* x = src + (static_cast<size_t>(token) * n_heads + head) * head_dim +
+                   static_cast<size_t>(block) * Fmt::kBlockValues;
+    cupyllm::u8* out = cache + (static_cast<size_t>(slot) * n_heads + head) * row_bytes +
+                       static_cast<size_t>(block) * Fmt::kBlockBytes;
+    E::template encode<Src, kNormMode>(x, out, table, threadIdx.x % E::kUnitThreads);
+}

@@ -1,0 +1,213 @@
+"""GPU parity of the KV-cache kernels with the NumPy references (cupyllm/kv/).
+
+Encode: the bytes the GPU scatters into the cache equal ``fmt.encode`` of the same rows, for every
+format. TCQ may differ only where two trellis paths have exactly the same cost (the Viterbi tie-break is
+the reference's, so this should not happen; the test counts such groups, checks that each really is a
+tie and that its norm matches its path, and bounds their number). Decode: within 1 f16 ulp of
+``fmt.decode`` (the kernels compute the same float32 values; only the final f16 rounding is theirs).
+
+Skipped without a CUDA device (no CuPy, no driver, or no GPU).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyllm.cuda import gpu_count
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
+]
+
+N_KV_HEADS = 8
+HEAD_DIMS = (64, 128, 256)
+SOURCE_DTYPES = ("float32", "float16")
+TCQ_TIE_BOUND = 0.01  # at most 1% of groups may pick a different path of exactly equal cost
+
+
+def _formats():
+    from cupyllm.kv.formats import list_formats
+    return list_formats()
+
+
+def get_test_format(name: str, head_dim: int):
+    """The engine's format; a TCQ format whose codebook file is absent falls back to the QTIP-style
+    initial codebook (the kernels take the codebook as an argument, so parity does not depend on it)."""
+    from cupyllm.kv import formats, tcq
+    try:
+        return formats.get_format(name, head_dim=head_dim)
+    except formats.KVFormatError:
+        if name not in tcq.TCQ_PARAMS:
+            raise
+        _, L = tcq.TCQ_PARAMS[name]
+        return tcq.make_format(name, formats.group_values_for(head_dim), codebook=tcq.initial_codebook(L))
+
+
+def make_kv_rows(rng, n_new: int, head_dim: int, dtype: str) -> np.ndarray:
+    """K/V-like rows [n_new, N_KV_HEADS, head_dim]: Gaussian with a per-row scale over four decades,
+    a few outlier channels, and the edge cases the references define: zero and -0.0 rows, a constant
+    row, blocks whose largest |x| appears with both signs (first-occurrence tie-break), tiny values."""
+    x = rng.standard_normal((n_new, N_KV_HEADS, head_dim)).astype(np.float32)
+    x *= (10.0 ** rng.uniform(-2, 2, (n_new, N_KV_HEADS, 1))).astype(np.float32)
+    x[:, :, rng.choice(head_dim, 3, replace=False)] *= 20.0  # outlier channels, as in K
+    x[0, 0] = 0.0
+    x[1, 0] = -0.0
+    x[2, 0] = 1.5
+    x[3, 0] = np.where(np.arange(head_dim) % 2 == 0, -2.0, 2.0)
+    x[3, 1, :32] = rng.integers(-3, 4, 32).astype(np.float32)  # many exact magnitude ties
+    x[4, 0] *= np.float32(1e-6)
+    return x.astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    """One registry for the module: each kernel set is compiled (or read from CuPy's cache) once."""
+    from cupyllm.cuda.registry import KernelRegistry
+    return KernelRegistry()
+
+
+def _encode_case(registry, name: str, head_dim: int, src_dtype: str, seed: int = 0):
+    import cupy as cp
+    from cupyllm.backend.gpu_kv import GpuKVCodec
+
+    rng = np.random.default_rng(seed)
+    fmt = get_test_format(name, head_dim)
+    codec = GpuKVCodec(fmt, head_dim, N_KV_HEADS, registry=registry)
+    n_new, n_slots = 37, 53
+    x = make_kv_rows(rng, n_new, head_dim, src_dtype)
+    slots = rng.permutation(n_slots)[:n_new].astype(np.int32)
+    slots[5] = -1  # skipped by the kernel
+    slots[6] = n_slots  # out of range: skipped too
+    cache = cp.full((n_slots, N_KV_HEADS, codec.row_bytes), 0xA5, dtype=cp.uint8)
+    codec.encode(cp.asarray(x), cp.asarray(slots), cache)
+    kept = (slots >= 0) & (slots < n_slots)
+    ref = fmt.encode(x[kept].astype(np.float32).reshape(-1, head_dim)).reshape(int(kept.sum()), N_KV_HEADS, -1)
+    host = cp.asnumpy(cache)
+    untouched = np.setdiff1d(np.arange(n_slots), slots[kept])
+    assert (host[untouched] == 0xA5).all(), "encode wrote to a slot it was not given"
+    return fmt, codec, cache, host[slots[kept]], ref, x[kept]
+
+
+@pytest.mark.parametrize("src_dtype", SOURCE_DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", [n for n in _formats() if not n.endswith("_tcq")])
+def test_encode_is_bit_exact(registry, name, head_dim, src_dtype):
+    _, _, _, got, ref, _ = _encode_case(registry, name, head_dim, src_dtype)
+    bad = np.argwhere((got != ref).any(axis=2))
+    assert len(bad) == 0, (f"{len(bad)} of {got.shape[0] * got.shape[1]} head rows differ; first "
+                           f"(token, head) {tuple(bad[0])}:\n gpu {got[tuple(bad[0])]}\n ref {ref[tuple(bad[0])]}")
+
+
+def _sequential_path_cost(z: np.ndarray, codebook: np.ndarray, states: np.ndarray) -> np.float32:
+    """The Viterbi cost of one path: e_0, then cost + e_t for t = 1.., float32, one rounding each."""
+    cost = np.float32(0)
+    for t in range(len(z)):
+        d = np.float32(z[t] - codebook[states[t]])
+        e = np.float32(d * d)
+        cost = e if t == 0 else np.float32(cost + e)
+    return cost
+
+
+@pytest.mark.parametrize("src_dtype", SOURCE_DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", [n for n in _formats() if n.endswith("_tcq")])
+def test_tcq_encode_matches_except_exact_ties(registry, name, head_dim, src_dtype):
+    from cupyllm.kv import tcq, turbo
+
+    fmt, _, _, got, ref, x = _encode_case(registry, name, head_dim, src_dtype)
+    g = fmt.group_values
+    got_blocks = got.reshape(-1, fmt.block_bytes)
+    ref_blocks = ref.reshape(-1, fmt.block_bytes)
+    differing = np.flatnonzero((got_blocks != ref_blocks).any(axis=1))
+    if len(differing) == 0:
+        return
+    r, z = turbo.group_norm_and_z(turbo.rotate(x.astype(np.float32).reshape(-1, head_dim), g).reshape(-1, g))
+    ref_states, ref_costs = tcq.viterbi_states(z, fmt.codebook, fmt.k, fmt.L)
+    gpu_states = tcq.unpack_states(got_blocks[:, 2:], g, fmt.k, fmt.L)
+    for i in differing:
+        assert tcq.path_is_valid(gpu_states[i:i + 1], fmt.k, fmt.L), f"group {i}: GPU stream is not a trellis path"
+        gpu_cost = _sequential_path_cost(z[i], fmt.codebook, gpu_states[i])
+        assert gpu_cost == ref_costs[i], (
+            f"group {i}: GPU path cost {gpu_cost!r} != reference {ref_costs[i]!r} (not a tie: a Viterbi bug)")
+        norm = turbo.stored_norm(r[i:i + 1], z[i:i + 1], fmt.codebook[gpu_states[i:i + 1]], fmt.norm_mode)
+        assert got_blocks[i, :2].view("<f2")[0] == norm[0], f"group {i}: norm does not match the GPU path"
+        assert not got_blocks[i, 2 + (tcq.stream_bits(g, fmt.k, fmt.L) + 7) // 8:].any(), "padding not zero"
+    n_groups = got_blocks.shape[0]
+    print(f"{name} head_dim={head_dim}: {len(differing)} of {n_groups} groups took a different equal-cost path")
+    assert len(differing) <= max(1, TCQ_TIE_BOUND * n_groups)
+
+
+def _assert_within_one_f16_ulp(got16: np.ndarray, ref32: np.ndarray, what: str):
+    ref16 = ref32.astype(np.float16)
+    ulp = np.spacing(np.abs(ref16)).astype(np.float64)
+    err = np.abs(got16.astype(np.float64) - ref16.astype(np.float64))
+    bad = np.argwhere(~(err <= ulp))
+    assert len(bad) == 0, (f"{what}: {len(bad)} values off by more than 1 f16 ulp; first at {tuple(bad[0])}: "
+                           f"gpu {got16[tuple(bad[0])]!r} ref {ref32[tuple(bad[0])]!r}")
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("name", _formats())
+def test_decode_within_one_f16_ulp(registry, name, head_dim):
+    import cupy as cp
+    from cupyllm.kv.formats import is_rotated
+
+    fmt, codec, cache, _, _, _ = _encode_case(registry, name, head_dim, "float32", seed=1)
+    host = cp.asnumpy(cache)
+    row_start, n_rows = 3, 41  # a range that does not start at 0
+    rows = host[row_start:row_start + n_rows].reshape(-1, codec.row_bytes)
+    got = cp.asnumpy(codec.decode(cache, row_start, n_rows))
+    ref = fmt.decode(rows, head_dim).reshape(n_rows, N_KV_HEADS, head_dim)
+    _assert_within_one_f16_ulp(got, ref, f"{name} decode")
+    if is_rotated(name):
+        got_rot = cp.asnumpy(codec.decode(cache, row_start, n_rows, unrotate=False))
+        ref_rot = fmt.decode_rotated(rows, head_dim).reshape(n_rows, N_KV_HEADS, head_dim)
+        _assert_within_one_f16_ulp(got_rot, ref_rot, f"{name} rotated-domain decode")
+
+
+def test_encode_overwrites_a_slot_and_bad_arguments_raise(registry):
+    import cupy as cp
+    from cupyllm.backend.gpu_kv import GpuKVCodec
+    from cupyllm.kv.formats import KVFormatError, get_format
+
+    fmt = get_format("q4_0")
+    codec = GpuKVCodec(fmt, 128, N_KV_HEADS, registry=registry)
+    cache = codec.allocate(4)
+    rng = np.random.default_rng(2)
+    first, second = (rng.standard_normal((1, N_KV_HEADS, 128)).astype(np.float32) for _ in range(2))
+    slot = cp.asarray(np.array([2], np.int32))
+    codec.encode(cp.asarray(first), slot, cache)
+    codec.encode(cp.asarray(second), slot, cache)
+    assert (cp.asnumpy(cache[2]) == fmt.encode(second.reshape(-1, 128)).reshape(N_KV_HEADS, -1)).all()
+    with pytest.raises(KVFormatError, match="src"):
+        codec.encode(cp.zeros((1, N_KV_HEADS, 64), cp.float32), slot, cache)
+    with pytest.raises(KVFormatError, match="int32"):
+        codec.encode(cp.asarray(first), slot.astype(cp.int64), cache)
+    with pytest.raises(KVFormatError, match="float32 or float16"):
+        codec.encode(cp.asarray(first).astype(cp.float64), slot, cache)
+    with pytest.raises(KVFormatError, match="allocate"):
+        codec.encode(cp.asarray(first), slot, cp.zeros((4, N_KV_HEADS, 10), cp.uint8))
+    with pytest.raises(KVFormatError, match="outside"):
+        codec.decode(cache, 3, 2)
+
+
+def test_registry_turns_compile_errors_into_device_errors(tmp_path):
+    from cupyllm.cuda.registry import KernelRegistry, KernelSet
+    from cupyllm.errors import DeviceError
+
+    (tmp_path / "broken.cu").write_text("template <int N> __global__ void k(float* x) { x[0] = undefined_name; }\n")
+    registry = KernelRegistry(sets=[KernelSet("broken.cu", ("k<1>",))], source_dir=tmp_path)
+    with pytest.raises(DeviceError, match="undefined_name"):
+        registry.function("k<1>")
+
+
+def test_registry_compiles_each_set_once():
+    from cupyllm.backend.gpu_kv import decode_kernel_name
+    from cupyllm.cuda.registry import KernelRegistry
+
+    registry = KernelRegistry()
+    a = registry.function(decode_kernel_name("q8_0"))
+    b = registry.function(decode_kernel_name("q4_0"))  # same set: same module
+    assert registry.function(decode_kernel_name("q8_0")) is a
+    assert len(registry._modules) == 1 and a is not b
