@@ -2,7 +2,7 @@
 //
 //   cache [n_slots, n_heads, row_bytes] uint8; rows row_start .. row_start + n_rows - 1 are decoded
 //   out   [n_rows, n_heads, head_dim] __half
-//   table the format's float table (kv_formats.cuh), nullptr for scalar formats
+//   table the format's float table (kv_formats.cuh); scalar formats ignore it
 //
 // kv_decode<Fmt, kUnrotate>: scalar formats decode one value per thread with Fmt::dequant; rotated
 // formats decode one group per warp and, when kUnrotate, apply the inverse rotation in registers

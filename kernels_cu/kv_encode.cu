@@ -1,9 +1,10 @@
 // Encode on append: quantize n new tokens' K (or V) rows and scatter them into the cache.
 //
 //   src   [n_new, n_heads, head_dim]  float or __half
-//   slots [n_new] int32                cache row of each token (rows outside [0, n_slots) are skipped)
+//   slots [n_new] int32                cache row of each token, distinct within one launch (rows outside
+//                                      [0, n_slots) are skipped: padding tokens can pass -1)
 //   cache [n_slots, n_heads, row_bytes] uint8, row_bytes = head_dim / kBlockValues * kBlockBytes
-//   table  the format's float table (kv_formats.cuh), nullptr for scalar formats
+//   table  the format's float table (kv_formats.cuh); scalar formats ignore it
 //
 // One kernel template, kv_encode<Fmt, Src, kNormMode>; the work of one "unit" (a value, a block or a
 // group) is done by Encoder<Fmt>, one specialization per format family. Every encoder reproduces the
@@ -19,7 +20,7 @@ namespace cupyllm {
 // turbo.stored_norm modes: what the fp16 norm of a rotated group holds.
 enum NormMode : int { kNormRaw = 0, kNormLsq = 1, kNormCorrected = 2 };
 
-template <class Fmt, class Enable = void>
+template <class Fmt>
 struct Encoder;
 
 // ---- f32 / f16 / bf16: one thread per value ---------------------------------------------------
@@ -267,7 +268,6 @@ struct Encoder<FmtTurbo<kBits, G>> {
         for (int byte = lane; byte < kCodeBytes; byte += 32)
             out[2 + byte] = packed_stream_byte<kBits>(codes, G, byte);
         if (lane == 0) store_u16(out, norm);
-        __syncwarp();  // codes_smem is reused by this warp's next unit only after every lane read it
     }
 };
 

@@ -175,7 +175,6 @@ struct FmtTurbo {
     static constexpr int kBlockValues = G;
     static constexpr int kBlockBytes = 2 + (G * kBits + 7) / 8;
     static constexpr bool kRotated = true;
-    static constexpr int kBits_ = kBits;
     static constexpr int kLevels = 1 << kBits;
     static constexpr int kTableSize = 2 * kLevels - 1;  // LEVELS then BOUNDS
     __device__ static int code(const u8* block, int j) {

@@ -7,7 +7,10 @@ byte what ``fmt.encode`` (cupyllm/kv) returns for that row.
 ``GpuKVCodec(fmt, head_dim, n_kv_heads).encode(src, slots, cache)`` quantizes ``src [n_new, n_kv_heads,
 head_dim]`` (float32 or float16) into ``cache[slots]``; ``decode(cache, row_start, n_rows)`` returns float16
 ``[n_rows, n_kv_heads, head_dim]``. The kernels reproduce the NumPy references bit for bit (the f16 decode
-output is the reference's float32 rounded once).
+output is the reference's float32 rounded once). Unlike the references, the kernels cannot raise: NaN/inf
+values and rotated groups whose norm overflows fp16 are stored as whatever the arithmetic gives (the
+engine checks its activations), and the f32 arithmetic runs with CuPy's -ftz=true, which only matters
+for subnormal intermediates (|x| < 1.2e-38), far below any K/V value.
 
 This module declares every kernel instantiation (``kernel_sets()``) and does not import CuPy until a
 codec is built, so the compile check and the CPU engine run without it.

@@ -88,7 +88,7 @@ def all_kernel_sets() -> list[KernelSet]:
 
 
 def cuda_include_dirs() -> list[str]:
-    """Directories holding cuda_fp16.h / cuda_bf16.h for NVRTC (it has no built-in search path).
+    """The directory holding cuda_fp16.h / cuda_bf16.h for NVRTC (it has no built-in search path).
 
     Prefers the `nvidia-cuda-runtime` pip package (located by cuda.pathfinder), then CUDA_PATH /
     CUDA_HOME, then /usr/local/cuda.
@@ -106,11 +106,11 @@ def cuda_include_dirs() -> list[str]:
         if root:
             found.append(str(Path(root) / "include"))
     found.append("/usr/local/cuda/include")
-    unique = []
+    # One directory only: mixing the headers of two CUDA versions is worse than a clear failure.
     for d in found:
-        if d not in unique and (Path(d) / "cuda_fp16.h").is_file():
-            unique.append(d)
-    return unique
+        if (Path(d) / "cuda_fp16.h").is_file():
+            return [d]
+    return []
 
 
 def source_fingerprint(source_dir: Path) -> str:

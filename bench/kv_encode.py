@@ -1,0 +1,183 @@
+"""KV encode throughput: K + V rows of new tokens quantized into the cache, per layer.
+
+For every KV format, head_dim 128 and 256, n_kv_heads 8: tokens/s of one layer's K+V append, on the CPU
+(the NumPy/numba encoders of cupyllm.kv) and, where a CUDA device is present, on the GPU
+(cupyllm.backend.gpu_kv, timed with CUDA events after a warm-up; median of the repeats).
+
+    python bench/kv_encode.py                 # CPU, plus GPU when one is present
+    python bench/kv_encode.py --device gpu    # only the GPU
+
+Writes bench/results/kv_encode_{cpu,gpu}.json (device named in it) and copies them into $OUT when set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from cupyllm.cuda import gpu_count  # noqa: E402
+from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+N_KV_HEADS = 8
+HEAD_DIMS = (128, 256)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def kv_rows(rng, n_tokens: int, head_dim: int) -> np.ndarray:
+    x = rng.standard_normal((n_tokens, N_KV_HEADS, head_dim)).astype(np.float32)
+    return x * (10.0 ** rng.uniform(-1, 1, (n_tokens, N_KV_HEADS, 1))).astype(np.float32)
+
+
+def bench_cpu(fmt, head_dim: int, n_tokens: int, min_seconds: float, rng) -> dict:
+    k, v = kv_rows(rng, n_tokens, head_dim), kv_rows(rng, n_tokens, head_dim)
+    fmt.encode(k[:1].reshape(-1, head_dim))  # numba compile / table load outside the timing
+    times = []
+    start = time.perf_counter()
+    while not times or (time.perf_counter() - start < min_seconds and len(times) < 50):
+        t0 = time.perf_counter()
+        fmt.encode(k.reshape(-1, head_dim))
+        fmt.encode(v.reshape(-1, head_dim))
+        times.append(time.perf_counter() - t0)
+    return _row(fmt, head_dim, n_tokens, times)
+
+
+def bench_gpu(fmt, head_dim: int, n_tokens: int, repeats: int, rng, registry) -> dict:
+    import cupy as cp
+    from cupyllm.backend.gpu_kv import GpuKVCodec
+
+    codec = GpuKVCodec(fmt, head_dim, N_KV_HEADS, registry=registry)
+    # several input sets, so repeated runs do not just re-read the L2
+    inputs = [(cp.asarray(kv_rows(rng, n_tokens, head_dim)), cp.asarray(kv_rows(rng, n_tokens, head_dim)))
+              for _ in range(3)]
+    slots = cp.asarray(rng.permutation(2 * n_tokens)[:n_tokens].astype(np.int32))
+    k_cache, v_cache = codec.allocate(2 * n_tokens), codec.allocate(2 * n_tokens)
+    for k, v in inputs:  # warm-up: compile/load, first-touch
+        codec.encode(k, slots, k_cache)
+        codec.encode(v, slots, v_cache)
+    cp.cuda.Device().synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for i in range(repeats):
+        k, v = inputs[i % len(inputs)]
+        start.record()
+        codec.encode(k, slots, k_cache)
+        codec.encode(v, slots, v_cache)
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return _row(fmt, head_dim, n_tokens, times)
+
+
+def _row(fmt, head_dim: int, n_tokens: int, times: list[float]) -> dict:
+    seconds = statistics.median(times)
+    src_bytes = 2 * n_tokens * N_KV_HEADS * head_dim * 4  # K and V, float32
+    cache_bytes = 2 * n_tokens * N_KV_HEADS * fmt.row_bytes(head_dim)
+    return {
+        "format": fmt.name,
+        "head_dim": head_dim,
+        "n_kv_heads": N_KV_HEADS,
+        "tokens": n_tokens,
+        "repeats": len(times),
+        "seconds_per_layer_kv": seconds,
+        "tokens_per_s": n_tokens / seconds,
+        "bytes_moved_per_s": (src_bytes + cache_bytes) / seconds,
+    }
+
+
+def write_results(device: str, device_name: str, rows: list[dict], extra: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"kv_encode_{device}.json"
+    payload = {
+        "benchmark": "kv_encode",
+        "what": "K+V encode of new tokens into the cache, one layer; tokens_per_s = tokens / (K time + V time)",
+        "device": device_name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+        "results": rows,
+    }
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        shutil.copy(path, Path(out) / path.name)
+    return path
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    print(f"{'format':<12} {'head_dim':>8} {'tokens':>7} {'ms/layer':>9} {'tokens/s':>12} {'GB/s':>8}")
+    for r in rows:
+        print(f"{r['format']:<12} {r['head_dim']:>8} {r['tokens']:>7} {r['seconds_per_layer_kv'] * 1e3:>9.3f} "
+              f"{r['tokens_per_s']:>12,.0f} {r['bytes_moved_per_s'] / 1e9:>8.2f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "gpu", "all"), default="all",
+                        help="all = CPU, plus GPU when one is present (default)")
+    parser.add_argument("--formats", default=",".join(list_formats()), help="comma-separated format names")
+    parser.add_argument("--cpu-tokens", type=int, default=256)
+    parser.add_argument("--cpu-tcq-tokens", type=int, default=32, help="the numba Viterbi is slow")
+    parser.add_argument("--cpu-seconds", type=float, default=0.5, help="minimum timed time per CPU case")
+    parser.add_argument("--gpu-tokens", type=int, default=8192)
+    parser.add_argument("--gpu-repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    names = [n for n in args.formats.split(",") if n]
+    rng = np.random.default_rng(0)
+    cases = [(name, hd) for name in names for hd in HEAD_DIMS]
+
+    if args.device in ("cpu", "all"):
+        rows = []
+        for name, hd in tqdm(cases, desc="CPU kv encode"):
+            tokens = args.cpu_tcq_tokens if name.endswith("_tcq") else args.cpu_tokens
+            rows.append(bench_cpu(get_format(name, head_dim=hd), hd, tokens, args.cpu_seconds, rng))
+        path = write_results("cpu", cpu_name(), rows, {"implementation": "cupyllm.kv (NumPy / numba)"})
+        print_table(f"CPU ({cpu_name()}) -> {path}", rows)
+
+    if args.device in ("gpu", "all"):
+        if gpu_count() == 0:
+            if args.device == "gpu":
+                print("no CUDA device: GPU benchmark not run", file=sys.stderr)
+                return 1
+            return 0
+        import cupy as cp
+        from cupyllm.cuda.registry import KernelRegistry
+
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        registry = KernelRegistry()
+        rows = []
+        for name, hd in tqdm(cases, desc="GPU kv encode"):
+            rows.append(bench_gpu(get_format(name, head_dim=hd), hd, args.gpu_tokens, args.gpu_repeats, rng, registry))
+        path = write_results("gpu", gpu_name, rows, {
+            "implementation": "kernels_cu/kv_encode.cu via cupyllm.backend.gpu_kv",
+            "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+            "timing": "CUDA events, median of repeats after a warm-up"})
+        print_table(f"GPU ({gpu_name}) -> {path}", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

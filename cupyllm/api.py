@@ -1,0 +1,123 @@
+"""The Python face of cupyllm:
+
+    import cupyllm
+    model = cupyllm.load()                       # the default model (Gemma 3 270M), CPU or GPU
+    print(model.generate("Why is the sky blue?", max_tokens=64))
+    logits = model.logits(model.tokenize("Hello"))
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .backend import select_backend
+from .chat import encode_chat
+from .config import ModelConfig, config_from_gguf
+from .errors import CupyllmError
+from .generate import GenerationStats, generate_stream, prefill
+from .gguf_io import GGUFFile, read_gguf
+from .kv.cache import KVCache, KVSpec
+from .kv.formats import get_format
+from .model_store import default_model_path
+from .models.build import Transformer
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+@dataclass
+class Model:
+    path: Path
+    gguf: GGUFFile
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    transformer: Transformer
+    kv_spec: KVSpec
+    device: str
+    last_stats: GenerationStats = field(default_factory=GenerationStats)
+    _cache: KVCache | None = field(default=None, repr=False)
+
+    # --- text <-> ids -----------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def chat_ids(self, messages: Sequence[dict] | str) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for generation."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return encode_chat(self.tokenizer, self.gguf.metadata, list(messages))
+
+    # --- compute ----------------------------------------------------------------------------------
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for this model (reused between calls: allocated once per model)."""
+        if self._cache is None:
+            self._cache = KVCache.for_model(self.cfg, self.kv_spec)
+        self._cache.clear()
+        return self._cache
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """float32 [len(ids), n_vocab]: the logits at every position of one fresh sequence."""
+        if len(ids) == 0:
+            raise CupyllmError("logits() needs at least one token id")
+        cache = self.new_cache()
+        out = prefill(self.transformer.forward, ids, cache, self.kv_spec.max_chunk, all_logits=True)
+        return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
+
+    def generate(self, prompt: str | Sequence[int] | Sequence[dict], max_tokens: int = 256, temperature: float = 0.8,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 seed: int | None = None, stop: Sequence[str] | str | None = None, stream: bool = False,
+                 chat: bool = False, progress: bool | None = None) -> str | Iterator[str]:
+        """Continue `prompt` (text, token ids, or with chat=True a message or list of messages).
+        Returns the text, or with stream=True an iterator of text pieces. Stats land in `last_stats`."""
+        if chat:
+            ids = self.chat_ids(prompt)
+        elif isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise CupyllmError("the prompt is empty and the model adds no BOS token; give some prompt text")
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                         repeat_penalty=repeat_penalty, seed=seed))
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.last_stats = GenerationStats()
+        pieces = generate_stream(self._forward_numpy, self.tokenizer, ids, self.new_cache(), sampler,
+                                 max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
+                                 stats=self.last_stats, progress=progress)
+        return pieces if stream else "".join(pieces)
+
+    def _forward_numpy(self, tokens, positions, cache, all_logits=False):
+        return self.transformer.ops.to_numpy(self.transformer.forward(tokens, positions, cache, all_logits))
+
+
+def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int = DEFAULT_CTX,
+         kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, progress: bool = True,
+         **options) -> Model:
+    """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
+
+    device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold.
+    kv_type_k / kv_type_v: KV-cache formats (f16, q8_0, ..., turbo3, turbo3_tcq; see cupyllm.kv.list_formats()).
+    """
+    if options:
+        raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
+    if ctx <= 0:
+        raise CupyllmError(f"ctx must be a positive number of tokens, got {ctx}")
+    path = Path(model) if model is not None else default_model_path()
+    gguf = read_gguf(path)
+    cfg = config_from_gguf(gguf)
+    get_format(kv_type_k, head_dim=cfg.head_dim)  # an unknown or unfit KV type fails before weights load
+    get_format(kv_type_v, head_dim=cfg.v_head_dim)
+    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk)
+    backend = select_backend(device)
+    tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    transformer = Transformer.from_gguf(gguf, backend, progress=progress)
+    return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
+                 kv_spec=spec, device=backend.name)

@@ -1,0 +1,106 @@
+"""`cupyllm generate` and `cupyllm info`: argument parsing and printing; the work happens in api.py."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import CupyllmError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF model path (default: Gemma 3 270M Q4_K_M from its PyPI package)")
+    p.add_argument("-c", "--ctx", type=int, default=4096, help="context length: KV positions to hold (default 4096)")
+    p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV-cache type of K (f16, q8_0, q4_0, turbo3, ...)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV-cache type of V")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cupyllm", description="Long-context LLM inference for Gemma and Qwen GGUF models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="continue a prompt (or chat with --chat)")
+    gen.add_argument("prompt", nargs="?", help="prompt text (default: read standard input)")
+    gen.add_argument("-p", "--prompt", dest="prompt_opt", help="prompt text (llama.cpp spelling)")
+    gen.add_argument("-f", "--file", help="read the prompt from a file")
+    _add_model_args(gen)
+    gen.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--min-p", type=float, default=0.05)
+    gen.add_argument("--repeat-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", help="system prompt for --chat")
+
+    info = sub.add_parser("info", help="architecture, shapes, tensor types and memory of a model")
+    info.add_argument("model", nargs="?", help="GGUF model path (default: the default model)")
+    info.add_argument("-c", "--ctx", type=int, default=4096, help="context length to size the KV cache for")
+    info.add_argument("-ctk", "--cache-type-k", default="f16")
+    info.add_argument("-ctv", "--cache-type-v", default="f16")
+    return parser
+
+
+def _prompt_text(args) -> str:
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise CupyllmError(f"cannot read prompt file {args.file}: {exc.strerror}") from None
+    if args.prompt_opt is not None:
+        return args.prompt_opt
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin.isatty():
+        raise CupyllmError("no prompt: pass it as an argument, with -p/-f, or on standard input")
+    return sys.stdin.read()
+
+
+def cmd_generate(args) -> int:
+    from .api import load
+
+    prompt = _prompt_text(args)
+    model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
+                 kv_type_v=args.cache_type_v)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        target = messages
+    else:
+        target = prompt
+    pieces = model.generate(target, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                            seed=args.seed, stop=args.stop, stream=True, chat=args.chat)
+    if not args.chat:
+        sys.stdout.write(prompt)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(f"[{model.device}] {model.last_stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .report import model_report
+
+    print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+    except CupyllmError as exc:
+        print(f"cupyllm: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

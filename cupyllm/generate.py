@@ -1,0 +1,128 @@
+"""The token loop: prefill the prompt in chunks, then decode one token at a time until a stop condition,
+streaming UTF-8-safe text pieces and holding back any text that could still become a stop string."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .kv.cache import KVCache
+from .sampling import Sampler
+
+PROGRESS_MIN_TOKENS = 1024  # prompts at least this long show a prefill progress bar
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"prefill {self.prompt_tokens} tok in {self.prefill_seconds:.2f} s ({self.prefill_tps:.1f} tok/s), "
+                f"decode {self.generated_tokens} tok in {self.decode_seconds:.2f} s ({self.decode_tps:.1f} tok/s), "
+                f"stop: {self.stop_reason}")
+
+
+def prefill(forward: Callable, ids: Sequence[int], cache: KVCache, chunk: int, *, all_logits: bool = False,
+            progress: bool | None = None) -> np.ndarray:
+    """Run `ids` through the model from position cache.n_past in chunks; logits of the last token (or all)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    cache.check_room(len(ids))
+    show = progress if progress is not None else len(ids) >= PROGRESS_MIN_TOKENS
+    outputs = []
+    with tqdm(total=len(ids), desc="prefill", unit="tok", disable=not show, leave=False) as bar:
+        for start in range(0, len(ids), chunk):
+            part = ids[start:start + chunk]
+            positions = np.arange(cache.n_past, cache.n_past + len(part))
+            logits = forward(part, positions, cache, all_logits=all_logits)
+            cache.n_past += len(part)
+            outputs.append(logits)
+            bar.update(len(part))
+    return np.concatenate(outputs) if all_logits else outputs[-1]
+
+
+class StopMatcher:
+    """Feeds text pieces; emits what can no longer be the start of a stop string."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[:min(hits)], ""
+            return out
+        hold = 0  # longest suffix of pending that is a proper prefix of some stop string
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(stop[:n]):
+                    hold = n
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler, *,
+                    max_tokens: int, stop: Sequence[str] = (), chunk: int = 512,
+                    stats: GenerationStats | None = None, progress: bool | None = None) -> Iterator[str]:
+    """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix)."""
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt_ids)
+    budget = min(max_tokens, cache.spec.ctx - cache.n_past - len(prompt_ids))
+    cache.check_room(len(prompt_ids) + (1 if max_tokens > 0 else 0))
+    t0 = time.perf_counter()
+    logits = prefill(forward, prompt_ids, cache, chunk, progress=progress)
+    stats.prefill_seconds = time.perf_counter() - t0
+
+    history = list(prompt_ids)
+    decoder = tokenizer.stream_decoder()
+    matcher = StopMatcher(stop)
+    stats.stop_reason = "max_tokens" if budget >= max_tokens else "context full"
+    t0 = time.perf_counter()
+    try:
+        for step in range(budget):
+            token = sampler(np.asarray(logits).reshape(-1), history)
+            history.append(token)
+            stats.generated_tokens += 1
+            if tokenizer.is_eog(token):
+                stats.stop_reason = "end of generation token"
+                break
+            text = matcher.feed(decoder.feed(token))
+            if text:
+                yield text
+            if matcher.stopped:
+                stats.stop_reason = "stop string"
+                break
+            if step + 1 < budget:
+                positions = np.array([cache.n_past])
+                logits = forward(np.array([token]), positions, cache)
+                cache.n_past += 1
+        if not matcher.stopped:
+            tail = matcher.feed(decoder.flush()) + matcher.flush()
+            if tail:
+                yield tail
+    finally:
+        stats.decode_seconds = time.perf_counter() - t0

@@ -1,0 +1,44 @@
+"""`cupyllm info`: what a GGUF model is and what it needs in memory at a given context."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from .config import config_from_gguf
+from .gguf_io import read_gguf
+from .kv.cache import KVSpec, kv_bytes
+from .model_store import default_model_path
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16") -> str:
+    path = Path(model) if model else default_model_path()
+    gguf = read_gguf(path)
+    cfg = config_from_gguf(gguf)
+    weight_bytes = sum(t.data.nbytes for t in gguf.tensors.values())
+    n_params = sum(t.n_elements for t in gguf.tensors.values())
+    types = Counter(t.type.name for t in gguf.tensors.values())
+    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
+    cache = kv_bytes(cfg, spec)
+    n_sliding = sum(cfg.sliding_layers) if cfg.sliding_layers else 0
+    lines = [
+        f"file            {path}",
+        f"name            {cfg.name}",
+        f"architecture    {cfg.arch}",
+        f"parameters      {n_params / 1e6:,.1f} M in {len(gguf.tensors)} tensors ({_gib(weight_bytes)})",
+        f"tensor types    " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
+        f"layers          {cfg.n_layer}" + (f" ({n_sliding} sliding-window of {cfg.sliding_window}, "
+                                              f"{cfg.n_layer - n_sliding} global)" if n_sliding else ""),
+        f"d_model         {cfg.d_model}   ffn {cfg.ffn_dim}   vocab {cfg.n_vocab}",
+        f"attention       {cfg.n_head} query heads, {cfg.n_kv_head} KV heads, head dim {cfg.head_dim}",
+        f"rope            base {cfg.rope.base:g}, {cfg.rope.n_rot} dims, scaling {cfg.rope.scaling}"
+        + (f" x{cfg.rope.factor:g}" if cfg.rope.scaling != "none" else "")
+        + (f"; sliding layers base {cfg.rope_local.base:g}" if cfg.rope_local else ""),
+        f"trained context {cfg.ctx_train}",
+        f"KV cache        {_gib(cache)} at ctx {ctx} (K {kv_type_k}, V {kv_type_v})",
+        f"memory needed   {_gib(weight_bytes + cache)} (weights + KV cache)",
+    ]
+    return "\n".join(lines)

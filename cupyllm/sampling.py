@@ -1,0 +1,68 @@
+"""Samplers, applied in llama.cpp's default order: repeat penalty -> top-k -> top-p -> min-p -> temperature
+-> draw. A temperature <= 0 is greedy. A seed makes the draws reproducible."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40  # 0: off
+    top_p: float = 0.95  # 1.0: off
+    min_p: float = 0.05  # 0.0: off
+    repeat_penalty: float = 1.0  # 1.0: off
+    repeat_last_n: int = 64
+    seed: int | None = None  # None: a fresh random seed
+
+    def __post_init__(self):
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0 or self.repeat_penalty <= 0:
+            raise ValueError("sampling parameters out of range: need top_k >= 0, 0 < top_p <= 1, "
+                             "0 <= min_p <= 1, repeat_penalty > 0")
+
+
+def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float) -> np.ndarray:
+    """llama.cpp's rule: divide positive logits of recent tokens by the penalty, multiply negative ones."""
+    if penalty == 1.0 or len(recent) == 0:
+        return logits
+    ids = np.unique(recent)
+    vals = logits[ids]
+    logits = logits.copy()
+    logits[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Surviving token ids and their logits after top-k, top-p and min-p, sorted by logit descending."""
+    k = p.top_k if 0 < p.top_k < len(logits) else len(logits)
+    ids = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    vals = logits[ids].astype(np.float64)
+    if p.top_p < 1.0:
+        probs = np.exp(vals - vals[0])
+        probs /= probs.sum()
+        keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix reaching top_p
+        ids, vals = ids[:keep], vals[:keep]
+    if p.min_p > 0.0:
+        keep = vals >= vals[0] + np.log(p.min_p)  # p_i >= min_p * p_max
+        ids, vals = ids[keep], vals[keep]
+    return ids, vals
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: list[int] | np.ndarray = ()) -> int:
+        p = self.params
+        logits = np.asarray(logits, dtype=np.float32)
+        recent = np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else [], dtype=np.int64)
+        logits = apply_repeat_penalty(logits, recent, p.repeat_penalty)
+        if p.temperature <= 0.0:
+            return int(np.argmax(logits))
+        ids, vals = candidates(logits, p)
+        weights = np.exp((vals - vals[0]) / p.temperature)
+        return int(ids[self.rng.choice(len(ids), p=weights / weights.sum())])

@@ -1,0 +1,65 @@
+"""RoPE against independent definitions: HF transformers' rope initialisers (default, linear, YaRN) for the
+frequencies, and a per-pair rotation written out for NEOX / normal ordering and partial rotary dims."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cupyllm.config import RopeConfig
+from cupyllm.rope import apply_rope, inverse_frequencies, rope_tables
+
+
+def rotate_pairs(x, positions, inv_freq, mscale, neox):
+    """x [n, heads, d]: rotate pair i of each head by positions * inv_freq[i], the slow obvious way."""
+    out = x.astype(np.float64).copy()
+    n_pairs = len(inv_freq)
+    for t, pos in enumerate(positions):
+        for i in range(n_pairs):
+            a, b = (i, i + n_pairs) if neox else (2 * i, 2 * i + 1)
+            c, s = math.cos(pos * inv_freq[i]) * mscale, math.sin(pos * inv_freq[i]) * mscale
+            xa, xb = x[t, :, a].astype(np.float64), x[t, :, b].astype(np.float64)
+            out[t, :, a], out[t, :, b] = xa * c - xb * s, xa * s + xb * c
+    return out
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("n_rot", [32, 16])
+def test_rotation_orderings_and_partial_dims(neox, n_rot):
+    rope = RopeConfig(base=10000.0, n_rot=n_rot, neox=neox, freq_factors=tuple(np.linspace(1, 4, n_rot // 2)))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3, 32)).astype(np.float32)
+    positions = np.array([0, 1, 7, 100, 4095])
+    cos, sin = rope_tables(rope, positions)
+    got = apply_rope(x, cos, sin, neox)
+    inv_freq = 10000.0 ** (-2 * np.arange(n_rot // 2) / n_rot) / np.linspace(1, 4, n_rot // 2)
+    np.testing.assert_allclose(got, rotate_pairs(x, positions, inv_freq, 1.0, neox), atol=2e-5)
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+
+
+def _hf_rope(rope_type: str, **params):
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, max_position_embeddings=32768,
+                      rope_parameters={"rope_type": rope_type, "rope_theta": 1e6, **params})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv_freq.double().numpy(), attention_factor
+
+
+def test_linear_scaling_matches_transformers():
+    pytest.importorskip("transformers")
+    ours, mscale = inverse_frequencies(RopeConfig(base=1e6, n_rot=128, scaling="linear", factor=4.0))
+    theirs, factor = _hf_rope("linear", factor=4.0)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    assert mscale == factor == 1.0
+
+
+def test_yarn_matches_transformers():
+    pytest.importorskip("transformers")
+    rope = RopeConfig(base=1e6, n_rot=128, scaling="yarn", factor=4.0, original_ctx=32768)
+    ours, mscale = inverse_frequencies(rope)
+    theirs, factor = _hf_rope("yarn", factor=4.0, original_max_position_embeddings=32768, truncate=True)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert mscale == pytest.approx(factor, rel=1e-6)

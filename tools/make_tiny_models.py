@@ -1,0 +1,265 @@
+"""Write tiny random-weight Qwen2, Qwen3 and Gemma 3 models as GGUF (with the `gguf` package's writer), and
+build the matching HF `transformers` models from the very same tensors, for exact parity tests.
+
+    python tools/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, tiny-qwen3.gguf, tiny-gemma3.gguf
+
+Weights are random (seeded); most matrices are stored as F32, some as F16/BF16/Q8_0/Q4_K/... so the quantized
+paths run too: the HF model gets exactly the values the GGUF blocks decode to (gguf's own dequantizer).
+The tokenizers are small but real: byte-level BPE (Qwen) and SentencePiece with byte fallback (Gemma).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as T
+
+ARCHES = ("qwen2", "qwen3", "gemma3")
+
+
+@dataclass
+class TinySpec:
+    arch: str
+    n_layer: int = 3
+    d_model: int = 64
+    n_head: int = 4
+    n_kv_head: int = 2
+    head_dim: int = 32
+    ffn_dim: int = 128
+    ctx_train: int = 256
+    rope_base: float = 10000.0
+    sliding_window: int = 6  # gemma3: small, so short test sequences cross it
+    seed: int = 0
+    # tensor name suffix -> storage type (everything else F32)
+    types: dict = field(default_factory=lambda: {
+        "attn_q.weight": T.Q8_0, "attn_output.weight": T.F16, "ffn_down.weight": T.Q4_K, "ffn_up.weight": T.BF16,
+        "ffn_gate.weight": T.Q5_0,
+    })
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def qwen_vocab() -> tuple[list[str], list[int], list[str]]:
+    """Byte-level BPE: 256 byte symbols, a few merges, ChatML specials."""
+    byte_chars = _bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(256)]
+    merges = []
+    for pair in ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a n", "Ġ w", "Ġ c", "o r", "Ġ the"]:
+        a, b = pair.split(" ")
+        if a + b not in tokens:
+            tokens.append(a + b)
+        merges.append(pair)
+    types = [1] * len(tokens)
+    for special in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]:
+        tokens.append(special)
+        types.append(3)
+    return tokens, types, merges
+
+
+def gemma_vocab() -> tuple[list[str], list[float], list[int]]:
+    """SentencePiece: control tokens, byte fallback, a few scored pieces, chat specials."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    types = [3, 3, 3, 2]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = ["▁", "e", "t", "a", "o", "h", "▁t", "he", "▁the", "▁a", "in", "er", "▁s", "on", "re", "▁w", "an", "s", "n", "r", "i"]
+    tokens += pieces
+    types += [1] * len(pieces)
+    tokens += ["<start_of_turn>", "<end_of_turn>"]
+    types += [3, 3]
+    scores = [0.0] * 260 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    return tokens, scores, types
+
+
+def _store(values: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
+    """(what the GGUF stores, the float32 values it decodes to)."""
+    if qtype == T.F32:
+        return values, values
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf has no quantizer for these: random valid blocks instead
+        rng = np.random.default_rng(abs(hash(values.tobytes())) % 2**32)
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        n_blocks = values.size // block_values
+        raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+        small = np.float16(0.01)  # keep d/dmin small and finite so the decoded weights stay moderate
+        scale_offsets = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]
+        for off in scale_offsets:
+            raw[:, off:off + 2] = (rng.uniform(0.2, 1.0, n_blocks).astype(np.float16) * small).view(np.uint8).reshape(-1, 2)
+        raw = raw.reshape(values.shape[0], -1)
+    else:
+        raw = gguf.quants.quantize(values, qtype)
+    decoded = gguf.quants.dequantize(raw, qtype).reshape(values.shape).astype(np.float32)
+    return raw, decoded
+
+
+def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict[str, np.ndarray]]:
+    """GGUF tensors (name -> (stored array, type)) and the float32 values they decode to."""
+    rng = np.random.default_rng(spec.seed)
+    vocab = len(qwen_vocab()[0]) if spec.arch.startswith("qwen") else len(gemma_vocab()[0])
+    d, hd, nh, nkv, ffn = spec.d_model, spec.head_dim, spec.n_head, spec.n_kv_head, spec.ffn_dim
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
+    if spec.arch.startswith("qwen"):
+        shapes["output.weight"] = (vocab, d)  # Gemma ties its output head to the embedding
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        shapes.update({
+            p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_k.weight": (nkv * hd, d),
+            p + "attn_v.weight": (nkv * hd, d), p + "attn_output.weight": (d, nh * hd), p + "ffn_norm.weight": (d,),
+            p + "ffn_gate.weight": (ffn, d), p + "ffn_up.weight": (ffn, d), p + "ffn_down.weight": (d, ffn),
+        })
+        if spec.arch == "qwen2":
+            shapes.update({p + "attn_q.bias": (nh * hd,), p + "attn_k.bias": (nkv * hd,), p + "attn_v.bias": (nkv * hd,)})
+        if spec.arch in ("qwen3", "gemma3"):
+            shapes.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+        if spec.arch == "gemma3":
+            shapes.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
+    stored, decoded = {}, {}
+    for name, shape in shapes.items():
+        if "norm" in name:
+            values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+            if name.endswith(".bias"):
+                values *= 0.5
+        qtype = next((t for suffix, t in spec.types.items() if name.endswith(suffix)), T.F32)
+        if len(shape) == 1 or shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            qtype = T.F32
+        raw, dec = _store(values, qtype)
+        stored[name] = (raw, qtype)
+        decoded[name] = dec
+    return stored, decoded
+
+
+def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
+               override_types: dict[str, T] | None = None) -> dict[str, np.ndarray]:
+    """Write the tiny model; returns the decoded float32 tensors (what the HF twin loads)."""
+    arch = arch_name or spec.arch
+    stored, decoded = build_tensors(spec)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{spec.arch}")
+    writer.add_block_count(spec.n_layer)
+    writer.add_context_length(spec.ctx_train)
+    writer.add_embedding_length(spec.d_model)
+    writer.add_feed_forward_length(spec.ffn_dim)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(spec.n_kv_head)
+    writer.add_key_length(spec.head_dim)
+    writer.add_value_length(spec.head_dim)
+    writer.add_rope_freq_base(spec.rope_base)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if spec.arch == "gemma3":
+        writer.add_sliding_window(spec.sliding_window)
+        tokens, scores, types = gemma_vocab()
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(False)
+    else:
+        tokens, types, merges = qwen_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+        writer.add_add_bos_token(False)
+    for name, (raw, qtype) in stored.items():
+        if name in (override_types or {}):  # an arbitrary type (e.g. one we do not support): zero blocks
+            qtype = override_types[name]
+            raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(decoded[name].shape, qtype), np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=qtype if qtype != T.F32 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return decoded
+
+
+def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
+    """The transformers model with the same hyperparameters and exactly the decoded GGUF weights (float32)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    vocab = decoded["token_embd.weight"].shape[0]
+    common = dict(vocab_size=vocab, hidden_size=spec.d_model, intermediate_size=spec.ffn_dim,
+                  num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, num_key_value_heads=spec.n_kv_head,
+                  head_dim=spec.head_dim, max_position_embeddings=spec.ctx_train, rms_norm_eps=1e-6)
+    if spec.arch == "gemma3":
+        layer_types = ["sliding_attention" if (il % 6) < 5 else "full_attention" for il in range(spec.n_layer)]
+        config = Gemma3TextConfig(**common, sliding_window=spec.sliding_window, query_pre_attn_scalar=spec.head_dim,
+                                  layer_types=layer_types, hidden_activation="gelu_pytorch_tanh",
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "default", "rope_theta": spec.rope_base}},
+                                  attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True)
+        model = Gemma3ForCausalLM(config)
+    else:
+        cls_config, cls_model = (Qwen2Config, Qwen2ForCausalLM) if spec.arch == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
+        config = cls_config(**common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_base},
+                            tie_word_embeddings=False, attention_bias=spec.arch == "qwen2")
+        model = cls_model(config)
+    gemma = spec.arch == "gemma3"
+    norm_offset = 1.0 if gemma else 0.0  # HF Gemma norms scale by (1 + w); the GGUF stores 1 + w
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    per_layer = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+                 "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+                 "attn_output.weight": "self_attn.o_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+                 "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+                 "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+                 "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+                 "ffn_down.weight": "mlp.down_proj.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+    for il in range(spec.n_layer):
+        for g_name, h_name in per_layer.items():
+            names[f"blk.{il}.{g_name}"] = f"model.layers.{il}.{h_name}"
+    state = {}
+    for g_name, values in decoded.items():
+        if "norm" in g_name:
+            values = values - norm_offset
+        state[names[g_name]] = torch.from_numpy(np.ascontiguousarray(values))
+    if gemma:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    if missing or unexpected:
+        raise RuntimeError(f"HF state mismatch: missing {missing}, unexpected {unexpected}")
+    return model.float().eval()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for arch in ARCHES:
+        path = args.out_dir / f"tiny-{arch}.gguf"
+        write_gguf(TinySpec(arch), path)
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
