@@ -59,7 +59,7 @@ class Model:
     def new_cache(self) -> KVCache:
         """An empty KV cache for this model (reused between calls: allocated once per model)."""
         if self._cache is None:
-            self._cache = KVCache.for_model(self.cfg, self.kv_spec)
+            self._cache = KVCache.for_model(self.cfg, self.kv_spec, mirror=self.transformer.ops.kv_mirror)
         self._cache.clear()
         return self._cache
 

@@ -6,6 +6,7 @@ whether it was built for a prefill or a decode step (and for Dual Chunk Attentio
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -22,6 +23,7 @@ def _yarn_corr_dims(n_rot: int, original_ctx: int, base: float, beta_fast: float
     return low, high
 
 
+@functools.lru_cache(maxsize=64)
 def inverse_frequencies(rope: RopeConfig) -> tuple[np.ndarray, float]:
     """Per-pair angular frequency (radians per position) and the cos/sin magnitude scale (YaRN mscale)."""
     n_pairs = rope.n_rot // 2

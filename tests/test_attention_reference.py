@@ -74,3 +74,23 @@ def test_chunks_merge_to_the_whole():
     a_out, a_lse = attend(q, k[:20], v[:20], allowed[:, :20], scale=0.25)
     b_out, b_lse = attend(q, k[20:], v[20:], allowed[:, 20:], scale=0.25)
     np.testing.assert_allclose(merge(b_out, b_lse, a_out, a_lse)[0], whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_head,n_kv,window,softcap", [(4, 1, 0, 0.0), (8, 2, 6, 0.0), (4, 4, 0, 20.0)])
+def test_cpu_decode_kernel_matches_reference(n_head, n_kv, window, softcap):
+    from cupyllm.attention.cpu_decode import attend_few
+
+    rng = np.random.default_rng(3)
+    n_k, d = 23, 64
+    q = rng.standard_normal((3, n_head, d)).astype(np.float32)
+    k = rng.standard_normal((n_k, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_k, n_kv, d)).astype(np.float32)
+    k_pos = rng.permutation(n_k)
+    k_pos[5] = -1
+    q_pos = np.array([0, 11, 22])
+    ref_out, ref_lse = attend(q, k, v, causal_mask(q_pos, k_pos, window), scale=0.125, softcap=softcap)
+    out, lse = attend_few(q, k, v, q_pos, k_pos, scale=0.125, window=window, softcap=softcap)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+    empty = attend_few(q, k, v, q_pos, np.full(n_k, -1), scale=0.125)
+    assert np.all(empty[0] == 0) and np.all(np.isneginf(empty[1]))

@@ -74,5 +74,6 @@ def attend_chunks(q: np.ndarray, chunks, *, scale: float, softcap: float = 0.0, 
         if allowed is not None and not allowed.any():
             continue
         part_out, part_lse = attend(q, k, v, allowed, scale=scale, softcap=softcap)
-        out, lse = merge(out, lse, part_out, part_lse)
+        first = not np.isfinite(lse).any()
+        out, lse = (part_out, part_lse) if first else merge(out, lse, part_out, part_lse)
     return out, lse

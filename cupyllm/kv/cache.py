@@ -38,6 +38,7 @@ class LayerKV:
     capacity: int
     ring: bool  # slot = position % capacity (sliding window) instead of slot = position
     window: int = 0
+    mirror: bool = False  # also keep decode(encode(k, v)) as float32, so attention on the CPU skips decoding
     k_data: np.ndarray = field(init=False, repr=False)
     v_data: np.ndarray = field(init=False, repr=False)
     slot_pos: np.ndarray = field(init=False, repr=False)
@@ -49,6 +50,9 @@ class LayerKV:
         self.k_data = np.zeros((self.capacity, self.n_kv, k_row), np.uint8)
         self.v_data = np.zeros((self.capacity, self.n_kv, v_row), np.uint8)
         self.slot_pos = np.full(self.capacity, EMPTY, np.int64)
+        if self.mirror:
+            self.k_f32 = np.zeros((self.capacity, self.n_kv, self.head_dim), np.float32)
+            self.v_f32 = np.zeros((self.capacity, self.n_kv, self.v_head_dim), np.float32)
 
     @property
     def nbytes(self) -> int:
@@ -61,13 +65,20 @@ class LayerKV:
         """Encode k [n, n_kv, head_dim] and v [n, n_kv, v_head_dim] into the slots of `positions`."""
         n = len(positions)
         slots = self.slots_for(np.asarray(positions))
-        self.k_data[slots] = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim)).reshape(n, self.n_kv, -1)
-        self.v_data[slots] = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim)).reshape(n, self.n_kv, -1)
+        k_bytes = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim))
+        v_bytes = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim))
+        self.k_data[slots] = k_bytes.reshape(n, self.n_kv, -1)
+        self.v_data[slots] = v_bytes.reshape(n, self.n_kv, -1)
+        if self.mirror:  # exactly what decoding the stored bytes gives, computed once per token
+            self.k_f32[slots] = self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim)
+            self.v_f32[slots] = self.v_format.decode(v_bytes, self.v_head_dim).reshape(n, self.n_kv, self.v_head_dim)
         self.slot_pos[slots] = positions
         self.n_used = max(self.n_used, int(slots.max()) + 1)
 
     def decode(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Slots [start, stop) as float32 k, v and their positions."""
+        if self.mirror:
+            return self.k_f32[start:stop], self.v_f32[start:stop], self.slot_pos[start:stop]
         n = stop - start
         k = self.k_format.decode(self.k_data[start:stop].reshape(n * self.n_kv, -1), self.head_dim)
         v = self.v_format.decode(self.v_data[start:stop].reshape(n * self.n_kv, -1), self.v_head_dim)
@@ -91,7 +102,7 @@ class KVCache:
     n_past: int = 0  # positions [0, n_past) are cached
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, spec: KVSpec) -> "KVCache":
+    def for_model(cls, cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> "KVCache":
         k_format = get_format(spec.kv_type_k, head_dim=cfg.head_dim)
         v_format = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim)
         layers = []
@@ -99,7 +110,8 @@ class KVCache:
             sliding = cfg.is_sliding(layer)
             capacity = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if sliding else spec.ctx
             layers.append(LayerKV(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
-                                  capacity=capacity, ring=sliding, window=cfg.sliding_window if sliding else 0))
+                                  capacity=capacity, ring=sliding, window=cfg.sliding_window if sliding else 0,
+                                  mirror=mirror))
         return cls(spec, layers)
 
     @property

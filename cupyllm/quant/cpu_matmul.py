@@ -165,6 +165,16 @@ def dequantize_rows(code, block_values, data, row_start, row_end, out, f16):
 
 # --- fused dequant-dot of one weight row with one activation vector -------------------------------
 # Each adds into 32 lane accumulators `acc` (horizontal sum once per row), which LLVM turns into AVX FMAs.
+# Bit fiddling stays in uint32 (numba would widen mixed signed/unsigned ints to int64 and halve the lanes),
+# and each type has its own loop, free of per-value branches.
+
+U = np.uint32
+
+
+@njit(inline="always")
+def _u32_at(row, off):
+    return U(row[off]) | (U(row[off + 1]) << U(8)) | (U(row[off + 2]) << U(16)) | (U(row[off + 3]) << U(24))
+
 
 @njit(inline="always")
 def _row_q8_0(row, x, acc, f16):
@@ -184,9 +194,9 @@ def _row_q4_0(row, x, acc, f16):
         d = _half(row, o, f16)
         xb = b * 32
         for j in range(16):
-            q = np.int32(row[o + 2 + j])
-            acc[j] += d * (np.float32((q & 0x0F) - 8) * x[xb + j])
-            acc[j + 16] += d * (np.float32((q >> 4) - 8) * x[xb + 16 + j])
+            q = U(row[o + 2 + j])
+            acc[j] += (d * np.float32(np.int32(q & U(15)) - 8)) * x[xb + j]
+            acc[j + 16] += (d * np.float32(np.int32(q >> U(4)) - 8)) * x[xb + 16 + j]
 
 
 @njit(inline="always")
@@ -197,40 +207,48 @@ def _row_q4_1(row, x, acc, f16):
         m = _half(row, o + 2, f16)
         xb = b * 32
         for j in range(16):
-            q = np.int32(row[o + 4 + j])
-            acc[j] += (np.float32(q & 0x0F) * d + m) * x[xb + j]
-            acc[j + 16] += (np.float32(q >> 4) * d + m) * x[xb + 16 + j]
+            q = U(row[o + 4 + j])
+            acc[j] += (np.float32(q & U(15)) * d + m) * x[xb + j]
+            acc[j + 16] += (np.float32(q >> U(4)) * d + m) * x[xb + 16 + j]
 
 
 @njit(inline="always")
-def _row_q5(row, x, acc, f16, with_min):
-    block_bytes = 24 if with_min else 22
+def _row_q5_0(row, x, acc, f16):
     for b in range(x.shape[0] // 32):
-        o = b * block_bytes
+        o = b * 22
         d = _half(row, o, f16)
-        m = _half(row, o + 2, f16) if with_min else np.float32(0.0)
-        bias = 0 if with_min else 16
-        qh_off = o + 4 if with_min else o + 2
-        qh = (np.uint32(row[qh_off]) | (np.uint32(row[qh_off + 1]) << 8)
-              | (np.uint32(row[qh_off + 2]) << 16) | (np.uint32(row[qh_off + 3]) << 24))
-        qs = qh_off + 4
+        qh = _u32_at(row, o + 2)
         xb = b * 32
         for j in range(16):
-            q = np.int32(row[qs + j])
-            x0 = (q & 0x0F) | np.int32(((qh >> j) << 4) & 0x10)
-            x1 = (q >> 4) | np.int32((qh >> (j + 12)) & 0x10)
-            acc[j] += (np.float32(x0 - bias) * d + m) * x[xb + j]
-            acc[j + 16] += (np.float32(x1 - bias) * d + m) * x[xb + 16 + j]
+            q = U(row[o + 6 + j])
+            x0 = (q & U(15)) | (((qh >> U(j)) & U(1)) << U(4))
+            x1 = (q >> U(4)) | (((qh >> U(j + 16)) & U(1)) << U(4))
+            acc[j] += (d * np.float32(np.int32(x0) - 16)) * x[xb + j]
+            acc[j + 16] += (d * np.float32(np.int32(x1) - 16)) * x[xb + 16 + j]
 
 
 @njit(inline="always")
-def _row_qk(row, x, acc, f16, with_high_bit):
-    block_bytes = 176 if with_high_bit else 144
+def _row_q5_1(row, x, acc, f16):
+    for b in range(x.shape[0] // 32):
+        o = b * 24
+        d = _half(row, o, f16)
+        m = _half(row, o + 2, f16)
+        qh = _u32_at(row, o + 4)
+        xb = b * 32
+        for j in range(16):
+            q = U(row[o + 8 + j])
+            x0 = (q & U(15)) | (((qh >> U(j)) & U(1)) << U(4))
+            x1 = (q >> U(4)) | (((qh >> U(j + 16)) & U(1)) << U(4))
+            acc[j] += (np.float32(x0) * d + m) * x[xb + j]
+            acc[j + 16] += (np.float32(x1) * d + m) * x[xb + 16 + j]
+
+
+@njit(inline="always")
+def _row_q4_k(row, x, acc, f16):
     for b in range(x.shape[0] // 256):
-        o = b * block_bytes
+        o = b * 144
         d = _half(row, o, f16)
         dmin = _half(row, o + 2, f16)
-        qs = o + (48 if with_high_bit else 16)
         for pair in range(4):
             sc0, m0 = _scale_min_k4(2 * pair, row, o + 4)
             sc1, m1 = _scale_min_k4(2 * pair + 1, row, o + 4)
@@ -239,16 +257,34 @@ def _row_qk(row, x, acc, f16, with_high_bit):
             d1 = d * np.float32(sc1)
             mm1 = dmin * np.float32(m1)
             xb = b * 256 + pair * 64
+            qs = o + 16 + pair * 32
             for l in range(32):
-                q = np.int32(row[qs + pair * 32 + l])
-                lo = q & 0x0F
-                hi = q >> 4
-                if with_high_bit:
-                    h = np.int32(row[o + 16 + l])
-                    lo += ((h >> (2 * pair)) & 1) << 4
-                    hi += ((h >> (2 * pair + 1)) & 1) << 4
-                acc[l] += (d0 * np.float32(lo) - mm0) * x[xb + l]
-                acc[l] += (d1 * np.float32(hi) - mm1) * x[xb + 32 + l]
+                q = U(row[qs + l])
+                acc[l] += (d0 * np.float32(q & U(15)) - mm0) * x[xb + l] + (d1 * np.float32(q >> U(4)) - mm1) * x[xb + 32 + l]
+
+
+@njit(inline="always")
+def _row_q5_k(row, x, acc, f16):
+    for b in range(x.shape[0] // 256):
+        o = b * 176
+        d = _half(row, o, f16)
+        dmin = _half(row, o + 2, f16)
+        for pair in range(4):
+            sc0, m0 = _scale_min_k4(2 * pair, row, o + 4)
+            sc1, m1 = _scale_min_k4(2 * pair + 1, row, o + 4)
+            d0 = d * np.float32(sc0)
+            mm0 = dmin * np.float32(m0)
+            d1 = d * np.float32(sc1)
+            mm1 = dmin * np.float32(m1)
+            xb = b * 256 + pair * 64
+            qs = o + 48 + pair * 32
+            lo_shift = U(2 * pair)
+            for l in range(32):
+                q = U(row[qs + l])
+                h = U(row[o + 16 + l])
+                lo = (q & U(15)) | (((h >> lo_shift) & U(1)) << U(4))
+                hi = (q >> U(4)) | (((h >> (lo_shift + U(1))) & U(1)) << U(4))
+                acc[l] += (d0 * np.float32(lo) - mm0) * x[xb + l] + (d1 * np.float32(hi) - mm1) * x[xb + 32 + l]
 
 
 @njit(inline="always")
@@ -268,13 +304,15 @@ def _row_q6_k(row, x, acc, f16):
                 d4 = d * _i8(row[sc + s + 6])
                 for i in range(16):
                     l = s * 16 + i
-                    hbits = np.int32(row[qh + l])
-                    lo = np.int32(row[ql + l])
-                    hi = np.int32(row[ql + l + 32])
-                    acc[l] += d1 * np.float32(((lo & 0x0F) | ((hbits & 3) << 4)) - 32) * x[xb + l]
-                    acc[l] += d2 * np.float32(((hi & 0x0F) | (((hbits >> 2) & 3) << 4)) - 32) * x[xb + l + 32]
-                    acc[l] += d3 * np.float32(((lo >> 4) | (((hbits >> 4) & 3) << 4)) - 32) * x[xb + l + 64]
-                    acc[l] += d4 * np.float32(((hi >> 4) | (((hbits >> 6) & 3) << 4)) - 32) * x[xb + l + 96]
+                    hb = U(row[qh + l])
+                    lo = U(row[ql + l])
+                    hi = U(row[ql + l + 32])
+                    q1 = np.int32((lo & U(15)) | ((hb & U(3)) << U(4))) - 32
+                    q2 = np.int32((hi & U(15)) | (((hb >> U(2)) & U(3)) << U(4))) - 32
+                    q3 = np.int32((lo >> U(4)) | (((hb >> U(4)) & U(3)) << U(4))) - 32
+                    q4 = np.int32((hi >> U(4)) | ((hb >> U(6)) << U(4))) - 32
+                    acc[l] += ((d1 * np.float32(q1)) * x[xb + l] + (d2 * np.float32(q2)) * x[xb + l + 32]
+                               + (d3 * np.float32(q3)) * x[xb + l + 64] + (d4 * np.float32(q4)) * x[xb + l + 96])
 
 
 @njit(inline="always")
@@ -299,13 +337,13 @@ def gemv_blocks(code, data, x, out, f16):
             if code == C_Q8_0:
                 _row_q8_0(row, x, acc, f16)
             elif code == C_Q5_0:
-                _row_q5(row, x, acc, f16, False)
+                _row_q5_0(row, x, acc, f16)
             elif code == C_Q5_1:
-                _row_q5(row, x, acc, f16, True)
+                _row_q5_1(row, x, acc, f16)
             elif code == C_Q4_K:
-                _row_qk(row, x, acc, f16, False)
+                _row_q4_k(row, x, acc, f16)
             elif code == C_Q5_K:
-                _row_qk(row, x, acc, f16, True)
+                _row_q5_k(row, x, acc, f16)
             elif code == C_Q6_K:
                 _row_q6_k(row, x, acc, f16)
             elif code == C_Q4_0:

@@ -1,0 +1,148 @@
+"""End-to-end CPU speed: prefill (128-token prompt) and decode (64 tokens, greedy) on the two real models,
+beside llama.cpp (llama-cpp-python, n_threads=2) and HF transformers (float32) in the same run.
+
+    python bench/e2e_cpu.py [--models gemma qwen] [--skip-transformers] [--out bench/results/e2e_cpu.json]
+
+Ratios are cupyllm / peer (above 1: cupyllm faster). Each engine is timed alone, one after the other.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+PROMPT_TOKENS, DECODE_TOKENS, THREADS = 128, 64, 2
+TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+        "metal type, oil-based ink and a wooden screw press into a system that could produce books far faster than "
+        "scribes. Within fifty years presses had spread to more than two hundred cities across Europe, and the price "
+        "of books fell so far that ordinary merchants could own them. Printers standardised spelling, spread "
+        "scientific results, and made pamphlets a political weapon during the Reformation. ") * 4
+
+
+def prompt_ids(model) -> list[int]:
+    ids = model.tokenize(TEXT)
+    assert len(ids) >= PROMPT_TOKENS
+    return ids[:PROMPT_TOKENS]
+
+
+def bench_cupyllm(path: Path, ids: list[int]) -> dict:
+    import cupyllm
+    from cupyllm.generate import prefill
+
+    model = cupyllm.load(path, device="cpu", ctx=PROMPT_TOKENS + DECODE_TOKENS + 8, progress=False)
+    forward = model.transformer.forward
+    prefill(forward, ids[:16], model.new_cache(), 512)  # warm up (numba kernels compiled, caches allocated)
+    cache = model.new_cache()
+    t0 = time.perf_counter()
+    logits = prefill(forward, ids, cache, 512)
+    t_prefill = time.perf_counter() - t0
+    token = int(np.argmax(logits))
+    t0 = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        logits = forward(np.array([token]), np.array([cache.n_past]), cache)
+        cache.n_past += 1
+        token = int(np.argmax(logits))
+    t_decode = time.perf_counter() - t0
+    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode}
+
+
+def bench_llama_cpp(path: Path, ids: list[int]) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_threads=THREADS, n_threads_batch=THREADS, n_ctx=512, n_batch=512, verbose=False)
+    llm.eval(ids[:16])
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    t_prefill = time.perf_counter() - t0
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t0 = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t_decode = time.perf_counter() - t0
+    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode, "version": _version("llama_cpp")}
+
+
+def bench_transformers(path: Path, ids: list[int]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(THREADS)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        model(prompt[:, :16])
+        t0 = time.perf_counter()
+        out = model(prompt, use_cache=True)
+        t_prefill = time.perf_counter() - t0
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        t_decode = time.perf_counter() - t0
+    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode, "version": _version("transformers")}
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    from models import gemma_path, qwen_path
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["gemma", "qwen"], choices=["gemma", "qwen"])
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_cpu.json")
+    args = parser.parse_args(argv)
+
+    import cupyllm
+
+    paths = {"gemma": gemma_path, "qwen": qwen_path}
+    engines = {"cupyllm": bench_cupyllm, "llama.cpp": bench_llama_cpp}
+    if not args.skip_transformers:
+        engines["transformers"] = bench_transformers
+    results = {}
+    jobs = [(m, e) for m in args.models for e in engines]
+    for name, engine in tqdm(jobs, desc="e2e cpu bench", unit="run"):
+        path = paths[name]()
+        ids = prompt_ids(cupyllm.load(path, device="cpu", ctx=64, progress=False))
+        results.setdefault(name, {"model": path.name})[engine] = engines[engine](path, ids)
+    for name, row in results.items():
+        ours = row["cupyllm"]
+        for peer in [e for e in engines if e != "cupyllm"]:
+            row[f"ratio_vs_{peer}"] = {k: ours[k] / row[peer][k] for k in ("prefill_tps", "decode_tps")}
+    report = {
+        "bench": "e2e_cpu", "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "threads": THREADS, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    for name, row in results.items():
+        cells = "  ".join(f"{e}: prefill {row[e]['prefill_tps']:.1f} decode {row[e]['decode_tps']:.1f} tok/s" for e in engines)
+        print(f"{name}: {cells}")
+        for peer in [e for e in engines if e != "cupyllm"]:
+            r = row[f"ratio_vs_{peer}"]
+            print(f"   cupyllm / {peer}: prefill x{r['prefill_tps']:.2f}, decode x{r['decode_tps']:.2f}")
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
