@@ -1,0 +1,122 @@
+"""The generation loop on the tiny models: streaming, stop strings, EOS, seeds, context limits, the CLI."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupyllm
+from cupyllm.errors import ContextOverflowError, CupyllmError
+from cupyllm.generate import StopMatcher
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_model):
+    path, _, _ = tiny_model("qwen2")
+    return cupyllm.load(path, device="cpu", ctx=64, progress=False)
+
+
+def feed_all(matcher, pieces):
+    return "".join(matcher.feed(p) for p in pieces) + ("" if matcher.stopped else matcher.flush())
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    assert feed_all(StopMatcher(["END"]), ["abc E", "N", "D tail"]) == "abc "
+    assert feed_all(StopMatcher(["END"]), ["abc E", "N", "x"]) == "abc ENx"
+    assert feed_all(StopMatcher(["\n\n", "###"]), ["a\n", "b#", "##c"]) == "a\nb"
+    m = StopMatcher(["xyz"])
+    assert m.feed("ab x") == "ab " and m.feed("y") == "" and m.feed("q") == "xyq"
+
+
+def test_stream_equals_text_and_seed_reproduces(qwen):
+    kw = dict(max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11)
+    text = qwen.generate("the cat", **kw)
+    pieces = list(qwen.generate("the cat", stream=True, **kw))
+    assert "".join(pieces) == text
+    assert qwen.generate("the cat", **kw) == text
+    assert qwen.last_stats.generated_tokens >= 1
+
+
+def test_greedy_continuation_is_argmax_of_logits(qwen):
+    ids = qwen.tokenize("in the")
+    text = qwen.generate(ids, max_tokens=3, temperature=0.0)
+    expected = list(ids)
+    for _ in range(3):
+        token = int(qwen.logits(expected)[-1].argmax())
+        if qwen.tokenizer.is_eog(token):  # end-of-generation tokens end the text and are not printed
+            break
+        expected.append(token)
+    assert text == qwen.detokenize(expected[len(ids):])
+
+
+def test_stop_string_cuts_output(qwen):
+    full = qwen.generate("the cat", max_tokens=16, temperature=0.0)
+    if len(full) < 4:
+        pytest.skip("continuation too short to cut")
+    stop = full[2:4]
+    cut = qwen.generate("the cat", max_tokens=16, temperature=0.0, stop=[stop])
+    assert cut == full[:full.index(stop)]
+    assert qwen.last_stats.stop_reason == "stop string"
+
+
+def test_context_overflow_is_a_clear_error(qwen):
+    with pytest.raises(ContextOverflowError, match="raise -c/--ctx"):
+        qwen.logits(list(range(65)))
+    out = qwen.generate(list(range(1, 60)), max_tokens=50, temperature=0.0)  # generation stops at the context end
+    assert qwen.last_stats.generated_tokens <= 64 - 59
+    assert qwen.last_stats.stop_reason in ("context full", "end of generation token")
+    assert isinstance(out, str)
+
+
+def test_bad_options(tiny_model):
+    path, _, _ = tiny_model("qwen2")
+    with pytest.raises(CupyllmError, match="unknown KV format 'q9_9'"):
+        cupyllm.load(path, device="cpu", kv_type_k="q9_9", progress=False)
+    with pytest.raises(CupyllmError, match="unknown device"):
+        cupyllm.load(path, device="tpu", progress=False)
+    with pytest.raises(TypeError, match="unknown option"):
+        cupyllm.load(path, device="cpu", temprature=0.5, progress=False)
+
+
+def test_engine_runs_with_quantized_caches(tiny_model):
+    """Every step down the ladder costs accuracy: logit error grows as bits per value shrink."""
+    path, _, _ = tiny_model("gemma3")
+    ids = list(range(4, 24))
+    exact = cupyllm.load(path, device="cpu", ctx=32, kv_type_k="f32", kv_type_v="f32", progress=False).logits(ids)
+    errors = []
+    for kv_type in ["q8_0", "q4_0", "turbo3", "turbo2_tcq"]:
+        quant = cupyllm.load(path, device="cpu", ctx=32, kv_type_k=kv_type, kv_type_v=kv_type, progress=False)
+        logits = quant.logits(ids)
+        assert np.isfinite(logits).all()
+        errors.append(np.sqrt(np.mean((logits - exact) ** 2)))
+    assert 0.0 < errors[0] < 0.05
+    assert errors == sorted(errors), errors
+
+
+def run_cli(*args, input_text=None):
+    return subprocess.run([sys.executable, "-m", "cupyllm.cli", *args], capture_output=True, text=True,
+                          input=input_text, timeout=300)
+
+
+def test_cli_generate_and_info(tiny_model):
+    path, _, _ = tiny_model("gemma3")
+    out = run_cli("generate", "the sea", "-m", str(path), "-n", "5", "--temp", "0", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("the sea")
+    assert "prefill" in out.stderr and "decode" in out.stderr and "tok/s" in out.stderr
+    info = run_cli("info", str(path), "-c", "1024")
+    assert info.returncode == 0 and "gemma3" in info.stdout and "KV cache" in info.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "hi", "-m", "/no/such/model.gguf"], "no such file"),
+    (["generate", "the sea and the sky and the sand", "-m", "{tiny}", "-c", "8"], "exceed the context of 8"),
+    (["generate", "hi", "-m", "{tiny}", "-ctv", "q3_x"], "unknown KV format"),
+])
+def test_cli_errors_are_one_line(tiny_model, args, message):
+    path, _, _ = tiny_model("gemma3")
+    out = run_cli(*[a.replace("{tiny}", str(path)) for a in args], "--device", "cpu")
+    assert out.returncode == 1
+    assert message in out.stderr and "Traceback" not in out.stderr
