@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .attention.dca import DCAConfig
 from .backend import select_backend
 from .chat import encode_chat
 from .config import ModelConfig, config_from_gguf
@@ -24,6 +25,7 @@ from .kv.cache import KVCache, KVSpec
 from .kv.formats import get_format
 from .model_store import default_model_path
 from .models.build import Transformer
+from .models.layers import dca_attention
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -99,12 +101,14 @@ class Model:
 
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int = DEFAULT_CTX,
-         kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, progress: bool = True,
-         **options) -> Model:
+         kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
+         progress: bool = True, **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold.
     kv_type_k / kv_type_v: KV-cache formats (f16, q8_0, ..., turbo3, turbo3_tcq; see cupyllm.kv.list_formats()).
+    dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
+         local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
@@ -118,6 +122,22 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk)
     backend = select_backend(device)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    dca_cfg = _dca_config(dca, cfg)
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
+    if dca_cfg is not None:
+        transformer.attention = dca_attention(dca_cfg)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
                  kv_spec=spec, device=backend.name)
+
+
+def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:
+    if dca is None or dca is False:
+        return None
+    if dca is True:
+        return DCAConfig.for_model(cfg.ctx_train)
+    if isinstance(dca, DCAConfig):
+        return dca
+    unknown = set(dca) - {"chunk_size", "local_size", "yarn_factor"}
+    if unknown:
+        raise CupyllmError(f"unknown DCA option(s) {sorted(unknown)}; use chunk_size, local_size, yarn_factor")
+    return DCAConfig.for_model(cfg.ctx_train, dca.get("chunk_size"), dca.get("local_size"), dca.get("yarn_factor", 1.0))

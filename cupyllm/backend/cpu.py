@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..attention.cpu_decode import MAX_QUERIES, attend_few
+from ..attention.dca_cpu import dca_few, dca_stream
 from ..attention.reference import attend_chunks, causal_mask
 from ..kv.cache import LayerKV
-from .cpu_kernels import rms_norm_rows
-from ..quant.cpu_matmul import dequantize_numba, matmul
+from .cpu_kernels import rms_norm_rows, rope_rows
+from ..errors import CupyllmError
+from ..quant.cpu_matmul import dequantize_ids, matmul
 from ..rope import apply_rope, rope_tables
 from ..weights import Weight
 
@@ -21,7 +23,7 @@ class CPUBackend:
     kv_mirror = True  # attention reads a float32 copy of the decoded cache instead of decoding every step
 
     def __init__(self):
-        self._rope_key, self._rope_table = None, None
+        self._rope_tables = {}
 
     def asarray(self, x, dtype=None):
         return np.asarray(x, dtype=dtype)
@@ -40,11 +42,11 @@ class CPUBackend:
         return y
 
     def embed(self, weight: Weight, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64)
-        out = np.empty((len(ids), weight.shape[-1]), np.float32)
-        for i, token in enumerate(ids):  # one row per token: dequantize just the rows asked for
-            out[i] = dequantize_numba(weight.data, weight.fmt, weight.shape[-1], slice(int(token), int(token) + 1))[0]
-        return out
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n_vocab = weight.shape[0]
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n_vocab):
+            raise CupyllmError(f"token ids must be in [0, {n_vocab}), got {int(ids.min())}..{int(ids.max())}")
+        return dequantize_ids(weight.data, weight.fmt, weight.shape[-1], ids)  # just the rows asked for
 
     # --- elementwise ------------------------------------------------------------------------------
     @staticmethod
@@ -64,11 +66,13 @@ class CPUBackend:
         return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
 
     def rope(self, x: np.ndarray, rope_cfg, positions: np.ndarray) -> np.ndarray:
-        key = (rope_cfg, positions.tobytes())
-        if self._rope_key != key:  # every layer of a step shares the positions: build the table once
-            self._rope_key, self._rope_table = key, rope_tables(rope_cfg, positions)
-        cos, sin = self._rope_table
-        return apply_rope(x, cos, sin, rope_cfg.neox)
+        key = (rope_cfg, np.asarray(positions).tobytes())
+        table = self._rope_tables.get(key)
+        if table is None:  # the layers of a step share positions: build each table once per step
+            if len(self._rope_tables) >= 8:
+                self._rope_tables.clear()
+            table = self._rope_tables[key] = rope_tables(rope_cfg, positions)
+        return apply_rope(x, *table, rope_cfg.neox)
 
     # --- attention --------------------------------------------------------------------------------
     @staticmethod
@@ -84,4 +88,15 @@ class CPUBackend:
                 yield k, v, causal_mask(q_pos, k_pos, window)
 
         out, _ = attend_chunks(q, chunks(), scale=scale, softcap=softcap, dv=layer_kv.v_head_dim)
+        return out
+
+    @staticmethod
+    def dca_attention(q_intra, q_successive, q_inter, q_pos: np.ndarray, layer_kv: LayerKV, dca, *, scale: float,
+                      softcap: float = 0.0) -> np.ndarray:
+        """Dual Chunk Attention over the layer's cache (keys cached at their in-chunk rope positions)."""
+        if q_intra.shape[0] <= MAX_QUERIES and layer_kv.mirror:
+            k, v, k_pos = layer_kv.decode(0, layer_kv.n_used)
+            return dca_few(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca, scale=scale, softcap=softcap)[0]
+        out, _ = dca_stream(q_intra, q_successive, q_inter, layer_kv.chunks(KEY_CHUNK), q_pos, dca, scale=scale,
+                            softcap=softcap)
         return out

@@ -78,6 +78,24 @@ def default_attention(ops, cfg: ModelConfig, layer: int, q, k, v, positions: np.
     return ops.attention(q, positions, layer_kv, scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
 
 
+def dca_attention(dca):
+    """Attention with Dual Chunk Attention on global layers (sliding-window layers keep plain attention):
+    K is roped and cached at its in-chunk position, Q roped three times (intra, successive, inter)."""
+    from ..attention.dca import key_positions, query_positions
+
+    def attention(ops, cfg: ModelConfig, layer: int, q, k, v, positions: np.ndarray, cache: KVCache):
+        if cfg.is_sliding(layer):
+            return default_attention(ops, cfg, layer, q, k, v, positions, cache)
+        rope = cfg.rope_for(layer)
+        layer_kv = cache.layers[layer]
+        layer_kv.write(ops.rope(k, rope, key_positions(positions, dca)), v, positions)
+        q_intra, q_successive, q_inter = (ops.rope(q, rope, p) for p in query_positions(positions, dca))
+        return ops.dca_attention(q_intra, q_successive, q_inter, positions, layer_kv, dca, scale=cfg.attn_scale,
+                                 softcap=cfg.attn_logit_softcap)
+
+    return attention
+
+
 def gated_mlp(ops, w: LayerWeights, x, activation: str):
     """down( act(gate(x)) * up(x) ): SwiGLU for Qwen, GeGLU (tanh GELU) for Gemma."""
     gate = ops.linear(x, w.w_gate)
