@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,7 @@ class Model:
     def new_cache(self) -> KVCache:
         """An empty KV cache for this model (reused between calls: allocated once per model)."""
         if self._cache is None:
-            self._cache = KVCache.for_model(self.cfg, self.kv_spec, mirror=self.transformer.ops.kv_mirror)
+            self._cache = self.transformer.ops.new_cache(self.cfg, self.kv_spec)
         self._cache.clear()
         return self._cache
 
@@ -70,8 +71,7 @@ class Model:
         if len(ids) == 0:
             raise CupyllmError("logits() needs at least one token id")
         cache = self.new_cache()
-        out = prefill(self.transformer.forward, ids, cache, self.kv_spec.max_chunk, all_logits=True)
-        return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
+        return prefill(self._forward_numpy, ids, cache, self.kv_spec.max_chunk, all_logits=True)
 
     def generate(self, prompt: str | Sequence[int] | Sequence[dict], max_tokens: int = 256, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
@@ -91,13 +91,23 @@ class Model:
                                          repeat_penalty=repeat_penalty, seed=seed))
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.last_stats = GenerationStats()
-        pieces = generate_stream(self._forward_numpy, self.tokenizer, ids, self.new_cache(), sampler,
+        pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids, self.new_cache(), sampler,
                                  max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
                                  stats=self.last_stats, progress=progress)
         return pieces if stream else "".join(pieces)
 
     def _forward_numpy(self, tokens, positions, cache, all_logits=False):
-        return self.transformer.ops.to_numpy(self.transformer.forward(tokens, positions, cache, all_logits))
+        out = self.transformer.forward(tokens, positions, cache, all_logits)
+        return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
+
+    @functools.cached_property
+    def _decode_forward(self):
+        """The forward pass with one-token steps replayed as CUDA graphs on the GPU (unchanged on the CPU)."""
+        return self.transformer.ops.decode_forward(self.transformer.forward)
+
+    def _forward_numpy_graphed(self, tokens, positions, cache, all_logits=False):
+        out = self._decode_forward(tokens, positions, cache, all_logits)
+        return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
 
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int = DEFAULT_CTX,

@@ -7,8 +7,8 @@
 # 1. installs the carried wheels whose module is missing into /tmp/site
 # 2. prints nvidia-smi and the CUDA stack CuPy sees
 # 3. pytest -m gpu (junit XML + log into bench/results/)
-# 4. the GPU micro-benchmarks: every bench/*_gpu.py, and bench/kv_encode.py --device gpu (JSON into
-#    bench/results/)
+# 4. the GPU micro-benchmarks: every bench/*_gpu.py, bench/e2e_gpu.py on the two small real-shape models,
+#    and bench/kv_encode.py --device gpu (JSON into bench/results/)
 # 5. copies the results into $OUT when it is set (at most 8 files come back: the rest go into one .tgz)
 #
 # Finishes in under 8 minutes: each step has its own time limit.
@@ -68,9 +68,14 @@ echo "pytest exit status: $pytest_status"
 step "GPU micro-benchmarks"
 for bench in bench/*_gpu.py; do
     [ -e "$bench" ] || continue
+    [ "$bench" = bench/e2e_gpu.py ] && continue  # below, with its own time budget
     echo "--- $bench"
     timeout 60 "$PY" "$bench" || echo "$bench failed or timed out ($?)"
 done
+# The two small real-shape models only (~1.5 min); the 7B adds ~2-3 min: run `python bench/e2e_gpu.py` alone.
+echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b)"
+timeout 170 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b --budget-s 110 \
+    || echo "bench/e2e_gpu.py failed or timed out ($?)"
 echo "--- bench/kv_encode.py --device gpu"
 timeout 120 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
 

@@ -2,6 +2,12 @@
 build the matching HF `transformers` models from the very same tensors, for exact parity tests.
 
     python tools/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, tiny-qwen3.gguf, tiny-gemma3.gguf
+    python tools/make_tiny_models.py OUT_DIR --preset qwen2.5-7b   # random weights with a real model's shapes
+
+Presets (PRESETS) give the shapes, vocabulary sizes and Q4_K_M-like tensor types of real models, for speed
+benchmarks; their quantized matrices are random valid blocks written straight from random bytes (no float
+values drawn, no decode: a 7B model is written in about a minute), with scales set for a weight standard
+deviation of 1/sqrt(n_in).
 
 Weights are random (seeded); most matrices are stored as F32, some as F16/BF16/Q8_0/Q4_K/... so the quantized
 paths run too: the HF model gets exactly the values the GGUF blocks decode to (gguf's own dequantizer).
@@ -10,6 +16,7 @@ The tokenizers are small but real: byte-level BPE (Qwen) and SentencePiece with 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +41,34 @@ class TinySpec:
     rope_base: float = 10000.0
     sliding_window: int = 6  # gemma3: small, so short test sequences cross it
     seed: int = 0
-    # tensor name suffix -> storage type (everything else F32)
+    # tensor name suffix -> storage type (everything else F32); a tuple alternates by layer (layer % len)
     types: dict = field(default_factory=lambda: {
         "attn_q.weight": T.Q8_0, "attn_output.weight": T.F16, "ffn_down.weight": T.Q4_K, "ffn_up.weight": T.BF16,
         "ffn_gate.weight": T.Q5_0,
     })
+    n_vocab: int | None = None  # pad the tokenizer's vocabulary with unused tokens up to this size
+    random_blocks: bool = False  # quantized matrices as random valid blocks, not quantized values (presets)
+
+
+_Q4_K_M_QWEN = {"token_embd.weight": T.Q4_K, "output.weight": T.Q6_K, "attn_q.weight": T.Q4_K,
+                "attn_k.weight": T.Q4_K, "attn_v.weight": (T.Q6_K, T.Q4_K), "attn_output.weight": T.Q4_K,
+                "ffn_gate.weight": T.Q4_K, "ffn_up.weight": T.Q4_K, "ffn_down.weight": (T.Q6_K, T.Q4_K)}
+# rows of 640 / 896 values are not whole 256-value super-blocks: llama.cpp falls back to 32-value types there
+_Q4_K_M_SMALL = {"token_embd.weight": T.Q8_0, "output.weight": T.Q8_0, "attn_q.weight": T.Q5_0,
+                 "attn_k.weight": T.Q5_0, "attn_v.weight": (T.Q8_0, T.Q5_0), "attn_output.weight": T.Q5_0,
+                 "ffn_gate.weight": T.Q5_0, "ffn_up.weight": T.Q5_0, "ffn_down.weight": (T.Q6_K, T.Q4_K)}
+
+PRESETS: dict[str, TinySpec] = {
+    "gemma3-270m": TinySpec("gemma3", n_layer=18, d_model=640, n_head=4, n_kv_head=1, head_dim=256, ffn_dim=2048,
+                            ctx_train=32768, rope_base=1_000_000.0, sliding_window=512, n_vocab=262144,
+                            random_blocks=True, types={**_Q4_K_M_SMALL, "attn_output.weight": T.Q4_K}),
+    "qwen2.5-0.5b": TinySpec("qwen2", n_layer=24, d_model=896, n_head=14, n_kv_head=2, head_dim=64, ffn_dim=4864,
+                             ctx_train=32768, rope_base=1_000_000.0, n_vocab=151936, random_blocks=True,
+                             types={**_Q4_K_M_SMALL, "token_embd.weight": T.Q5_0}),
+    "qwen2.5-7b": TinySpec("qwen2", n_layer=28, d_model=3584, n_head=28, n_kv_head=4, head_dim=128, ffn_dim=18944,
+                           ctx_train=32768, rope_base=1_000_000.0, n_vocab=152064, random_blocks=True,
+                           types=dict(_Q4_K_M_QWEN)),
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -85,6 +115,60 @@ def gemma_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def _unused_tokens(n_have: int, n_vocab: int | None) -> list[str]:
+    """Filler tokens that bring a vocabulary of n_have tokens up to n_vocab (a real model's size)."""
+    return [f"<unused{i}>" for i in range(max(0, (n_vocab or 0) - n_have))]
+
+
+# Offsets of the f16 scale fields: (d, min or None) for the block types random_blocks() writes.
+_SCALE_FIELDS = {T.Q8_0: (0, None), T.Q4_0: (0, None), T.Q5_0: (0, None), T.Q4_1: (0, 2), T.Q5_1: (0, 2),
+                 T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208, None)}
+
+
+def _set_f16(raw: np.ndarray, offset: int, values: np.ndarray) -> None:
+    raw[:, offset:offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_moments(qtype: T) -> tuple[float, float]:
+    """(min factor that centres the values, std with d = 1) of random blocks, from a sample."""
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    sample = np.random.default_rng(1234).integers(0, 256, (4096, block_bytes), dtype=np.uint8)
+    d_off, m_off = _SCALE_FIELDS[qtype]
+    _set_f16(sample, d_off, np.ones(len(sample)))
+    centre = 0.0
+    if m_off is not None:
+        _set_f16(sample, m_off, np.zeros(len(sample)))
+        mean_d = gguf.quants.dequantize(sample, qtype).mean()
+        _set_f16(sample, d_off, np.zeros(len(sample)))
+        _set_f16(sample, m_off, np.ones(len(sample)))
+        mean_m = gguf.quants.dequantize(sample, qtype).mean()
+        centre = float(-mean_d / mean_m)  # min = centre * d cancels the mean
+        _set_f16(sample, d_off, np.ones(len(sample)))
+        _set_f16(sample, m_off, np.full(len(sample), centre))
+    return centre, float(gguf.quants.dequantize(sample, qtype).std())
+
+
+def random_blocks(qtype: T, shape: tuple[int, int], rng: np.random.Generator, std: float) -> np.ndarray:
+    """uint8 [n_rows, row_bytes] of random valid blocks whose values have mean ~0 and standard deviation ~std."""
+    n_rows, n_in = shape
+    if qtype in (T.F32, T.F16, T.BF16):
+        values = (rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+        if qtype == T.BF16:
+            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n_rows, -1)
+        return values.astype(np.float16 if qtype == T.F16 else np.float32).view(np.uint8).reshape(n_rows, -1)
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = n_rows * n_in // block_values
+    raw = np.frombuffer(bytearray(rng.bytes(n_blocks * block_bytes)), np.uint8).reshape(n_blocks, block_bytes)
+    centre, unit_std = _unit_moments(qtype)
+    d = (std / unit_std) * rng.uniform(0.5, 1.5, n_blocks)
+    d_off, m_off = _SCALE_FIELDS[qtype]
+    _set_f16(raw, d_off, d)
+    if m_off is not None:
+        _set_f16(raw, m_off, centre * d)
+    return raw.reshape(n_rows, -1)
+
+
 def _store(values: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
     """(what the GGUF stores, the float32 values it decodes to)."""
     if qtype == T.F32:
@@ -109,6 +193,7 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
     """GGUF tensors (name -> (stored array, type)) and the float32 values they decode to."""
     rng = np.random.default_rng(spec.seed)
     vocab = len(qwen_vocab()[0]) if spec.arch.startswith("qwen") else len(gemma_vocab()[0])
+    vocab = max(vocab, spec.n_vocab or 0)
     d, hd, nh, nkv, ffn = spec.d_model, spec.head_dim, spec.n_head, spec.n_kv_head, spec.ffn_dim
     shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
     if spec.arch.startswith("qwen"):
@@ -128,15 +213,20 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
             shapes.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     stored, decoded = {}, {}
     for name, shape in shapes.items():
+        qtype = next((t for suffix, t in spec.types.items() if name.endswith(suffix)), T.F32)
+        if isinstance(qtype, tuple):  # alternates by layer
+            qtype = qtype[int(name.split(".")[1]) % len(qtype)] if name.startswith("blk.") else qtype[0]
+        if len(shape) == 1 or shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            qtype = T.F32
+        if spec.random_blocks and len(shape) == 2:  # presets: no float values, no decoded copy
+            stored[name] = (random_blocks(qtype, shape, rng, 1.0 / np.sqrt(shape[-1])), qtype)
+            continue
         if "norm" in name:
             values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
             if name.endswith(".bias"):
                 values *= 0.5
-        qtype = next((t for suffix, t in spec.types.items() if name.endswith(suffix)), T.F32)
-        if len(shape) == 1 or shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-            qtype = T.F32
         raw, dec = _store(values, qtype)
         stored[name] = (raw, qtype)
         decoded[name] = dec
@@ -145,7 +235,8 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
 
 def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
                override_types: dict[str, T] | None = None) -> dict[str, np.ndarray]:
-    """Write the tiny model; returns the decoded float32 tensors (what the HF twin loads)."""
+    """Write the tiny model; returns the decoded float32 tensors (what the HF twin loads; with
+    spec.random_blocks only the vectors: decode the matrices from the file)."""
     arch = arch_name or spec.arch
     stored, decoded = build_tensors(spec)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -163,6 +254,8 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
     if spec.arch == "gemma3":
         writer.add_sliding_window(spec.sliding_window)
         tokens, scores, types = gemma_vocab()
+        filler = _unused_tokens(len(tokens), spec.n_vocab)
+        tokens, scores, types = tokens + filler, scores + [0.0] * len(filler), types + [5] * len(filler)
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
@@ -176,6 +269,8 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_add_space_prefix(False)
     else:
         tokens, types, merges = qwen_vocab()
+        filler = _unused_tokens(len(tokens), spec.n_vocab)
+        tokens, types = tokens + filler, types + [5] * len(filler)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("qwen2")
         writer.add_token_list(tokens)
@@ -187,7 +282,8 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
     for name, (raw, qtype) in stored.items():
         if name in (override_types or {}):  # an arbitrary type (e.g. one we do not support): zero blocks
             qtype = override_types[name]
-            raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(decoded[name].shape, qtype), np.uint8)
+            shape = decoded[name].shape if name in decoded else gguf.quants.quant_shape_from_byte_shape(raw.shape, stored[name][1])
+            raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(shape, qtype), np.uint8)
         writer.add_tensor(name, raw, raw_dtype=qtype if qtype != T.F32 else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -196,13 +292,11 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
     return decoded
 
 
-def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
-    """The transformers model with the same hyperparameters and exactly the decoded GGUF weights (float32)."""
-    import torch
+def hf_config(spec: TinySpec, n_vocab: int):
+    """(transformers config, model class) with the spec's hyperparameters."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    vocab = decoded["token_embd.weight"].shape[0]
-    common = dict(vocab_size=vocab, hidden_size=spec.d_model, intermediate_size=spec.ffn_dim,
+    common = dict(vocab_size=n_vocab, hidden_size=spec.d_model, intermediate_size=spec.ffn_dim,
                   num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, num_key_value_heads=spec.n_kv_head,
                   head_dim=spec.head_dim, max_position_embeddings=spec.ctx_train, rms_norm_eps=1e-6)
     if spec.arch == "gemma3":
@@ -212,14 +306,17 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                    "full_attention": {"rope_type": "default", "rope_theta": spec.rope_base}},
                                   attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True)
-        model = Gemma3ForCausalLM(config)
-    else:
-        cls_config, cls_model = (Qwen2Config, Qwen2ForCausalLM) if spec.arch == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
-        config = cls_config(**common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_base},
-                            tie_word_embeddings=False, attention_bias=spec.arch == "qwen2")
-        model = cls_model(config)
+        return config, Gemma3ForCausalLM
+    cls_config, cls_model = (Qwen2Config, Qwen2ForCausalLM) if spec.arch == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
+    config = cls_config(**common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_base},
+                        tie_word_embeddings=False, attention_bias=spec.arch == "qwen2")
+    return config, cls_model
+
+
+def hf_names(spec: TinySpec) -> tuple[dict[str, str], float]:
+    """GGUF tensor name -> transformers parameter name, and the offset to subtract from norm weights (HF Gemma
+    norms scale by 1 + w; the GGUF stores 1 + w)."""
     gemma = spec.arch == "gemma3"
-    norm_offset = 1.0 if gemma else 0.0  # HF Gemma norms scale by (1 + w); the GGUF stores 1 + w
     names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
     per_layer = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
@@ -235,12 +332,22 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
     for il in range(spec.n_layer):
         for g_name, h_name in per_layer.items():
             names[f"blk.{il}.{g_name}"] = f"model.layers.{il}.{h_name}"
+    return names, 1.0 if gemma else 0.0
+
+
+def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
+    """The transformers model with the same hyperparameters and exactly the decoded GGUF weights (float32)."""
+    import torch
+
+    config, cls = hf_config(spec, decoded["token_embd.weight"].shape[0])
+    model = cls(config)
+    names, norm_offset = hf_names(spec)
     state = {}
     for g_name, values in decoded.items():
         if "norm" in g_name:
             values = values - norm_offset
         state[names[g_name]] = torch.from_numpy(np.ascontiguousarray(values))
-    if gemma:
+    if spec.arch == "gemma3":
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if "rotary" not in m]
@@ -252,8 +359,14 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="write one model with a real model's shapes")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.preset:
+        path = args.out_dir / f"random-{args.preset}.gguf"
+        write_gguf(PRESETS[args.preset], path)
+        print(path)
+        return 0
     for arch in ARCHES:
         path = args.out_dir / f"tiny-{arch}.gguf"
         write_gguf(TinySpec(arch), path)

@@ -7,7 +7,7 @@ import numpy as np
 from ..attention.cpu_decode import MAX_QUERIES, attend_few
 from ..attention.dca_cpu import dca_few, dca_stream
 from ..attention.reference import attend_chunks, causal_mask
-from ..kv.cache import LayerKV
+from ..kv.cache import KVCache, LayerKV
 from .cpu_kernels import rms_norm_rows, rope_rows
 from ..errors import CupyllmError
 from ..quant.cpu_matmul import dequantize_ids, matmul
@@ -30,6 +30,15 @@ class CPUBackend:
 
     def to_numpy(self, x) -> np.ndarray:
         return np.asarray(x)
+
+    @staticmethod
+    def new_cache(cfg, spec) -> KVCache:
+        """A host cache with a float32 mirror, so attention never decodes the stored blocks per step."""
+        return KVCache.for_model(cfg, spec, mirror=True)
+
+    @staticmethod
+    def decode_forward(forward):
+        return forward  # no graph capture on the CPU
 
     def upload(self, weight: Weight) -> Weight:
         return weight  # weights stay memory-mapped in their GGUF blocks
@@ -72,7 +81,11 @@ class CPUBackend:
             if len(self._rope_tables) >= 8:
                 self._rope_tables.clear()
             table = self._rope_tables[key] = rope_tables(rope_cfg, positions)
-        return apply_rope(x, *table, rope_cfg.neox)
+        if x.dtype != np.float32 or x.ndim != 3:
+            return apply_rope(x, *table, rope_cfg.neox)
+        out = np.empty_like(x)
+        rope_rows(np.ascontiguousarray(x), *table, rope_cfg.neox, out)  # apply_rope's values, one call
+        return out
 
     # --- attention --------------------------------------------------------------------------------
     @staticmethod

@@ -29,6 +29,8 @@ BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 # CuPy. A new kernel file gets its sets declared in its wrapper module, listed here.
 KERNEL_SET_PROVIDERS: tuple[str, ...] = (
     "cupyllm.backend.gpu_kv",
+    "cupyllm.backend.gpu_kernels",
+    "cupyllm.attention.gpu_kernels",
 )
 
 

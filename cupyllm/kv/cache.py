@@ -8,6 +8,7 @@ Attention masks by the slot positions (empty slots hold -1), so both layouts rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -102,16 +103,19 @@ class KVCache:
     n_past: int = 0  # positions [0, n_past) are cached
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> "KVCache":
+    def for_model(cls, cfg: ModelConfig, spec: KVSpec, mirror: bool = False,
+                  make_layer: Callable[..., LayerKV] = LayerKV) -> "KVCache":
+        """The cache of `cfg` for `spec`. `make_layer` builds each layer from LayerKV's arguments; a backend
+        whose cache lives on its device passes its own (backend/gpu_cache.py: arrays in GPU memory)."""
         k_format = get_format(spec.kv_type_k, head_dim=cfg.head_dim)
         v_format = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim)
         layers = []
         for layer in range(cfg.n_layer):
             sliding = cfg.is_sliding(layer)
             capacity = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if sliding else spec.ctx
-            layers.append(LayerKV(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
-                                  capacity=capacity, ring=sliding, window=cfg.sliding_window if sliding else 0,
-                                  mirror=mirror))
+            layers.append(make_layer(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
+                                     capacity=capacity, ring=sliding, window=cfg.sliding_window if sliding else 0,
+                                     mirror=mirror))
         return cls(spec, layers)
 
     @property

@@ -1,0 +1,179 @@
+"""The GPU backend: CuPy arrays, our CUDA kernels (kernels_cu/), weights kept in their GGUF blocks on the
+device, the KV cache encoded on the device.
+
+Same operations and semantics as backend/cpu.py, so the model code (models/*.py) runs unchanged:
+- linear: up to GEMV_MAX_TOKENS tokens, a GEMV that dequantizes the blocks in registers (weight_gemv.cu);
+  more tokens (prefill), either cuBLAS on an f16 copy of the matrix dequantized on the fly
+  (prefill="cublas", weight_dequant.cu + GemmEx) or our tensor-core kernel dequantizing tile by tile
+  (prefill="mma", weight_mma.cu). Both round W and x to f16 and accumulate in float32.
+- embed: the token rows dequantized from their blocks (weight_dequant.cu with row ids).
+- rms_norm, silu, gelu_tanh, rope, softcap: elementwise.cu (RoPE angles from rope.inverse_frequencies,
+  computed in float64 on the device exactly like rope.rope_tables on the host).
+- attention: cupyllm.attention.dispatch.gpu_attention (FA-VEC / FA-MMA reading the quantized cache in-register);
+  for caches it has no kernels for (e.g. head dims outside its list), or with attention="decode",
+  backend/gpu_attention.py (decode the cache to f16, CuPy matmuls).
+- the KV cache: new_cache() -> KVCache of DeviceLayerKV (backend/gpu_cache.py), written by kv_encode.cu.
+
+Importing this module does not import CuPy; building a GPUBackend does (DeviceError without it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cuda.registry import KernelRegistry, require_cupy
+from ..errors import CupyllmError, DeviceError
+from ..kv.cache import KVCache, KVSpec
+from ..quant.weights import WEIGHT_FORMATS, dequantize
+from ..rope import inverse_frequencies
+from ..weights import Weight
+from .gpu_attention import attend_decoded
+from .gpu_blas import matmul_f16_f32
+from .gpu_cache import device_layer_factory
+from .gpu_inputs import DeviceInputs
+from .gpu_kernels import GEMV_MAX_TOKENS, GpuKernels, kernel_format_fits, mma_fits
+
+PREFILL_PATHS = ("cublas", "mma")
+DEFAULT_PREFILL = "cublas"  # see bench/results/e2e_gpu.json "prefill_paths" for the measured comparison
+
+
+def _dispatch_attention():
+    """The in-register flash attention (attention/dispatch.py) and the error it raises for shapes it has no
+    kernels for, or (None, None) when that module is absent."""
+    try:
+        from ..attention.dispatch import AttentionArgumentError, gpu_attention
+    except ImportError:
+        return None, None
+    return gpu_attention, AttentionArgumentError
+
+
+class GPUBackend:
+    name = "gpu"
+    kv_mirror = False  # attention reads the encoded cache; there is no float copy
+
+    def __init__(self, registry: KernelRegistry | None = None, prefill: str = DEFAULT_PREFILL,
+                 attention: str = "auto"):
+        if prefill not in PREFILL_PATHS:
+            raise CupyllmError(f"prefill path must be one of {PREFILL_PATHS}, got {prefill!r}")
+        if attention not in ("auto", "dispatch", "decode"):
+            raise CupyllmError(f"attention must be 'auto', 'dispatch' or 'decode', got {attention!r}")
+        self.cp = require_cupy()
+        self.xp = self.cp
+        self.registry = registry if registry is not None else KernelRegistry()
+        self.kernels = GpuKernels(self.registry)
+        self.inputs = DeviceInputs(self.cp)
+        self.prefill = prefill
+        self._attention_mode = attention
+        self._gpu_attention, self._dispatch_refusal = (None, None) if attention == "decode" else _dispatch_attention()
+        self._no_dispatch: dict[tuple, str] = {}  # cache shapes the flash kernels refused, with the reason
+        if attention == "dispatch" and self._gpu_attention is None:
+            raise DeviceError("attention='dispatch' needs cupyllm.attention.dispatch.gpu_attention, which is not installed")
+        self._rope_tables: dict = {}
+        self._uploads: dict[int, tuple] = {}  # id(host blocks) -> (host blocks, device Weight)
+
+    # --- arrays -----------------------------------------------------------------------------------
+    def asarray(self, x, dtype=None):
+        return self.cp.asarray(x, dtype=dtype)
+
+    def to_numpy(self, x) -> np.ndarray:
+        return self.cp.asnumpy(x)
+
+    def upload(self, weight: Weight) -> Weight:
+        """GGUF blocks to the device once (a tied output head shares the embedding's copy). Rows our block
+        kernels cannot read (float rows whose length is not a multiple of 32) are stored as F32 rows and
+        multiplied by CuPy."""
+        done = self._uploads.get(id(weight.data))
+        if done is not None and done[0] is weight.data:
+            return done[1]
+        host = weight.data
+        if not kernel_format_fits(weight.fmt.name, weight.shape[-1]):
+            values = dequantize(np.asarray(weight.data), weight.fmt.qtype, weight.shape[-1]).astype(np.float32)
+            f32 = next(f for f in WEIGHT_FORMATS.values() if f.name == "F32")
+            weight = Weight(weight.name, f32, tuple(weight.shape), values.reshape(-1, weight.shape[-1]).view(np.uint8))
+        on_device = self.kernels.upload(weight)
+        self._uploads[id(host)] = (host, on_device)  # holding `host` keeps its id from being reused
+        return on_device
+
+    def new_cache(self, cfg, spec: KVSpec) -> KVCache:
+        """A KV cache whose layers live on this device (encoded with kv_encode.cu)."""
+        from .gpu_kv import GpuKVCodec
+
+        def codec(fmt, head_dim, n_kv):
+            return GpuKVCodec(fmt, head_dim, n_kv, registry=self.registry)
+
+        return KVCache.for_model(cfg, spec, mirror=False, make_layer=device_layer_factory(codec, self.inputs))
+
+    # --- linear algebra ---------------------------------------------------------------------------
+    def linear(self, x, weight: Weight, bias=None):
+        cp = self.cp
+        n_in = weight.shape[-1]
+        x2 = x.reshape(-1, n_in)
+        n = x2.shape[0]
+        if not kernel_format_fits(weight.fmt.name, n_in):  # dense float32 rows (see upload)
+            y = cp.matmul(x2.astype(cp.float32), weight.data.view(cp.float32).T)
+            return y + bias if bias is not None else y
+        if n <= GEMV_MAX_TOKENS:
+            return self.kernels.gemv(weight, x2, bias)
+        x16 = x2.astype(cp.float16)
+        if self.prefill == "mma" and mma_fits(weight.fmt.name, n_in):
+            return self.kernels.mma_matmul(weight, x16, bias)
+        w16 = self.kernels.dequantize(weight, dtype="float16")
+        y = matmul_f16_f32(cp, x16, w16)
+        return y + bias if bias is not None else y
+
+    def embed(self, weight: Weight, ids):
+        host = self.inputs.host_values(ids)
+        n_vocab = weight.shape[0]
+        if host is not None and len(host) and (int(np.min(host)) < 0 or int(np.max(host)) >= n_vocab):
+            raise CupyllmError(f"token ids must be in [0, {n_vocab}), got {int(np.min(host))}..{int(np.max(host))}")
+        rows = self.inputs.int32(ids)
+        if not kernel_format_fits(weight.fmt.name, weight.shape[-1]):
+            return weight.data.view(self.cp.float32)[rows]
+        return self.kernels.dequantize(weight, rows=rows)
+
+    # --- elementwise ------------------------------------------------------------------------------
+    def rms_norm(self, x, weight, eps: float):
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def rms_norm_residual(self, x, residual, weight, eps: float):
+        """(x + residual, rms_norm(x + residual)) in one pass."""
+        return self.kernels.rms_norm(x, weight, eps, residual=residual)
+
+    def silu(self, x):
+        return self.kernels.act(x, "silu")
+
+    def gelu_tanh(self, x):
+        return self.kernels.act(x, "gelu_tanh")
+
+    def gated_act(self, gate, up, activation: str):
+        """act(gate) * up in one pass (activation: silu | gelu_tanh)."""
+        return self.kernels.gated_act(gate, up, activation)
+
+    def softcap(self, x, cap: float):
+        return self.kernels.softcap(x, cap)
+
+    def rope(self, x, rope_cfg, positions):
+        table = self._rope_tables.get(rope_cfg)
+        if table is None:  # rope.py's inverse frequencies, once per configuration
+            inv_freq, mscale = inverse_frequencies(rope_cfg)
+            table = self._rope_tables[rope_cfg] = (self.cp.asarray(np.asarray(inv_freq, np.float64)), float(mscale))
+        inv_freq, mscale = table
+        return self.kernels.rope(x, self.inputs.int32(positions), inv_freq, mscale, rope_cfg.neox, rope_cfg.n_rot)
+
+    # --- attention --------------------------------------------------------------------------------
+    def attention(self, q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0):
+        """Causal (optionally sliding-window) attention of q [n, n_head, d] over everything the layer caches."""
+        shape = (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name)
+        if self._gpu_attention is not None and shape not in self._no_dispatch:
+            try:
+                return self._gpu_attention(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap)
+            except self._dispatch_refusal as exc:  # e.g. a head dim without kernels: checked before any launch
+                if self._attention_mode == "dispatch":
+                    raise
+                self._no_dispatch[shape] = str(exc)
+        return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, scale=scale, window=window, softcap=softcap)
+
+    # --- decode loop ------------------------------------------------------------------------------
+    def decode_forward(self, forward, min_bucket: int = 256):
+        """`forward` (Transformer.forward's signature) with one-token steps replayed as CUDA graphs."""
+        from .gpu_graph import DecodeGraphs
+        return DecodeGraphs(forward, self, min_bucket=min_bucket)

@@ -1,0 +1,50 @@
+"""Attention over a DeviceLayerKV by decoding the cache (kv_decode.cu, f16) and CuPy matmuls, key chunk by
+key chunk with an online softmax: the same (O, LSE) semantics as cupyllm/attention/reference.py (causal /
+sliding-window mask from the slot positions, optional soft-cap, empty slots masked).
+
+This is the GPU engine's fallback and check: the production path reads the quantized cache in-register
+(cupyllm.attention.dispatch.gpu_attention, FA-VEC / FA-MMA). It launches a fixed sequence of kernels for
+a given `layer_kv.n_used`, with no device-to-host copy, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+KEY_CHUNK = 4096  # cache slots decoded at a time
+
+
+def attend_decoded(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0,
+                   key_chunk: int = KEY_CHUNK):
+    """out [n_q, n_head, dv] float32 for q [n_q, n_head, d] at int32 device positions q_pos [n_q]."""
+    cp = layer_kv.xp
+    n_q, n_head, d = q.shape
+    n_kv, dv = layer_kv.n_kv, layer_kv.v_head_dim
+    group = n_head // n_kv
+    rows = group * n_q
+    # [n_kv, group * n_q, d]: the query heads sharing a KV head as one batch of rows (GQA)
+    qg = cp.ascontiguousarray(q.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3)).reshape(n_kv, rows, d)
+    qg = qg.astype(cp.float32, copy=False)
+    q_pos = q_pos.reshape(n_q, 1)
+    row_max = cp.full((n_kv, rows), -np.inf, dtype=cp.float32)
+    row_sum = cp.zeros((n_kv, rows), dtype=cp.float32)
+    acc = cp.zeros((n_kv, rows, dv), dtype=cp.float32)
+    for start in range(0, layer_kv.n_used, key_chunk):
+        k, v, k_pos = layer_kv.decode(start, min(start + key_chunk, layer_kv.n_used))
+        scores = cp.matmul(qg, cp.ascontiguousarray(k.transpose(1, 2, 0))) * np.float32(scale)  # [n_kv, rows, nk]
+        if softcap > 0.0:
+            scores = np.float32(softcap) * cp.tanh(scores / np.float32(softcap))
+        k_pos = k_pos.reshape(1, -1)
+        allowed = (k_pos <= q_pos) & (k_pos >= 0)
+        if window > 0:
+            allowed &= (q_pos - k_pos) < window
+        allowed = cp.broadcast_to(allowed[None], (group, n_q, allowed.shape[-1])).reshape(1, rows, -1)
+        scores = cp.where(allowed, scores, np.float32(-np.inf))
+        new_max = cp.maximum(row_max, scores.max(axis=-1))
+        safe_max = cp.where(cp.isfinite(new_max), new_max, np.float32(0.0))
+        probs = cp.exp(scores - safe_max[..., None])  # masked keys: exp(-inf) = 0
+        correction = cp.exp(row_max - safe_max)  # nothing accumulated yet: exp(-inf) = 0
+        row_sum = row_sum * correction + probs.sum(axis=-1)
+        acc = acc * correction[..., None] + cp.matmul(probs, cp.ascontiguousarray(v.transpose(1, 0, 2)))
+        row_max = new_max
+    out = cp.where(row_sum[..., None] > 0, acc / cp.maximum(row_sum, np.float32(1e-30))[..., None], np.float32(0.0))
+    return cp.ascontiguousarray(out.reshape(n_kv, group, n_q, dv).transpose(2, 0, 1, 3)).reshape(n_q, n_head, dv)

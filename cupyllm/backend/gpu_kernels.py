@@ -1,0 +1,271 @@
+"""CuPy launchers for the dense-model kernels: weight GEMV / dequantization / tensor-core matmul
+(kernels_cu/weight_*.cu over weight_formats.cuh) and the row/element operations (kernels_cu/elementwise.cu).
+
+Every instantiation the engine may launch is declared by ``kernel_sets()`` (listed in
+cupyllm/cuda/registry.py KERNEL_SET_PROVIDERS, so CI compiles them all for sm_80 and sm_90 without a GPU).
+CuPy is imported only when a ``GpuKernels`` is built.
+
+Weights on the device are uint8 ``[n_out, row_bytes]`` GGUF blocks in an allocation padded by
+``WEIGHT_PAD_BYTES`` (the GEMV stages whole 16-byte lines and may read up to 15 bytes past the last row).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cuda.registry import KernelRegistry, KernelSet, require_cupy
+from ..errors import DeviceError
+from ..weights import Weight
+
+GEMV_FILE = "weight_gemv.cu"
+DEQUANT_FILE = "weight_dequant.cu"
+MMA_FILE = "weight_mma.cu"
+ELEMENTWISE_FILE = "elementwise.cu"
+
+# GGUF weight type name -> weight_formats.cuh struct, grouped by family (one compilation unit each).
+WEIGHT_FAMILIES: dict[str, dict[str, str]] = {
+    "float": {"F32": "cupyllm::WF32", "F16": "cupyllm::WF16", "BF16": "cupyllm::WBF16"},
+    "q32": {"Q8_0": "cupyllm::WQ8_0", "Q4_0": "cupyllm::WQ4_0", "Q4_1": "cupyllm::WQ4_1",
+            "Q5_0": "cupyllm::WQ5_0", "Q5_1": "cupyllm::WQ5_1"},
+    "kquant": {"Q4_K": "cupyllm::WQ4_K", "Q5_K": "cupyllm::WQ5_K", "Q6_K": "cupyllm::WQ6_K"},
+}
+WEIGHT_TYPES: dict[str, str] = {name: cpp for family in WEIGHT_FAMILIES.values() for name, cpp in family.items()}
+# values per (pseudo-)block of each kernel format: rows must hold whole blocks
+KERNEL_BLOCK_VALUES = {name: (256 if family == "kquant" else 32)
+                       for family, names in WEIGHT_FAMILIES.items() for name in names}
+
+WEIGHT_PAD_BYTES = 16
+
+# GEMV instantiations: (tokens, rows per warp). A call with n tokens uses the smallest tokens >= n.
+GEMV_SHAPES = ((1, 2), (1, 4), (2, 2), (4, 1), (8, 1))
+GEMV_MAX_TOKENS = max(t for t, _ in GEMV_SHAPES)
+GEMV_WARPS = 4  # kGemvWarps in weight_gemv.cu
+GEMV_WIDE_ROWS = 8192  # from this many output rows, single-token GEMV gives each warp 4 rows (fewer x reloads)
+
+MMA_ROWS, MMA_TOKENS, MMA_DEPTH, MMA_THREADS = 64, 64, 128, 128  # weight_mma.cu tile
+
+DEQUANT_OUTPUTS = {"float32": "float", "float16": "__half"}
+DEQUANT_THREADS = 256
+MAX_GRID = 65535 * 32  # grid-stride kernels: enough CTAs to fill any GPU
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # elementwise.cu Activation
+ELEMENT_THREADS = 256
+NORM_ROWS_PER_CTA = 8
+
+
+def _weight_cpp(fmt_name: str) -> str:
+    try:
+        return WEIGHT_TYPES[fmt_name]
+    except KeyError:
+        raise DeviceError(f"weight type {fmt_name} has no GPU kernel; supported: {', '.join(WEIGHT_TYPES)}") from None
+
+
+def gemv_kernel_name(fmt_name: str, tokens: int, rows: int) -> str:
+    return f"weight_gemv<{_weight_cpp(fmt_name)}, {tokens}, {rows}>"
+
+
+def dequant_kernel_name(fmt_name: str, out_dtype: str) -> str:
+    return f"weight_dequant<{_weight_cpp(fmt_name)}, {DEQUANT_OUTPUTS[out_dtype]}>"
+
+
+def mma_kernel_name(fmt_name: str) -> str:
+    return f"weight_mma<{_weight_cpp(fmt_name)}>"
+
+
+def rms_norm_kernel_name(residual: bool) -> str:
+    return f"rms_norm<{'true' if residual else 'false'}>"
+
+
+def rope_kernel_name(neox: bool) -> str:
+    return f"rope<{'true' if neox else 'false'}>"
+
+
+def act_kernel_name(activation: str, gated: bool) -> str:
+    return f"{'gated_act' if gated else 'act'}<{ACTIVATIONS[activation]}>"
+
+
+SOFTCAP_KERNEL = "softcap<float>"
+
+
+def kernel_sets() -> list[KernelSet]:
+    """GEMVs one compilation unit per weight type (a model compiles only the types it stores), the
+    dequantization and MMA kernels one unit per family, the elementwise kernels one unit."""
+    sets = [KernelSet(GEMV_FILE, tuple(gemv_kernel_name(n, t, r) for t, r in GEMV_SHAPES), label=n)
+            for n in WEIGHT_TYPES]
+    for family, names in WEIGHT_FAMILIES.items():
+        sets.append(KernelSet(DEQUANT_FILE, tuple(dequant_kernel_name(n, o) for n in names for o in DEQUANT_OUTPUTS),
+                              label=family))
+        sets.append(KernelSet(MMA_FILE, tuple(mma_kernel_name(n) for n in names), label=family))
+    elementwise = [rms_norm_kernel_name(False), rms_norm_kernel_name(True), rope_kernel_name(True),
+                   rope_kernel_name(False), SOFTCAP_KERNEL]
+    elementwise += [act_kernel_name(a, g) for a in ACTIVATIONS for g in (False, True)]
+    sets.append(KernelSet(ELEMENTWISE_FILE, tuple(elementwise)))
+    return sets
+
+
+def gemv_shape(n_tokens: int, n_out: int) -> tuple[int, int]:
+    """The (tokens, rows per warp) instantiation for a call, or DeviceError above GEMV_MAX_TOKENS."""
+    for tokens, rows in GEMV_SHAPES:
+        if tokens >= n_tokens and (tokens > 1 or rows == (4 if n_out >= GEMV_WIDE_ROWS else 2)):
+            return tokens, rows
+    raise DeviceError(f"GEMV runs at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
+
+
+def kernel_format_fits(fmt_name: str, n_in: int) -> bool:
+    """Whether the block kernels can read rows of n_in values of this type (whole (pseudo-)blocks)."""
+    return fmt_name in WEIGHT_TYPES and n_in % KERNEL_BLOCK_VALUES[fmt_name] == 0
+
+
+def mma_fits(fmt_name: str, n_in: int) -> bool:
+    return fmt_name in WEIGHT_TYPES and n_in % MMA_DEPTH == 0
+
+
+class GpuKernels:
+    """Launches the dense-model kernels on the current CUDA stream (inputs are CuPy arrays)."""
+
+    def __init__(self, registry: KernelRegistry | None = None):
+        self.cp = require_cupy()
+        self.registry = registry if registry is not None else KernelRegistry()
+        # stands in for pointer arguments a kernel does not read (the emulator takes only arrays for pointers)
+        self._unused_f32 = self.cp.zeros(1, dtype=self.cp.float32)
+        self._unused_i32 = self.cp.zeros(1, dtype=self.cp.int32)
+
+    def _fn(self, name: str):
+        return self.registry.function(name)
+
+    def _bias_args(self, bias):
+        if bias is None:
+            return self._unused_f32, np.int32(0)
+        return self.cp.ascontiguousarray(bias, dtype=self.cp.float32), np.int32(1)
+
+    # --- weights ---------------------------------------------------------------------------------
+    def upload(self, weight: Weight) -> Weight:
+        """The weight's GGUF blocks on the device, once: uint8 [n_out, row_bytes] in a padded allocation."""
+        cp = self.cp
+        n_rows = int(np.prod(weight.shape[:-1])) if len(weight.shape) > 1 else 1
+        host = np.ascontiguousarray(weight.data).view(np.uint8).reshape(n_rows, -1)
+        buffer = cp.zeros(host.nbytes + WEIGHT_PAD_BYTES, dtype=cp.uint8)
+        device = buffer[:host.nbytes].reshape(host.shape)
+        if hasattr(device, "set"):  # CuPy: one host-to-device copy, no temporary device array
+            device.set(host)
+        else:
+            device[...] = host
+        return Weight(weight.name, weight.fmt, tuple(weight.shape), device)
+
+    def gemv(self, weight: Weight, x, bias=None, out=None, shape: tuple[int, int] | None = None):
+        """y [n, n_out] = x [n, n_in] @ W.T (+ bias), n <= GEMV_MAX_TOKENS, from the blocks.
+        `shape` forces a (tokens, rows per warp) instantiation of GEMV_SHAPES (tests, benchmarks)."""
+        cp = self.cp
+        n_out, n_in = weight.shape[0], weight.shape[-1]
+        n = x.shape[0]
+        tokens, rows = shape if shape is not None else gemv_shape(n, n_out)
+        if shape is not None and (shape not in GEMV_SHAPES or n > tokens):
+            raise DeviceError(f"GEMV shape {shape} is not one of {GEMV_SHAPES} for {n} tokens")
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        if out is None:
+            out = cp.empty((n, n_out), dtype=cp.float32)
+        kernel = self._fn(gemv_kernel_name(weight.fmt.name, tokens, rows))
+        grid = (n_out + GEMV_WARPS * rows - 1) // (GEMV_WARPS * rows)
+        kernel((grid,), (32 * GEMV_WARPS,),
+               (weight.data, np.int64(weight.data.shape[1]), np.int32(n_out), np.int32(n_in), x, np.int32(n),
+                *self._bias_args(bias), out))
+        return out
+
+    def dequantize(self, weight: Weight, rows=None, dtype: str = "float32", out=None):
+        """float32 or float16 [n_rows, n_in]: all rows, or the rows of the int32 device array `rows`."""
+        cp = self.cp
+        n_in = weight.shape[-1]
+        n_rows = weight.data.shape[0] if rows is None else int(rows.shape[0])
+        if out is None:
+            out = cp.empty((n_rows, n_in), dtype=dtype)
+        if n_rows == 0:
+            return out
+        blocks = n_in // KERNEL_BLOCK_VALUES[weight.fmt.name]
+        parts = n_rows * blocks * (16 if KERNEL_BLOCK_VALUES[weight.fmt.name] == 256 else 4)
+        grid = max(1, min(MAX_GRID, (parts + DEQUANT_THREADS - 1) // DEQUANT_THREADS))
+        kernel = self._fn(dequant_kernel_name(weight.fmt.name, np.dtype(dtype).name))
+        kernel((grid,), (DEQUANT_THREADS,),
+               (weight.data, np.int64(weight.data.shape[1]), rows if rows is not None else self._unused_i32,
+                np.int32(rows is not None), np.int32(n_rows), np.int32(n_in), out))
+        return out
+
+    def mma_matmul(self, weight: Weight, x16, bias=None, out=None):
+        """y [n, n_out] float32 = f16(x) @ f16(W).T (+ bias) on the tensor cores, W dequantized per tile."""
+        cp = self.cp
+        n_out, n_in = weight.shape[0], weight.shape[-1]
+        n = x16.shape[0]
+        x16 = cp.ascontiguousarray(x16, dtype=cp.float16)
+        if out is None:
+            out = cp.empty((n, n_out), dtype=cp.float32)
+        grid = ((n_out + MMA_ROWS - 1) // MMA_ROWS) * ((n + MMA_TOKENS - 1) // MMA_TOKENS)
+        self._fn(mma_kernel_name(weight.fmt.name))(
+            (grid,), (MMA_THREADS,),
+            (weight.data, np.int64(weight.data.shape[1]), np.int32(n_out), np.int32(n_in), x16, np.int32(n),
+             *self._bias_args(bias), out))
+        return out
+
+    # --- rows and elements -------------------------------------------------------------------------
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        """RMSNorm over the last axis (len(weight)); with `residual`, of x + residual, returning (sum, norm)."""
+        cp = self.cp
+        d = int(weight.shape[-1])
+        weight = cp.ascontiguousarray(weight, dtype=cp.float32)
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n_rows = x.size // d
+        out = cp.empty(x.shape, dtype=cp.float32)
+        grid = max(1, (n_rows + NORM_ROWS_PER_CTA - 1) // NORM_ROWS_PER_CTA)
+        if residual is None:
+            self._fn(rms_norm_kernel_name(False))(
+                (grid,), (32 * NORM_ROWS_PER_CTA,),
+                (x, x, weight, np.int32(n_rows), np.int32(d), np.float32(eps), out, out))
+            return out
+        residual = cp.ascontiguousarray(residual, dtype=cp.float32)
+        total = cp.empty(x.shape, dtype=cp.float32)
+        self._fn(rms_norm_kernel_name(True))(
+            (grid,), (32 * NORM_ROWS_PER_CTA,),
+            (x, residual, weight, np.int32(n_rows), np.int32(d), np.float32(eps), total, out))
+        return total, out
+
+    def rope(self, x, positions, inv_freq, mscale: float, neox: bool, n_rot: int):
+        """Rotate x [n, n_heads, head_dim] at int32 device `positions` with float64 device `inv_freq`."""
+        cp = self.cp
+        n, n_heads, head_dim = x.shape
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        out = cp.empty_like(x)
+        slots = n * n_heads * (head_dim // 2)
+        if slots == 0:
+            return out
+        grid = (slots + ELEMENT_THREADS - 1) // ELEMENT_THREADS
+        self._fn(rope_kernel_name(neox))(
+            (grid,), (ELEMENT_THREADS,),
+            (x, out, positions, inv_freq, np.float64(mscale), np.int32(n), np.int32(n_heads), np.int32(head_dim),
+             np.int32(n_rot)))
+        return out
+
+    def _grid(self, n: int) -> int:
+        return max(1, min(MAX_GRID, (n + ELEMENT_THREADS - 1) // ELEMENT_THREADS))
+
+    def act(self, x, activation: str):
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        out = cp.empty_like(x)
+        self._fn(act_kernel_name(activation, False))((self._grid(x.size),), (ELEMENT_THREADS,),
+                                                     (x, out, np.int64(x.size)))
+        return out
+
+    def gated_act(self, gate, up, activation: str):
+        cp = self.cp
+        gate = cp.ascontiguousarray(gate, dtype=cp.float32)
+        up = cp.ascontiguousarray(up, dtype=cp.float32)
+        if gate.shape != up.shape:
+            raise DeviceError(f"gated activation needs gate and up of one shape, got {gate.shape} and {up.shape}")
+        out = cp.empty_like(gate)
+        self._fn(act_kernel_name(activation, True))((self._grid(gate.size),), (ELEMENT_THREADS,),
+                                                    (gate, up, out, np.int64(gate.size)))
+        return out
+
+    def softcap(self, x, cap: float):
+        cp = self.cp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        out = cp.empty_like(x)
+        self._fn(SOFTCAP_KERNEL)((self._grid(x.size),), (ELEMENT_THREADS,), (x, out, np.int64(x.size), np.float32(cap)))
+        return out

@@ -1,0 +1,432 @@
+"""The GPU backend (cupyllm/backend/gpu.py) against the NumPy definitions, kernel by kernel, then whole models.
+
+References: weight blocks -> cupyllm/quant/weights.py `dequantize` (bit for bit); matmuls -> float64 products of
+those values (GEMV, float32 activations) or of their f16 roundings (prefill paths); RMSNorm / activations ->
+backend/cpu.py; RoPE -> rope.py `rope_tables` + `apply_rope`; the KV cache -> kv/cache.py LayerKV (same bytes);
+attention -> attention/reference.py; whole models -> the CPU engine on the same GGUF (tiny random models) and
+HF transformers' stored logits (the real models).
+
+Stated tolerances (float32 unless said):
+- dequantization, embedding rows, cache bytes: exact; RoPE: 1e-6 (device float64 sincos vs the host's);
+- SiLU, softcap: 1e-6 relative; tanh-GELU: 4e-6 absolute (1 + tanh cancels for negative inputs);
+- GEMV and MMA sums: |y - ref| <= 2e-5 * sum_k |w_k x_k| (summation order differs from the reference);
+- tiny models, decode path (every matmul a GEMV): max |dlogit| <= 2e-4 * max |logit| (1e-5 .. 3e-5 seen on the
+  emulator); prefill paths (W and x rounded to f16): <= 5e-3 * max |logit| (7e-4 .. 1.2e-3 seen);
+- real models: GEMV path within 0.02 of HF's logits with HF's argmax (the CPU engine's bound); the f16 prefill
+  paths within 0.1 and the same argmax at >= 95% of positions (the CPU engine with the same f16 roundings gives
+  0.013 .. 0.033 and every argmax on the four stored texts of each model).
+
+Marked `gpu`; skipped without a CUDA device. CUPYLLM_EMULATE=1 runs them on the CPU emulator (tools/cuda_emu).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupyllm.cuda import gpu_count
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _emulated() -> bool:
+    import cupy
+    return bool(getattr(cupy, "__cupyllm_emulated__", False))
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from cupyllm.backend.gpu import GPUBackend
+    return GPUBackend(attention="decode")
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+def _weight_types():
+    from cupyllm.backend.gpu_kernels import WEIGHT_TYPES
+    return list(WEIGHT_TYPES)
+
+
+def make_weight(type_name: str, n_out: int, n_in: int, seed: int = 0):
+    """A Weight of random valid blocks (host) and the float32 values it decodes to by the reference."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
+    from cupyllm.weights import Weight
+
+    qtype = T[type_name]
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # no quantizer in gguf-py: random blocks with moderate scales
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (n_out * n_in // block_values, block_bytes), dtype=np.uint8)
+        for off in {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}[qtype]:
+            raw[:, off:off + 2] = (rng.uniform(0.2, 1.0, len(raw)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    elif qtype == T.F32:
+        raw = values
+    else:
+        raw = gguf.quants.quantize(values, qtype)
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1)
+    fmt = WEIGHT_FORMATS[qtype]
+    return Weight(f"test.{type_name}", fmt, (n_out, n_in), raw), dequantize(raw, qtype, n_in)
+
+
+def assert_sums_close(got, w, x, bias=None, rel=2e-5):
+    """got [n, n_out] vs x @ w.T (+ bias) in float64, within rel * sum_k |w_k x_k| per output."""
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    if bias is not None:
+        ref = ref + bias
+        scale = scale + np.abs(bias)
+    err = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(err - rel * scale), err.shape)
+    assert np.all(err <= rel * scale + 1e-30), f"at {worst}: got {got[worst]}, want {ref[worst]} (scale {scale[worst]})"
+
+
+# ---- weights -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("type_name", _weight_types())
+def test_dequantize_rows_bit_exact(backend, cp, type_name):
+    weight, ref = make_weight(type_name, 7, 512)
+    on_device = backend.upload(weight)
+    got = cp.asnumpy(backend.kernels.dequantize(on_device))
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(cp.asnumpy(backend.kernels.dequantize(on_device, dtype="float16")),
+                                  ref.astype(np.float16))
+    ids = np.array([3, 0, 6, 3], np.int64)
+    np.testing.assert_array_equal(cp.asnumpy(backend.embed(on_device, ids)), ref[ids])
+
+
+@pytest.mark.parametrize("type_name", _weight_types())
+def test_gemv_every_instantiation(backend, cp, type_name):
+    """Every (tokens, rows per warp) shape; rows not a multiple of a CTA's; several spans, the last partial."""
+    from cupyllm.backend.gpu_kernels import GEMV_SHAPES
+    weight, w = make_weight(type_name, 45, 1280, seed=1)
+    on_device = backend.upload(weight)
+    rng = np.random.default_rng(2)
+    bias = rng.standard_normal(45).astype(np.float32)
+    for tokens, rows in GEMV_SHAPES:
+        for n in sorted({1, tokens}):
+            x = rng.standard_normal((n, 1280)).astype(np.float32)
+            with_bias = (tokens + rows) % 2 == 0
+            got = backend.kernels.gemv(on_device, cp.asarray(x), cp.asarray(bias) if with_bias else None,
+                                       shape=(tokens, rows))
+            assert_sums_close(cp.asnumpy(got), w, x, bias if with_bias else None)
+
+
+@pytest.mark.parametrize("type_name", _weight_types())
+def test_mma_matmul(backend, cp, type_name):
+    """The tensor-core prefill kernel: two row tiles and two token tiles, both partial, with a bias."""
+    weight, w = make_weight(type_name, 70, 512, seed=3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((67, 512)).astype(np.float32)
+    bias = rng.standard_normal(70).astype(np.float32)
+    got = backend.kernels.mma_matmul(backend.upload(weight), cp.asarray(x.astype(np.float16)), cp.asarray(bias))
+    assert_sums_close(cp.asnumpy(got), w.astype(np.float16).astype(np.float32),
+                      x.astype(np.float16).astype(np.float32), bias)
+
+
+@pytest.mark.parametrize("path", ["cublas", "mma"])
+def test_linear_dispatch(cp, path):
+    """backend.linear: GEMV up to 8 tokens, the chosen prefill path above; rows of 64 floats (not a multiple
+    of the MMA depth) take the cuBLAS path either way."""
+    from cupyllm.backend.gpu import GPUBackend
+    ops = GPUBackend(prefill=path, attention="decode")
+    rng = np.random.default_rng(5)
+    for type_name, n_in in (("Q4_K", 256), ("Q8_0", 384), ("F32", 64)):
+        weight, w = make_weight(type_name, 33, n_in, seed=6)
+        on_device = ops.upload(weight)
+        for n in (1, 8, 9, 40):
+            x = rng.standard_normal((n, n_in)).astype(np.float32)
+            got = cp.asnumpy(ops.linear(cp.asarray(x), on_device))
+            if n <= 8:
+                assert_sums_close(got, w, x)
+            else:
+                assert_sums_close(got, w.astype(np.float16).astype(np.float32), x.astype(np.float16).astype(np.float32))
+
+
+def test_float_rows_the_kernels_cannot_read_fall_back_to_dense(backend, cp):
+    """F16 rows of 40 values are not whole 32-value pseudo-blocks: stored as dense float32 rows instead."""
+    weight, w = make_weight("F16", 9, 40)
+    on_device = backend.upload(weight)
+    x = np.random.default_rng(7).standard_normal((3, 40)).astype(np.float32)
+    assert_sums_close(cp.asnumpy(backend.linear(cp.asarray(x), on_device)), w, x)
+    np.testing.assert_array_equal(cp.asnumpy(backend.embed(on_device, np.array([8, 1]))), w[[8, 1]])
+
+
+def test_embed_rejects_out_of_range_ids(backend):
+    from cupyllm.errors import CupyllmError
+    weight, _ = make_weight("Q8_0", 5, 64)
+    with pytest.raises(CupyllmError, match="token ids"):
+        backend.embed(backend.upload(weight), np.array([1, 5]))
+
+
+# ---- rows and elements ---------------------------------------------------------------------------------
+
+def test_rms_norm_and_fused_residual(backend, cp):
+    from cupyllm.backend.cpu import CPUBackend
+    rng = np.random.default_rng(8)
+    for shape in ((5, 896), (3, 4, 128), (2, 3584)):
+        x = (rng.standard_normal(shape) * 3).astype(np.float32)
+        r = rng.standard_normal(shape).astype(np.float32)
+        w = (1 + 0.1 * rng.standard_normal(shape[-1])).astype(np.float32)
+        want = CPUBackend.rms_norm(x, w, 1e-6)
+        got = cp.asnumpy(backend.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6))
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+        total, normed = backend.rms_norm_residual(cp.asarray(x), cp.asarray(r), cp.asarray(w), 1e-6)
+        np.testing.assert_array_equal(cp.asnumpy(total), x + r)
+        np.testing.assert_allclose(cp.asnumpy(normed), CPUBackend.rms_norm(x + r, w, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+ROPE_CASES = {
+    "neox": dict(base=1_000_000.0, n_rot=64),
+    "normal": dict(base=10_000.0, n_rot=64, neox=False),
+    "partial": dict(base=10_000.0, n_rot=32),
+    "freq_factors": dict(base=500_000.0, n_rot=64, freq_factors=tuple(1.0 + 0.25 * i for i in range(32))),
+    "linear": dict(base=10_000.0, n_rot=64, scaling="linear", factor=4.0),
+    "yarn": dict(base=1_000_000.0, n_rot=64, scaling="yarn", factor=4.0, original_ctx=32768),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_variants(backend, cp, case):
+    from cupyllm.config import RopeConfig
+    from cupyllm.rope import apply_rope, rope_tables
+    rope = RopeConfig(**ROPE_CASES[case])
+    rng = np.random.default_rng(9)
+    positions = np.array([0, 1, 7, 4095, 32768, 131071, 999_999])
+    x = rng.standard_normal((len(positions), 3, 64)).astype(np.float32)
+    cos, sin = rope_tables(rope, positions)
+    want = apply_rope(x, cos, sin, rope.neox)
+    got = cp.asnumpy(backend.rope(cp.asarray(x), rope, positions))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    if rope.n_rot < 64:
+        np.testing.assert_array_equal(got[..., rope.n_rot:], x[..., rope.n_rot:])
+
+
+def test_activations_and_softcap(backend, cp):
+    from cupyllm.backend.cpu import CPUBackend
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((7, 300)) * 4).astype(np.float32)
+    up = rng.standard_normal((7, 300)).astype(np.float32)
+    # GELU's 1 + tanh(.) cancels for negative x: a 2-ulp tanh (CUDA's tanhf) moves it by ~2.4e-7 * |x| / 2
+    for name, ref, atol in (("silu", CPUBackend.silu, 1e-7), ("gelu_tanh", CPUBackend.gelu_tanh, 4e-6)):
+        got = cp.asnumpy(getattr(backend, name)(cp.asarray(x)))
+        np.testing.assert_allclose(got, ref(x), rtol=1e-6, atol=atol)
+        gated = cp.asnumpy(backend.gated_act(cp.asarray(x), cp.asarray(up), name))
+        np.testing.assert_allclose(gated, ref(x) * up, rtol=1e-6, atol=atol * np.abs(up).max())
+    capped = cp.asnumpy(backend.softcap(cp.asarray(x * 10), 30.0))
+    np.testing.assert_allclose(capped, np.float32(30.0) * np.tanh(x * 10 / np.float32(30.0)), rtol=1e-6, atol=1e-6)
+
+
+# ---- KV cache and attention -------------------------------------------------------------------------------
+
+def _layer_pair(backend, kv_type: str, head_dim: int = 64, n_kv: int = 2, capacity: int = 40, ring: bool = False,
+                window: int = 0):
+    from cupyllm.backend.gpu_cache import device_layer_factory
+    from cupyllm.backend.gpu_kv import GpuKVCodec
+    from cupyllm.kv.cache import LayerKV
+    from cupyllm.kv.formats import get_format
+    fmt = get_format(kv_type, head_dim=head_dim)
+    make = device_layer_factory(lambda f, d, n: GpuKVCodec(f, d, n, registry=backend.registry), backend.inputs)
+    args = (fmt, fmt, n_kv, head_dim, head_dim)
+    options = dict(capacity=capacity, ring=ring, window=window)
+    return LayerKV(*args, **options), make(*args, **options)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0", "turbo3"])
+def test_device_cache_holds_the_cpu_cache_bytes(backend, cp, kv_type):
+    rng = np.random.default_rng(11)
+    for ring in (False, True):
+        cpu, gpu = _layer_pair(backend, kv_type, capacity=24 if ring else 60, ring=ring, window=16 if ring else 0)
+        for start, n in ((0, 13), (13, 1), (14, 20), (34, 1)):
+            positions = np.arange(start, start + n)
+            k = rng.standard_normal((n, 2, 64)).astype(np.float32)
+            v = rng.standard_normal((n, 2, 64)).astype(np.float32)
+            cpu.write(k, v, positions)
+            gpu.write(cp.asarray(k), cp.asarray(v), positions)
+        np.testing.assert_array_equal(cp.asnumpy(gpu.k_data), cpu.k_data)
+        np.testing.assert_array_equal(cp.asnumpy(gpu.v_data), cpu.v_data)
+        np.testing.assert_array_equal(cp.asnumpy(gpu.slot_pos), cpu.slot_pos)
+        assert gpu.n_used == cpu.n_used
+        k_gpu, v_gpu, pos_gpu = gpu.decode(0, gpu.n_used)
+        k_cpu, v_cpu, _ = cpu.decode(0, cpu.n_used)
+        np.testing.assert_array_equal(cp.asnumpy(k_gpu), k_cpu.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(cp.asnumpy(v_gpu), v_cpu.astype(np.float16).astype(np.float32))
+        gpu.clear()
+        assert gpu.n_used == 0 and int(cp.asnumpy(gpu.slot_pos).max()) == -1
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 20.0)])
+def test_decode_attention_matches_reference(backend, cp, window, softcap):
+    from cupyllm.attention.reference import attend, causal_mask
+    from cupyllm.backend.gpu_attention import attend_decoded
+    rng = np.random.default_rng(12)
+    cpu, gpu = _layer_pair(backend, "f16", capacity=64, n_kv=2, ring=window > 0, window=window)
+    positions = np.arange(0, 30)
+    k = rng.standard_normal((30, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((30, 2, 64)).astype(np.float32)
+    cpu.write(k, v, positions)
+    gpu.write(cp.asarray(k), cp.asarray(v), positions)
+    q_pos = np.array([3, 17, 29])
+    q = rng.standard_normal((3, 6, 64)).astype(np.float32)  # GQA: 3 query heads per KV head
+    kk, vv, kp = cpu.decode(0, cpu.n_used)
+    want, _ = attend(q, kk, vv, causal_mask(q_pos, kp, window), scale=0.125, softcap=softcap)
+    got = attend_decoded(cp.asarray(q), backend.inputs.int32(q_pos), gpu, scale=0.125, window=window,
+                         softcap=softcap, key_chunk=8)  # several chunks: the online softmax merges them
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- whole models -----------------------------------------------------------------------------------------
+
+def _numpy_forward(ops, transformer):
+    def forward(tokens, positions, cache, all_logits=False):
+        return ops.to_numpy(transformer.forward(tokens, positions, cache, all_logits))
+    return forward
+
+
+def _run(ops, path, ids, chunk: int, kv_type: str = "f16", decode_steps=()):
+    """All-position logits of `ids` prefilled in chunks of `chunk`, then the logits of one-token steps."""
+    from cupyllm.generate import prefill
+    from cupyllm.gguf_io import read_gguf
+    from cupyllm.kv.cache import KVCache, KVSpec
+    from cupyllm.models.build import Transformer
+    transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
+    spec = KVSpec(ctx=128, kv_type_k=kv_type, kv_type_v=kv_type, max_chunk=max(chunk, 1))
+    if ops.name == "gpu":
+        cache = ops.new_cache(transformer.cfg, spec)
+    else:
+        cache = KVCache.for_model(transformer.cfg, spec, mirror=ops.kv_mirror)
+    forward = _numpy_forward(ops, transformer)
+    logits = [prefill(forward, ids, cache, chunk, all_logits=True)]
+    for token in decode_steps:
+        logits.append(forward(np.array([token]), np.array([cache.n_past]), cache))
+        cache.n_past += 1
+    return np.concatenate(logits)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch):
+    """Prefill in GEMV-sized chunks, then decode steps (gemma3's 6-token window is crossed), against the CPU
+    engine; then both prefill paths (f16 W and x) over the whole prompt."""
+    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.backend.gpu import GPUBackend
+    path, _, _ = tiny_model(arch)
+    ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
+    steps = [9, 120, 4]
+    want = _run(CPUBackend(), path, ids, chunk=4, decode_steps=steps)
+    scale = np.abs(want).max()
+    got = _run(GPUBackend(attention="decode"), path, ids, chunk=4, decode_steps=steps)
+    assert np.abs(got - want).max() <= 2e-4 * scale
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    for prefill_path in ("cublas", "mma"):
+        got = _run(GPUBackend(prefill=prefill_path, attention="decode"), path, ids, chunk=len(ids))
+        assert np.abs(got - want[:len(ids)]).max() <= 5e-3 * scale, prefill_path
+
+
+@pytest.fixture(scope="module")
+def flash_sized_models(tmp_path_factory):
+    """Tiny models with head_dim 64, a size the flash-attention kernels (attention/dispatch.py) cover."""
+    import make_tiny_models
+    out = {}
+    for arch, n_layer in (("qwen2", 2), ("gemma3", 6)):
+        path = tmp_path_factory.mktemp("flash") / f"tiny-{arch}-64.gguf"
+        make_tiny_models.write_gguf(make_tiny_models.TinySpec(arch, n_layer=n_layer, head_dim=64), path)
+        out[arch] = path
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_tiny_model_with_flash_attention(flash_sized_models, arch):
+    """The whole engine with the in-register flash attention against the CPU engine (same bounds)."""
+    pytest.importorskip("cupyllm.attention.dispatch")
+    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.backend.gpu import GPUBackend
+    path = flash_sized_models[arch]
+    ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
+    steps = [9, 120, 4]
+    want = _run(CPUBackend(), path, ids, chunk=4, decode_steps=steps)
+    scale = np.abs(want).max()
+    ops = GPUBackend(attention="dispatch")
+    got = _run(ops, path, ids, chunk=4, decode_steps=steps)
+    assert np.abs(got - want).max() <= 2e-4 * scale
+    got = _run(ops, path, ids, chunk=len(ids))
+    assert np.abs(got - want[:len(ids)]).max() <= 5e-3 * scale
+
+
+@pytest.mark.parametrize("attention", ["decode", "dispatch"])
+def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention):
+    """DecodeGraphs gives the eager logits step by step; on a GPU the steps after the first of a bucket replay
+    a captured graph (CuPy stream capture), with either attention path."""
+    from cupyllm.backend.gpu import GPUBackend
+    from cupyllm.generate import prefill
+    from cupyllm.gguf_io import read_gguf
+    from cupyllm.kv.cache import KVSpec
+    from cupyllm.models.build import Transformer
+    if attention == "dispatch":
+        pytest.importorskip("cupyllm.attention.dispatch")
+    path = flash_sized_models["qwen2"]
+    ops = GPUBackend(attention=attention)
+    transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
+    spec = KVSpec(ctx=64, max_chunk=8)
+    eager_cache, graph_cache = ops.new_cache(transformer.cfg, spec), ops.new_cache(transformer.cfg, spec)
+    eager = _numpy_forward(ops, transformer)
+    graphs = ops.decode_forward(transformer.forward, min_bucket=16)
+    prompt = [5, 17, 99, 3, 42]
+    prefill(eager, prompt, eager_cache, 8)
+    prefill(eager, prompt, graph_cache, 8)
+    for token in [7, 11, 64, 200, 1, 33, 18, 77, 9, 120, 4, 6, 8, 10, 12, 14]:  # crosses the 16-slot bucket
+        want = eager(np.array([token]), np.array([eager_cache.n_past]), eager_cache)
+        got = ops.to_numpy(graphs(np.array([token]), np.array([graph_cache.n_past]), graph_cache))
+        eager_cache.n_past += 1
+        graph_cache.n_past += 1
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if not _emulated():  # the emulator has no stream capture: the runner must have fallen back to eager steps
+        assert graphs.enabled, f"graph capture failed: {graphs.disabled_reason}"
+        assert graphs.captures == 2 and graphs.replays == 14
+
+
+def test_import_without_cupy():
+    code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
+            "import cupyllm, cupyllm.backend.gpu as g, cupyllm.backend.gpu_kernels as k\n"
+            "assert k.kernel_sets()\n"
+            "from cupyllm.errors import DeviceError\n"
+            "try:\n    g.GPUBackend()\n    raise SystemExit('GPUBackend built without CuPy')\n"
+            "except DeviceError:\n    pass\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+# ---- the real models -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma", "qwen"])
+def test_real_model_logits_match_transformers(name):
+    """HF transformers' stored top-32 logits (tests/data/hf_reference_*.npz): the GEMV path (chunks of 8) within
+    the CPU engine's bound, the f16 prefill paths within their stated one."""
+    if _emulated():
+        pytest.skip("the real models are too large for the CPU emulator")
+    from cupyllm.backend.gpu import GPUBackend
+    from models import gemma_path, qwen_path
+    path = {"gemma": gemma_path, "qwen": qwen_path}[name]()
+    ref = np.load(REPO / "tests" / "data" / f"hf_reference_{name}.npz")
+    ids = ref["ids_0"].tolist()
+    top_idx, top_val = ref["top_idx_0"].astype(np.int64), ref["top_val_0"]
+    for prefill_path, chunk, bound, agree in (("cublas", 8, 0.02, 1.0), ("cublas", 512, 0.1, 0.95),
+                                              ("mma", 512, 0.1, 0.95)):
+        logits = _run(GPUBackend(prefill=prefill_path), path, ids, chunk=chunk)
+        diff = np.abs(np.take_along_axis(logits, top_idx, axis=-1) - top_val).max()
+        assert diff <= bound, f"{name} {prefill_path} chunk {chunk}: max |dlogit| over HF's top-32 = {diff}"
+        assert np.mean(logits.argmax(-1) == top_idx[:, 0]) >= agree
