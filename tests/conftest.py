@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight GGUF models written by tools/make_tiny_models.py (with their HF twins)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
+
+# CUPYLLM_EMULATE=1 runs the GPU tests on the CPU emulator (tools/cuda_emu/README.md): its NumPy-backed
+# `cupy` must shadow a real CuPy before any test module imports one. Never active otherwise.
+if os.environ.get("CUPYLLM_EMULATE") == "1":
+    if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "__cupyllm_emulated__", False):
+        raise RuntimeError("CUPYLLM_EMULATE=1 but the real cupy was imported before tests/conftest.py")
+    sys.path.insert(0, str(ROOT / "tools" / "cuda_emu" / "fakecupy"))
 
 import make_tiny_models  # noqa: E402
 

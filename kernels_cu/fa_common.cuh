@@ -1,0 +1,390 @@
+// Pieces shared by the flash-attention kernels (fa_vec.cu, fa_mma.cu, fa_combine.cu): reading 8 values of
+// a cached row at a time (Chunk8), the runtime KV-format dispatch (with_format / read_chunk), staging raw
+// cache rows in shared memory with cp.async (StagedRows / stage_rows), the attention mask and key ranges.
+//
+// Semantics (cupyllm/attention/reference.py): for query row (i, h) and cache slot j,
+//   s = (q_i . k_j) * scale; s = softcap * tanh(s / softcap) if softcap > 0;
+//   s += mask[i, j] if a mask is given (mask_stride > 0: float32 [n_q, mask_stride], indexed by slot);
+//   key j is used iff 0 <= pos_j <= pos_i and (window <= 0 or pos_i - pos_j < window), with
+//   pos_j = slot_pos[j] (int32, -1: an empty slot) and pos_i = q_pos[i] (int32);
+//   O = softmax(s) V, LSE = log sum_j exp(s_j) (natural log); a row with no usable key: O = 0, LSE = -inf.
+// The kernels see Q already multiplied by `scale` and, for rotated K formats, rotated (fa_prep_q); with a
+// rotated V format O comes out rotated and fa_combine unrotates it.
+//
+// Layouts: cache [n_slots, n_kv, row_bytes] uint8 (cupyllm/kv), Q [n_q, n_head, D], O [n_q, n_head, D],
+// LSE [n_q, n_head]. Query head h reads KV head h / (n_head / n_kv). Split results ("partials"):
+// O_part [n_split, n_q, n_head, D] (each normalised by its own sum) and LSE_part [n_split, n_q, n_head];
+// fa_combine merges them exactly as reference.merge does.
+#pragma once
+
+#include "kv_formats.cuh"
+#include "mma.cuh"
+
+namespace cupyllm {
+
+constexpr int kFaThreads = 128;  // every flash-attention block: 4 warps
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ---- 8 consecutive values of a row: Chunk8<Fmt>::read(row, c, table, v) gives values 8c .. 8c+7 ------
+// Bit-identical to load_kv_value<Fmt> (kv_formats.cuh) value by value; written per format so that the
+// bytes of a chunk are read once (scale/norm once per chunk, codes with a few wide loads).
+// Row alignment: f32/f16/bf16 rows must be 16-byte aligned (they are: head_dim >= 64); block formats
+// need only their blocks' 2-byte alignment.
+
+template <class Fmt>
+struct Chunk8 {  // any format: value by value through kv_formats.cuh
+    __device__ static void read(const u8* row, int c, const float* table, float (&v)[8]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = load_kv_value<Fmt>(row, 8 * c + i, table);
+    }
+};
+
+template <>
+struct Chunk8<FmtF32> {
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const float4 a = reinterpret_cast<const float4*>(row)[2 * c];
+        const float4 b = reinterpret_cast<const float4*>(row)[2 * c + 1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    }
+};
+
+template <>
+struct Chunk8<FmtF16> {
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const uint4 w = reinterpret_cast<const uint4*>(row)[c];  // one 16-byte load
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = f16_bits_to_float(static_cast<u16>(words[i] & 0xFFFFu));
+            v[2 * i + 1] = f16_bits_to_float(static_cast<u16>(words[i] >> 16));
+        }
+    }
+};
+
+template <>
+struct Chunk8<FmtBF16> {
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const uint4 w = reinterpret_cast<const uint4*>(row)[c];
+        const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            v[2 * i] = __uint_as_float(words[i] << 16);
+            v[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+        }
+    }
+};
+
+// 8 bytes at a 2-byte aligned address, as two little-endian u32 words.
+__device__ __forceinline__ void load_8_bytes_2aligned(const u8* p, u32& lo, u32& hi) {
+    lo = load_u32_2aligned(p);
+    hi = load_u32_2aligned(p + 4);
+}
+
+__device__ __forceinline__ int byte_of(u32 lo, u32 hi, int i) {  // byte i (0..7) of the pair lo, hi
+    return static_cast<int>(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xFFu);
+}
+
+// float(q - kOffset) for 0 <= q < 2^23, exactly, without an int->float conversion instruction (those run
+// at a quarter of the FMA rate): 2^23 + q is the float whose mantissa bits are q, then one exact add.
+template <int kOffset>
+__device__ __forceinline__ float small_int_to_float(int q) {
+    return __int_as_float(0x4B000000 | q) - (8388608.0f + static_cast<float>(kOffset));
+}
+
+template <>
+struct Chunk8<FmtQ8_0> {  // {f16 d; i8 qs[32]}: chunk k of a block is qs[8k .. 8k+7]
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const u8* block = row + (c >> 2) * FmtQ8_0::kBlockBytes;
+        const float d = block_f16(block, 0);
+        u32 lo, hi;
+        load_8_bytes_2aligned(block + 2 + 8 * (c & 3), lo, hi);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // the int8 q as (q + 128) - 128: the byte with its sign bit flipped
+            v[i] = __fmul_rn(small_int_to_float<128>(byte_of(lo, hi, i) ^ 0x80), d);
+        }
+    }
+};
+
+// The 4-bit parts of a 32-value llama.cpp block: value j is the low nibble of qs[j] (j < 16) or the
+// high nibble of qs[j - 16]. Chunk k (values 8k .. 8k+7) uses bytes qs[8 (k & 1) ..] and nibble k >> 1.
+__device__ __forceinline__ void nibbles_of_chunk(const u8* qs, int k, int (&q)[8]) {
+    u32 lo, hi;
+    load_8_bytes_2aligned(qs + 8 * (k & 1), lo, hi);
+    const int shift = (k >> 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = (byte_of(lo, hi, i) >> shift) & 0xF;
+}
+
+template <>
+struct Chunk8<FmtQ4_0> {  // {f16 d; u8 qs[16]}: (q - 8) * d
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const u8* block = row + (c >> 2) * FmtQ4_0::kBlockBytes;
+        const float d = block_f16(block, 0);
+        int q[8];
+        nibbles_of_chunk(block + 2, c & 3, q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(small_int_to_float<8>(q[i]), d);
+    }
+};
+
+template <>
+struct Chunk8<FmtQ4_1> {  // {f16 d; f16 m; u8 qs[16]}: d * q + m (two roundings)
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const u8* block = row + (c >> 2) * FmtQ4_1::kBlockBytes;
+        const float d = block_f16(block, 0), m = block_f16(block, 2);
+        int q[8];
+        nibbles_of_chunk(block + 4, c & 3, q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fadd_rn(__fmul_rn(d, small_int_to_float<0>(q[i])), m);
+    }
+};
+
+template <>
+struct Chunk8<FmtQ5_0> {  // {f16 d; u32 qh; u8 qs[16]}: bit j of qh is bit 4 of q_j; (q - 16) * d
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const u8* block = row + (c >> 2) * FmtQ5_0::kBlockBytes;
+        const float d = block_f16(block, 0);
+        const u32 high = load_u32_2aligned(block + 2) >> (8 * (c & 3));
+        int q[8];
+        nibbles_of_chunk(block + 6, c & 3, q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int qi = q[i] | static_cast<int>(((high >> i) & 1u) << 4);
+            v[i] = __fmul_rn(small_int_to_float<16>(qi), d);
+        }
+    }
+};
+
+template <>
+struct Chunk8<FmtQ5_1> {  // {f16 d; f16 m; u32 qh; u8 qs[16]}: d * q + m
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const u8* block = row + (c >> 2) * FmtQ5_1::kBlockBytes;
+        const float d = block_f16(block, 0), m = block_f16(block, 2);
+        const u32 high = load_u32_2aligned(block + 4) >> (8 * (c & 3));
+        int q[8];
+        nibbles_of_chunk(block + 8, c & 3, q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int qi = q[i] | static_cast<int>(((high >> i) & 1u) << 4);
+            v[i] = __fadd_rn(__fmul_rn(d, small_int_to_float<0>(qi)), m);
+        }
+    }
+};
+
+template <>
+struct Chunk8<FmtQ6_0> {  // {f16 d; u8 qh[8]; u8 qs[16]}: high bits of e in qh[e % 8] (FmtQ6_0::high_shift)
+    __device__ static void read(const u8* row, int c, const float*, float (&v)[8]) {
+        const u8* block = row + (c >> 2) * FmtQ6_0::kBlockBytes;
+        const float d = block_f16(block, 0);
+        const int k = c & 3;
+        const int shift = 2 * (2 * (k & 1) + (k >> 1));  // high_shift(8k + i), the same for all i
+        u32 qh_lo, qh_hi;
+        load_8_bytes_2aligned(block + 2, qh_lo, qh_hi);
+        int q[8];
+        nibbles_of_chunk(block + 10, k, q);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int qi = q[i] | (((byte_of(qh_lo, qh_hi, i) >> shift) & 3) << 4);
+            v[i] = __fmul_rn(small_int_to_float<32>(qi), d);
+        }
+    }
+};
+
+// kBytes (<= 4) bytes from p as a little-endian word, read byte by byte (no alignment needed).
+template <int kBytes>
+__device__ __forceinline__ u32 load_bytes_le(const u8* p) {
+    u32 w = 0;
+#pragma unroll
+    for (int i = 0; i < kBytes; ++i) w |= static_cast<u32>(p[i]) << (8 * i);
+    return w;
+}
+
+template <int kBits, int G>
+struct Chunk8<FmtTurbo<kBits, G>> {  // {f16 norm; codes LSB first}: factor * LEVELS[code]
+    using F = FmtTurbo<kBits, G>;
+    __device__ static void read(const u8* row, int c, const float* table, float (&v)[8]) {
+        constexpr int kChunksPerGroup = G / 8;
+        const u8* block = row + (c / kChunksPerGroup) * F::kBlockBytes;
+        const int k = c % kChunksPerGroup;
+        const float factor = rotated_group_factor<G>(block);
+        const u32 codes = load_bytes_le<kBits>(block + 2 + k * kBits);  // 8 codes = kBits whole bytes
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(factor, table[(codes >> (i * kBits)) & ((1u << kBits) - 1u)]);
+    }
+};
+
+template <int kK, int kL, int G>
+struct Chunk8<FmtTcq<kK, kL, G>> {  // state_t = kL-bit window at stream bit t * kK: factor * CODEBOOK[state]
+    using F = FmtTcq<kK, kL, G>;
+    static_assert(7 * kK + kL <= 32, "the 8 windows of a chunk fit one 32-bit word");
+    __device__ static void read(const u8* row, int c, const float* table, float (&v)[8]) {
+        constexpr int kChunksPerGroup = G / 8;
+        const u8* block = row + (c / kChunksPerGroup) * F::kBlockBytes;
+        const int k = c % kChunksPerGroup;
+        const float factor = rotated_group_factor<G>(block);
+        // windows 8k .. 8k+7 span stream bits [8k kK, 8k kK + 7 kK + kL): 4 bytes from byte k kK (the last
+        // chunk may read a byte of the block's zero padding, never past the block)
+        const u32 bits = load_bytes_le<4>(block + 2 + k * kK);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(factor, table[(bits >> (i * kK)) & ((1u << kL) - 1u)]);
+    }
+};
+
+// ---- runtime KV format ids ----------------------------------------------------------------------------
+// The kernels are compiled once per head dim and read any K format with any V format: the format is a
+// block-uniform runtime id, and only the chunk read is dispatched on it (a jump table per chunk of 8
+// values), so the per-format code is the small Chunk8 reader while the arithmetic is shared. One
+// instantiation per (head dim, K, V) would cost ~4 s of NVRTC time each, for 784 pairs.
+// The ids are cupyllm.kv.formats.list_formats() order (cupyllm/attention/gpu_kernels.py FORMAT_IDS).
+enum FaFormatId : int {
+    kFaF32 = 0, kFaF16, kFaBF16, kFaQ8_0, kFaQ6_0, kFaQ5_1, kFaQ5_0, kFaQ4_1, kFaQ4_0,
+    kFaTurbo4, kFaTurbo3, kFaTurbo2, kFaTurbo3Tcq, kFaTurbo2Tcq, kFaFormatCount
+};
+
+// Calls fn(Fmt{}) with the kv_formats.cuh type of format `id`; rotated formats use groups of G values.
+template <int G, class Fn>
+__device__ __forceinline__ void with_format(int id, Fn&& fn) {
+    switch (id) {
+        case kFaF32: fn(FmtF32{}); break;
+        case kFaF16: fn(FmtF16{}); break;
+        case kFaBF16: fn(FmtBF16{}); break;
+        case kFaQ8_0: fn(FmtQ8_0{}); break;
+        case kFaQ6_0: fn(FmtQ6_0{}); break;
+        case kFaQ5_1: fn(FmtQ5_1{}); break;
+        case kFaQ5_0: fn(FmtQ5_0{}); break;
+        case kFaQ4_1: fn(FmtQ4_1{}); break;
+        case kFaQ4_0: fn(FmtQ4_0{}); break;
+        case kFaTurbo4: fn(FmtTurbo4<G>{}); break;
+        case kFaTurbo3: fn(FmtTurbo3<G>{}); break;
+        case kFaTurbo2: fn(FmtTurbo2<G>{}); break;
+        case kFaTurbo3Tcq: fn(FmtTurbo3Tcq<G>{}); break;
+        case kFaTurbo2Tcq: fn(FmtTurbo2Tcq<G>{}); break;
+        default: __trap();  // the launcher validates ids; never reached
+    }
+}
+
+// Values 8c .. 8c+7 of a row of format `id` (Chunk8 of that format). A functor, not a lambda: NVRTC
+// treats lambdas in device code as host functions.
+struct ReadChunk {
+    const u8* row;
+    int c;
+    const float* table;
+    float (&v)[8];
+    template <class Fmt>
+    __device__ void operator()(Fmt) const { Chunk8<Fmt>::read(row, c, table, v); }
+};
+
+template <int G>
+__device__ __forceinline__ void read_chunk(int id, const u8* row, int c, const float* table, float (&v)[8]) {
+    with_format<G>(id, ReadChunk{row, c, table, v});
+}
+
+// Rotated formats store groups of G = min(128, head_dim) values.
+template <int D>
+struct GroupOf { static constexpr int value = D < 128 ? D : 128; };
+
+// ---- raw rows staged in shared memory (cp.async) -----------------------------------------------------
+// Row r of a cache (r = slot * n_kv + head) starts at byte r * row_bytes of a 16-byte aligned buffer,
+// so rows are `align`-aligned, align = the largest power of two (<= 16) dividing row_bytes. Rows are
+// copied in align-byte words; rows that are only 2-byte aligned (turbo at G = 128: 66, 50, 34 bytes) in
+// the 4-byte words that cover them, placed so that row byte 0 lands at offset() in its slot.
+// gpu_kernels.py mirrors slot_bytes (it sizes the shared memory).
+struct StagedRows {
+    int row_bytes, align, word_bytes, words, slot_bytes;
+
+    __device__ static StagedRows of(int row_bytes) {
+        StagedRows s;
+        s.row_bytes = row_bytes;
+        s.align = row_bytes % 16 == 0 ? 16 : row_bytes % 8 == 0 ? 8 : row_bytes % 4 == 0 ? 4 : 2;
+        s.word_bytes = s.align >= 4 ? s.align : 4;
+        s.words = s.align >= 4 ? row_bytes / s.word_bytes : (row_bytes + 2) / 4;
+        // whole 16-byte units, and not a multiple of 128 bytes: threads reading the same offset of
+        // consecutive rows then hit different banks
+        const int slot = (s.words * s.word_bytes + 15) / 16 * 16;
+        s.slot_bytes = slot % 128 == 0 ? slot + 16 : slot;
+        return s;
+    }
+    __device__ int offset(long long row) const {  // where row byte 0 sits in its slot
+        return align >= 4 ? 0 : static_cast<int>(row & 1) * 2;  // row_bytes = 2 mod 4, buffer 16-aligned
+    }
+};
+
+template <int kWordBytes>
+__device__ __forceinline__ void stage_words(const StagedRows& L, u8* smem, const u8* cache, long long first_slot,
+                                            int n_rows_tile, int n_valid, int n_kv, int head, int tid) {
+    for (int task = tid; task < n_rows_tile * L.words; task += kFaThreads) {
+        const int j = task / L.words;
+        const int w = task - j * L.words;
+        const bool valid = j < n_valid;
+        const u8* src = cache + ((first_slot + j) * n_kv + head) * L.row_bytes + w * kWordBytes;
+        cp_async<kWordBytes>(smem + j * L.slot_bytes + w * kWordBytes, valid ? src : cache, valid);
+    }
+}
+
+// Issue the copies of rows `first_slot + j` (j < n_rows_tile) of KV head `head` into smem slots j;
+// slots j >= n_valid are zero-filled (zero bytes decode to 0 in every format). `n_cache_rows` =
+// n_slots * n_kv: the covering words of the very last row must not read past the buffer.
+__device__ __forceinline__ void stage_rows(const StagedRows& L, u8* smem, const u8* cache, long long first_slot,
+                                           int n_rows_tile, int n_valid, int n_kv, int head,
+                                           long long n_cache_rows, int tid) {
+    switch (L.align) {
+        case 16: stage_words<16>(L, smem, cache, first_slot, n_rows_tile, n_valid, n_kv, head, tid); return;
+        case 8: stage_words<8>(L, smem, cache, first_slot, n_rows_tile, n_valid, n_kv, head, tid); return;
+        case 4: stage_words<4>(L, smem, cache, first_slot, n_rows_tile, n_valid, n_kv, head, tid); return;
+        default: break;
+    }
+    for (int task = tid; task < n_rows_tile * L.words; task += kFaThreads) {
+        const int j = task / L.words;
+        const int w = task - j * L.words;
+        const bool valid = j < n_valid;
+        const long long row = (first_slot + j) * n_kv + head;
+        const u8* word = cache + row * L.row_bytes - L.offset(row) + 4 * w;
+        u8* dst = smem + j * L.slot_bytes + 4 * w;
+        if (valid && w == L.words - 1 && L.offset(row) == 0 && row == n_cache_rows - 1) {
+            *reinterpret_cast<u16*>(dst) = load_u16(word);  // the last 2 bytes of the buffer
+        } else {
+            cp_async<4>(dst, valid ? word : cache, valid);
+        }
+    }
+}
+
+// ---- mask ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool key_visible(long long key_pos, long long query_pos, int window) {
+    return key_pos >= 0 && key_pos <= query_pos && (window <= 0 || query_pos - key_pos < window);
+}
+
+__device__ __forceinline__ float apply_softcap(float s, float softcap) {
+    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+}
+
+// Key range [begin, end) of one split. When slot j holds position j (a non-ring cache), keys after the
+// last query position or before the window of the first one are all masked: skip them.
+struct KeyRange {
+    int begin, end;
+};
+
+__device__ __forceinline__ KeyRange split_key_range(int split, int keys_per_split, int n_keys, bool slots_are_positions,
+                                                    long long min_qpos, long long max_qpos, int window) {
+    long long begin = static_cast<long long>(split) * keys_per_split;
+    long long end = min(static_cast<long long>(n_keys), begin + keys_per_split);
+    if (slots_are_positions) {
+        end = min(end, max_qpos + 1);
+        if (window > 0) begin = max(begin, min_qpos - window + 1);
+    }
+    return KeyRange{static_cast<int>(begin), static_cast<int>(max(begin, end))};
+}
+
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
+
+// Row r (0 <= r < n_q * group) of KV head kh: query r / group, head kh * group + r % group.
+struct RowIndex {
+    int query, head;
+};
+__device__ __forceinline__ RowIndex row_index(int r, int group, int kh) {
+    return RowIndex{r / group, kh * group + r % group};
+}
+
+}  // namespace cupyllm
