@@ -1,24 +1,31 @@
 // The small kernels around fa_vec / fa_mma (fa_common.cuh describes the shapes):
-//   fa_prep_q<kRotG, QT, OT>    Q * scale, rotated per group when the K format is rotated, as f32 (VEC) or f16 (MMA)
+//   fa_prep_q<kRotG, QT, OT>    Q * scale, rotated per group when the K format is rotated, as f32 (VEC) or f16 (MMA);
+//                               up to three Q arrays into one (Dual Chunk Attention's rotations, one launch)
 //   fa_combine<kRotG, OT>       merge the split results by their LSE; unrotate O when the V format is rotated
 //   fa_chunk_check<G>           test aid: read_chunk (Chunk8) next to load_kv_value for every value of some rows
 #include "fa_common.cuh"
 
 // ---- Q preparation: out = scale * q, rotated per group of kRotG values when the K format is rotated -------
-// One warp per (row, group); G = kRotG, or 32 (no rotation). q, out: [n_rows, d] contiguous.
+// One warp per (row, group); G = kRotG, or 32 (no rotation). q, q_b, q_c: [n_rows, d] contiguous, of which the
+// first n_parts (1 to 3) are read; out: [n_parts, n_rows, d] (DCA: the intra, successive, inter rotations).
 template <int kRotG, class QT, class OT>
 __global__ void __launch_bounds__(cupyllm::kFaThreads)
-fa_prep_q(const QT* __restrict__ q, OT* __restrict__ out, int n_rows, int d, float scale) {
+fa_prep_q(const QT* __restrict__ q, const QT* __restrict__ q_b, const QT* __restrict__ q_c, OT* __restrict__ out,
+          int n_rows, int n_parts, int d, float scale) {
     using namespace cupyllm;
     constexpr int G = kRotG > 0 ? kRotG : 32;
     const int lane = threadIdx.x % 32;
     const long long item = static_cast<long long>(blockIdx.x) * (kFaThreads / 32) + threadIdx.x / 32;
     const int groups_per_row = d / G;
-    if (item >= static_cast<long long>(n_rows) * groups_per_row) return;  // uniform per warp
-    const long long base = item * G;  // rows are contiguous, so (row, group) -> offset item * G
+    const long long items_per_part = static_cast<long long>(n_rows) * groups_per_row;
+    if (item >= n_parts * items_per_part) return;  // uniform per warp
+    const long long part = item / items_per_part;
+    const QT* src = part == 0 ? q : part == 1 ? q_b : q_c;
+    const long long base = item * G;  // rows are contiguous, so (part, row, group) -> offset item * G
+    const long long src_base = base - part * items_per_part * G;
     float v[G / 32];
 #pragma unroll
-    for (int s = 0; s < G / 32; ++s) v[s] = __fmul_rn(to_float(q[base + s * 32 + lane]), scale);
+    for (int s = 0; s < G / 32; ++s) v[s] = __fmul_rn(to_float(src[src_base + s * 32 + lane]), scale);
     if constexpr (kRotG > 0) warp_rotate<G>(v, lane);
 #pragma unroll
     for (int s = 0; s < G / 32; ++s) store_out(&out[base + s * 32 + lane], v[s]);

@@ -376,6 +376,61 @@ __device__ __forceinline__ KeyRange split_key_range(int split, int keys_per_spli
     return KeyRange{static_cast<int>(begin), static_cast<int>(max(begin, end))};
 }
 
+// ---- Dual Chunk Attention: the query rotation of each (query, key) pair (cupyllm/attention/dca.py) ----------
+// The DCA instantiations (kDca = true) read Q in three rotations, Q [3][n_q][n_head][D] (intra, successive,
+// inter, each scaled and, for rotated K formats, rotated by fa_prep_q), and score key j for query i with
+//   regime = min(chunk(pos_i) - chunk(pos_j), 2),  chunk(p) = p / chunk_len   (true positions, slot_pos),
+// everything else (mask, softcap, online softmax, P V, splits, combine) unchanged: one pass over the keys,
+// one softmax. Per key tile the kernels make one pass per regime the tile can hold (a bit mask computed
+// by every warp alike, so block-uniform): a tile within one chunk, the common case, costs one pass with
+// the Q of that regime; a tile across a chunk boundary costs two, each keeping only its regime's scores.
+constexpr int kDcaRegimes = 3;
+
+// The query rows of one block as DCA sees them: chunks [chunk_lo, chunk_hi] of the rows that have a
+// position, the largest position (chunk_hi = -1: no row sees any key).
+struct DcaRows {
+    int chunk_len, chunk_lo, chunk_hi, pos_hi;
+};
+
+__device__ __forceinline__ int dca_chunk(int pos, int chunk_len) { return pos >= 0 ? pos / chunk_len : -1; }
+
+__device__ __forceinline__ int dca_regime(int query_chunk, int key_chunk) {
+    return min(query_chunk - key_chunk, 2);
+}
+
+// The regimes (bit r: regime r) key `key_pos` can take with the rows of `rows`: a superset of those of its
+// visible (row, key) pairs, exact when the rows share one chunk (decode).
+__device__ __forceinline__ u32 dca_key_regimes(int key_pos, const DcaRows& rows) {
+    if (key_pos < 0 || key_pos > rows.pos_hi) return 0u;  // no row sees it
+    const int key_chunk = key_pos / rows.chunk_len;
+    const int lo = min(max(rows.chunk_lo - key_chunk, 0), 2), hi = min(rows.chunk_hi - key_chunk, 2);
+    return hi < lo ? 0u : ((2u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+
+// The regimes of the first n_valid keys of a tile (positions `pos`), the same in every warp.
+__device__ __forceinline__ u32 dca_tile_regimes(const int* pos, int n_valid, const DcaRows& rows, int lane) {
+    u32 bits = 0u;
+    for (int j = lane; j < n_valid; j += 32) bits |= dca_key_regimes(pos[j], rows);
+    return warp_or(bits);
+}
+
+// The next regime to run of the (nonzero) set `todo`: `loaded` when present (its Q is in place), else the lowest.
+__device__ __forceinline__ int dca_next_regime(u32 todo, int loaded) {
+    return loaded >= 0 && ((todo >> loaded) & 1u) != 0u ? loaded : __ffs(static_cast<int>(todo)) - 1;
+}
+
+// DcaRows of `n_rows` row positions (-1: a row without position); one thread calls it.
+__device__ __forceinline__ DcaRows dca_rows_of(const long long* row_qpos, int n_rows, int chunk_len) {
+    int lo = -1, hi = -1;
+    for (int r = 0; r < n_rows; ++r) {
+        const int p = static_cast<int>(row_qpos[r]);
+        if (p < 0) continue;
+        lo = lo < 0 ? p : min(lo, p);
+        hi = max(hi, p);
+    }
+    return DcaRows{chunk_len, dca_chunk(lo, chunk_len), dca_chunk(hi, chunk_len), hi};
+}
+
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
 

@@ -21,6 +21,12 @@
 // re-used in registers as the A operand of O += P V (the accumulator layout of two n8 tiles is the A
 // layout of one k16 step).
 //
+// fa_mma<D, kDecode, true>: Dual Chunk Attention (fa_common.cuh). q holds the three rotations; the Q tile
+// in shared memory holds one of them, reloaded while a tile is dequantized when the tile holds one regime
+// only and it is another (a few times per block: the keys are walked in slot order). A tile with several
+// regimes (across a chunk boundary of a regime change: at most about two per row block) keeps the tensor-core
+// scores of the regime in shared memory and recomputes the other visible pairs one by one.
+//
 // Grid: (ceil(n_q * group / kRows), n_split, n_kv); block 128 threads; dynamic shared memory
 // MmaLayout::bytes (mirrored in cupyllm/attention/gpu_kernels.py; the kernel traps if given less).
 // Outputs as fa_vec (fa_common.cuh).
@@ -95,16 +101,66 @@ __device__ __forceinline__ u32 smem_u32(const __half* base, int half_index) {  /
     return *reinterpret_cast<const u32*>(base + half_index);
 }
 
+
+// The f16 Q tile: rows r < rows_here of q [n_q][n_head][D] (row r = (query r / group, head r % group) of
+// KV head kh), zero past the end; row stride kQStride halves. Every thread of the block takes part.
+template <int D, int kRows, int kQStride>
+__device__ __forceinline__ void load_q_tile(__half* q_s, const __half* q, int rows_here, int row0, int group, int kh,
+                                            int n_head, int tid) {
+    constexpr int kChunks = D / 8;
+    for (int task = tid; task < kRows * kChunks; task += kFaThreads) {
+        const int r = task / kChunks, c = task % kChunks;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (r < rows_here) {
+            const RowIndex ri = row_index(row0 + r, group, kh);
+            w = reinterpret_cast<const uint4*>(q + (static_cast<long long>(ri.query) * n_head + ri.head) * D)[c];
+        }
+        *reinterpret_cast<uint4*>(q_s + r * kQStride + 8 * c) = w;
+    }
+}
+
+// DCA: q . k of one f16 Q row (global memory) and one f16 K row (shared memory), f32 sums. Out of line:
+// the rare tiles that need it do not cost the main loop registers.
+template <int D>
+__device__ __noinline__ float dca_pair_score(const __half* q_row, const __half* k_row) {
+    float sum = 0.0f;
+#pragma unroll 4
+    for (int c = 0; c < D; c += 2) {
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(q_row + c));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(k_row + c));
+        sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+    }
+    return sum;
+}
+
+// s += Q K^T for one warp's 16 Q rows (q_rows, row stride kQStride) and kWarpKeys keys from k_keys.
+template <int D, int kWarpKeys, int kQStride>
+__device__ __forceinline__ void qk_tile(float (&s)[kWarpKeys / 8][4], const __half* q_rows, const __half* k_keys,
+                                        int g, int t) {
+#pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        const u32 a[4] = {smem_u32(q_rows, g * kQStride + k0 + 2 * t), smem_u32(q_rows, (g + 8) * kQStride + k0 + 2 * t),
+                          smem_u32(q_rows, g * kQStride + k0 + 8 + 2 * t),
+                          smem_u32(q_rows, (g + 8) * kQStride + k0 + 8 + 2 * t)};
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / 8; ++n) {
+            const __half* k_rows = k_keys + (n * 8 + g) * kQStride;
+            const u32 b[2] = {smem_u32(k_rows, k0 + 2 * t), smem_u32(k_rows, k0 + 8 + 2 * t)};
+            mma_m16n8k16_f16_f32(s[n], a, b, s[n]);
+        }
+    }
+}
+
 }  // namespace cupyllm
 
-template <int D, bool kDecode>
+template <int D, bool kDecode, bool kDca = false>
 __global__ void __launch_bounds__(cupyllm::kFaThreads)
 fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, const cupyllm::u8* __restrict__ v_cache,
        const int* __restrict__ slot_pos, const int* __restrict__ q_pos, const float* __restrict__ mask,
        long long mask_stride, const float* __restrict__ k_table, const float* __restrict__ v_table,
        float* __restrict__ o_part, float* __restrict__ lse_part, int n_q, int n_head, int n_kv, int n_slots,
        int n_keys, int keys_per_split, int window, float softcap, int slots_are_positions, int k_fmt, int v_fmt,
-       int k_row_bytes, int v_row_bytes, int k_table_len, int v_table_len) {
+       int k_row_bytes, int v_row_bytes, int k_table_len, int v_table_len, int dca_chunk_len) {
     using namespace cupyllm;
     using C = MmaConfig<D, kDecode>;
     using S = MmaLayout<D, kDecode>;
@@ -129,6 +185,8 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     __shared__ int row_query[kRows];
     __shared__ long long qpos_range[2];
     __shared__ float part_m[C::kKeyParts][kRows], part_l[C::kKeyParts][kRows];
+    __shared__ int key_chunk_s[kDca ? kTile : 1];  // DCA: chunk of each key position of the tile
+    __shared__ DcaRows dca_rows_s;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int g = lane / 4, t = lane % 4;                          // mma fragment coordinates
@@ -145,15 +203,9 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     // ---- setup: tables, Q tile (f16, zero rows past the end), row positions ----
     for (int i = tid; i < k_table_len; i += kFaThreads) ktab_s[i] = k_table[i];
     for (int i = tid; i < v_table_len; i += kFaThreads) vtab_s[i] = v_table[i];
-    for (int task = tid; task < kRows * kChunks; task += kFaThreads) {
-        const int r = task / kChunks, c = task % kChunks;
-        uint4 w = make_uint4(0u, 0u, 0u, 0u);
-        if (r < rows_here) {
-            const RowIndex ri = row_index(row0 + r, group, kh);
-            w = reinterpret_cast<const uint4*>(q + (static_cast<long long>(ri.query) * n_head + ri.head) * D)[c];
-        }
-        *reinterpret_cast<uint4*>(q_s + r * kQStride + 8 * c) = w;
-    }
+    load_q_tile<D, kRows, kQStride>(q_s, q, rows_here, row0, group, kh, n_head, tid);  // DCA: the intra rotation
+    int q_loaded = 0;  // DCA: the rotation in q_s
+    const long long q_regime_stride = static_cast<long long>(n_q) * n_head * D;  // DCA: Q [3][n_q][n_head][D]
     for (int r = tid; r < kRows; r += kFaThreads) {
         const int query = r < rows_here ? row_index(row0 + r, group, kh).query : 0;
         row_query[r] = query;
@@ -168,6 +220,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
         }
         qpos_range[0] = lo;
         qpos_range[1] = hi;
+        if constexpr (kDca) dca_rows_s = dca_rows_of(row_qpos, rows_here, dca_chunk_len);
     }
     __syncthreads();
     const KeyRange keys = split_key_range(split, keys_per_split, n_keys, slots_are_positions != 0, qpos_range[0],
@@ -177,6 +230,11 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     const int my_row[2] = {row_warp * 16 + g, row_warp * 16 + g + 8};
     const long long my_qpos[2] = {row_qpos[my_row[0]], row_qpos[my_row[1]]};
     const int my_query[2] = {row_query[my_row[0]], row_query[my_row[1]]};
+    int my_chunk[2] = {0, 0};
+    if constexpr (kDca) {
+        my_chunk[0] = dca_chunk(static_cast<int>(my_qpos[0]), dca_chunk_len);
+        my_chunk[1] = dca_chunk(static_cast<int>(my_qpos[1]), dca_chunk_len);
+    }
 
     float o_acc[C::kDv / 8][4];
 #pragma unroll
@@ -193,6 +251,15 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
         const int n_valid = min(kTile, keys.end - first);
         cp_async_wait<0>();
         __syncthreads();  // the staged tile has landed, and the previous tile's f16 tiles are no longer read
+        u32 regimes = 1u;  // DCA: the regimes this tile can hold (every warp computes the same set)
+        if constexpr (kDca) {
+            regimes = dca_tile_regimes(raw_pos_s, n_valid, dca_rows_s, lane);
+            const int regime = __ffs(static_cast<int>(regimes)) - 1;
+            if (regimes != 0u && regimes == (1u << regime) && regime != q_loaded) {  // one regime, not in q_s: load it
+                load_q_tile<D, kRows, kQStride>(q_s, q + regime * q_regime_stride, rows_here, row0, group, kh, n_head, tid);
+                q_loaded = regime;
+            }
+        }
 
         // ---- dequantize the staged rows: K as f16 rows, V transposed, positions ----
 #pragma unroll 1  // one copy of the format switch
@@ -215,7 +282,10 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
             for (int e = 0; e < 8; ++e)
                 *reinterpret_cast<u32*>(vt_s + (8 * c + e) * kVStride + 2 * p) = pack_half2(v0[e], v1[e]);
         }
-        for (int j = tid; j < kTile; j += kFaThreads) pos_s[j] = raw_pos_s[j];
+        for (int j = tid; j < kTile; j += kFaThreads) {
+            pos_s[j] = raw_pos_s[j];
+            if constexpr (kDca) key_chunk_s[j] = dca_chunk(raw_pos_s[j], dca_chunk_len);
+        }
         __syncthreads();  // f16 tiles ready; the staging buffer is free
         if (first + kTile < keys.end)  // the next tile's copies overlap this tile's arithmetic
             stage_mma_tile<kTile>(LK, LV, k_raw, v_raw, raw_pos_s, k_cache, v_cache, slot_pos, keys, first + kTile,
@@ -227,17 +297,23 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
         for (int n = 0; n < kWarpKeys / 8; ++n)
 #pragma unroll
             for (int i = 0; i < 4; ++i) s_acc[n][i] = 0.0f;
-        const __half* q_rows = q_s + (row_warp * 16) * kQStride;
-#pragma unroll 4
-        for (int k0 = 0; k0 < D; k0 += 16) {
-            const u32 a[4] = {smem_u32(q_rows, g * kQStride + k0 + 2 * t), smem_u32(q_rows, (g + 8) * kQStride + k0 + 2 * t),
-                              smem_u32(q_rows, g * kQStride + k0 + 8 + 2 * t),
-                              smem_u32(q_rows, (g + 8) * kQStride + k0 + 8 + 2 * t)};
+        qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_s + key0 * kQStride, g, t);
+        if (kDca && (regimes & (regimes - 1u)) != 0u) {
+            // several regimes (a tile across a chunk boundary, at most ~2 per row block): the scores of the
+            // visible pairs whose regime is not the one in q_s, one by one from Q in global memory
 #pragma unroll
             for (int n = 0; n < kWarpKeys / 8; ++n) {
-                const __half* k_rows = k_s + (key0 + n * 8 + g) * kQStride;
-                const u32 b[2] = {smem_u32(k_rows, k0 + 2 * t), smem_u32(k_rows, k0 + 8 + 2 * t)};
-                mma_m16n8k16_f16_f32(s_acc[n], a, b, s_acc[n]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
+                    const int regime = dca_regime(my_chunk[h], key_chunk_s[j]);
+                    if (regime != q_loaded && j < n_valid && key_visible(pos_s[j], my_qpos[h], window)) {
+                        const RowIndex ri = row_index(row0 + my_row[h], group, kh);
+                        const __half* q_row = q + regime * q_regime_stride +
+                                              (static_cast<long long>(ri.query) * n_head + ri.head) * D;
+                        s_acc[n][i] = dca_pair_score<D>(q_row, k_s + j * kQStride);
+                    }
+                }
             }
         }
 

@@ -22,6 +22,11 @@
 //   3. mask + softcap + online softmax, one warp per row and one lane per key;
 //   4. O += P V: each thread adds its keys' V dims times P into kRows x 8 accumulators; the key slots are
 //      summed once at the end.
+//
+// fa_vec<D, kRows, true>: Dual Chunk Attention (fa_common.cuh): q holds the three rotations, and step 2
+// runs once per regime the tile can hold, with that regime's Q slice reloaded into the registers only
+// when it changes (a few times per block: the keys are walked in slot order); a tile with several
+// regimes keeps each (row, key) score from the pass of its own regime.
 #include "fa_common.cuh"
 
 namespace cupyllm {
@@ -91,6 +96,25 @@ struct ReduceScatter {
     }
 };
 
+// This thread's 8 dims (chunk c) of the Q row of every block row r < rows_here; zero for rows past the end
+// (finite scores). q: [n_q][n_head][D].
+template <int D, int kRows>
+__device__ __forceinline__ void load_q_slice(float (&q_reg)[kRows][8], const float* q, int rows_here, int row0,
+                                             int group, int kh, int n_head, int c) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+        if (r < rows_here) {
+            const RowIndex ri = row_index(row0 + r, group, kh);
+            const float4* src = reinterpret_cast<const float4*>(q + (static_cast<long long>(ri.query) * n_head + ri.head) * D);
+            a = src[2 * c];
+            b = src[2 * c + 1];
+        }
+        q_reg[r][0] = a.x; q_reg[r][1] = a.y; q_reg[r][2] = a.z; q_reg[r][3] = a.w;
+        q_reg[r][4] = b.x; q_reg[r][5] = b.y; q_reg[r][6] = b.z; q_reg[r][7] = b.w;
+    }
+}
+
 template <class C>
 struct StageTile {  // copies the raw K, V rows and slot positions of tile t into buffer t % 2
     const StagedRows& LK;
@@ -123,14 +147,14 @@ struct StageTile {  // copies the raw K, V rows and slot positions of tile t int
 
 // Register budget: kRows = 4 fits ~160 registers (3 blocks per SM), kRows = 8 ~200 (2 blocks); with two
 // tiles in flight per block that is 4-6 x 16 KB of loads in flight per SM, more than HBM latency needs.
-template <int D, int kRows>
+template <int D, int kRows, bool kDca = false>
 __global__ void __launch_bounds__(cupyllm::kFaThreads, kRows == 4 ? 3 : 2)
 fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, const cupyllm::u8* __restrict__ v_cache,
        const int* __restrict__ slot_pos, const int* __restrict__ q_pos, const float* __restrict__ mask,
        long long mask_stride, const float* __restrict__ k_table, const float* __restrict__ v_table,
        float* __restrict__ o_part, float* __restrict__ lse_part, int n_q, int n_head, int n_kv, int n_slots,
        int n_keys, int keys_per_split, int window, float softcap, int slots_are_positions, int k_fmt, int v_fmt,
-       int k_row_bytes, int v_row_bytes, int k_table_len, int v_table_len) {
+       int k_row_bytes, int v_row_bytes, int k_table_len, int v_table_len, int dca_chunk_len) {
     using namespace cupyllm;
     using C = VecConfig<D, kRows>;
     constexpr int kTile = C::kTile, G = GroupOf<D>::value;
@@ -147,6 +171,8 @@ fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, con
     __shared__ long long row_qpos[kRows];
     __shared__ int row_query[kRows];
     __shared__ long long qpos_range[2];
+    __shared__ int row_chunk[kDca ? kRows : 1];  // DCA: chunk of each row's position
+    __shared__ DcaRows dca_rows_s;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const int chunk = tid % C::kChunkThreads, slot = tid / C::kChunkThreads;  // this thread's dims and key slot
@@ -160,23 +186,18 @@ fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, con
     for (int i = tid; i < k_table_len; i += kFaThreads) ktab_s[i] = k_table[i];
     for (int i = tid; i < v_table_len; i += kFaThreads) vtab_s[i] = v_table[i];
     float q_reg[kRows][8];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;  // rows past the end: zero, finite scores
-        if (r < rows_here) {
-            const RowIndex ri = row_index(row0 + r, group, kh);
-            const float4* src = reinterpret_cast<const float4*>(q + (static_cast<long long>(ri.query) * n_head + ri.head) * D);
-            a = src[2 * chunk];
-            b = src[2 * chunk + 1];
-        }
-        q_reg[r][0] = a.x; q_reg[r][1] = a.y; q_reg[r][2] = a.z; q_reg[r][3] = a.w;
-        q_reg[r][4] = b.x; q_reg[r][5] = b.y; q_reg[r][6] = b.z; q_reg[r][7] = b.w;
+    int q_loaded = -1;  // the rotation held in q_reg (DCA: loaded by the first pass)
+    if constexpr (!kDca) {
+        load_q_slice<D, kRows>(q_reg, q, rows_here, row0, group, kh, n_head, chunk);
+        q_loaded = 0;
     }
+    const long long q_regime_stride = static_cast<long long>(n_q) * n_head * D;  // DCA: Q [3][n_q][n_head][D]
     if (tid < kRows) {
         const int r = tid;
         const int query = r < rows_here ? row_index(row0 + r, group, kh).query : 0;
         row_query[r] = query;
         row_qpos[r] = r < rows_here ? q_pos[query] : -1;
+        if constexpr (kDca) row_chunk[r] = dca_chunk(static_cast<int>(row_qpos[r]), dca_chunk_len);
         row_m[r] = neg_inf();
         row_l[r] = 0.0f;
         row_alpha[r] = 1.0f;
@@ -190,6 +211,7 @@ fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, con
         }
         qpos_range[0] = lo;
         qpos_range[1] = hi;
+        if constexpr (kDca) dca_rows_s = dca_rows_of(row_qpos, rows_here, dca_chunk_len);
     }
     __syncthreads();
     const KeyRange keys = split_key_range(split, keys_per_split, n_keys, slots_are_positions != 0, qpos_range[0],
@@ -223,28 +245,44 @@ fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, con
         // ---- partial dots of this thread's keys and dims, summed over the key's threads ----
         // Key by key (one copy of the format switch, kRows dots live at a time): the reduce-scatter of kRows
         // values costs about as many shuffles per key as one over all keys at once.
-#pragma unroll 1
-        for (int m = 0; m < C::kKeysPerThread; ++m) {
-            const int j = slot + m * C::kKeySlots;
-            const long long row = (first + j) * n_kv + kh;
-            float kv[8];
-            read_chunk<G>(k_fmt, k_raw + j * LK.slot_bytes + LK.offset(row), chunk, ktab_s, kv);
-            float dot[kRows];
-#pragma unroll
-            for (int r = 0; r < kRows; ++r) {
-                float s = 0.0f;
-                if (r < rows_here) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) s += q_reg[r][e] * kv[e];
-                }
-                dot[r] = s;
+        // One pass; DCA: one per regime the tile can hold, each keeping the scores of its own regime.
+        u32 todo = 1u;
+        if constexpr (kDca) todo = dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
+        const bool select = kDca && (todo & (todo - 1u)) != 0u;  // several regimes: keep scores per (row, key)
+        while (todo != 0u) {
+            const int regime = kDca ? dca_next_regime(todo, q_loaded) : 0;
+            todo &= ~(1u << regime);
+            if (kDca && regime != q_loaded) {
+                load_q_slice<D, kRows>(q_reg, q + regime * q_regime_stride, rows_here, row0, group, kh, n_head, chunk);
+                q_loaded = regime;
             }
-            int first_row = 0;
-            ReduceScatter<kRows, C::kReduceLanes / 2, kRows>::run(dot, lane, first_row);
-            if ((lane & (C::kSharers - 1)) == 0) {
-                const int part = chunk / C::kReduceLanes;  // D = 512: the two warps of a key write apart
+#pragma unroll 1
+            for (int m = 0; m < C::kKeysPerThread; ++m) {
+                const int j = slot + m * C::kKeySlots;
+                const long long row = (first + j) * n_kv + kh;
+                float kv[8];
+                read_chunk<G>(k_fmt, k_raw + j * LK.slot_bytes + LK.offset(row), chunk, ktab_s, kv);
+                float dot[kRows];
 #pragma unroll
-                for (int p = 0; p < C::kSums; ++p) sp_s[(part * kRows + first_row + p) * kTile + j] = dot[p];
+                for (int r = 0; r < kRows; ++r) {
+                    float s = 0.0f;
+                    if (r < rows_here) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) s += q_reg[r][e] * kv[e];
+                    }
+                    dot[r] = s;
+                }
+                int first_row = 0;
+                ReduceScatter<kRows, C::kReduceLanes / 2, kRows>::run(dot, lane, first_row);
+                if ((lane & (C::kSharers - 1)) == 0) {
+                    const int part = chunk / C::kReduceLanes;  // D = 512: the two warps of a key write apart
+                    const int key_chunk = select ? dca_chunk(pos[j], dca_chunk_len) : 0;
+#pragma unroll
+                    for (int p = 0; p < C::kSums; ++p) {
+                        if (!select || dca_regime(row_chunk[first_row + p], key_chunk) == regime)
+                            sp_s[(part * kRows + first_row + p) * kTile + j] = dot[p];
+                    }
+                }
             }
         }
         __syncthreads();

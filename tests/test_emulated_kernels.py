@@ -6,7 +6,8 @@
 * A representative subset of the GPU test files, run in a subprocess with CUPYLLM_EMULATE=1 (the fake
   NumPy-backed `cupy` must be imported before anything else imports CuPy): KV encode/decode, the
   flash-attention chunk readers of every format, FA-VEC, MMA and MMA's decode layout at head dim 128 for
-  every K and V format once, split-KV, argument errors. The full matrix: `CUPYLLM_EMULATE=1 python -m pytest -m gpu tests/`.
+  every K and V format once, split-KV, argument errors; the same for the fused Dual Chunk Attention kernels
+  (tests/test_gpu_dca.py). The full matrix: `CUPYLLM_EMULATE=1 python -m pytest -m gpu tests/`.
 
 Skipped when g++ (or $CUPYLLM_EMU_CXX) cannot compile C++20. Builds are cached under
 $CUPYLLM_EMU_CACHE (default ~/.cache/cupyllm/cuda_emu); a cold run builds 7 libraries (~1.5 min on 2 cores).
@@ -169,3 +170,21 @@ def test_gpu_tests_pass_on_the_emulator():
     assert " passed" in summary and "skipped" not in summary, summary
     n_passed = int(summary.split(" passed")[0].split()[-1])
     assert n_passed >= 55, summary  # the subset did not silently shrink
+
+
+# Fused Dual Chunk Attention (tests/test_gpu_dca.py): FA-VEC, MMA decode and MMA prefill at head dim 128 for
+# every K and V format once, against NumPy and the three-call LSE path; splits, empty rows, the fallback.
+# About 45 s cold, 25 s warm on 2 cores.
+DCA_SUBSET = ("(test_vec_decode or test_mma_decode or test_mma_prefill) and [128- or test_split_count "
+              "or test_rows_without_keys or test_bad_arguments or test_decoding_fallback")
+
+
+def test_gpu_dca_tests_pass_on_the_emulator():
+    env = dict(os.environ, CUPYLLM_EMULATE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu_dca.py",
+           "-k", DCA_SUBSET]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    assert " passed" in summary and "skipped" not in summary, summary
+    assert int(summary.split(" passed")[0].split()[-1]) >= 47, summary  # the subset did not silently shrink

@@ -6,7 +6,8 @@
 #
 # 1. installs the carried wheels whose module is missing into /tmp/site
 # 2. prints nvidia-smi and the CUDA stack CuPy sees
-# 3. pytest -m gpu (junit XML + log into bench/results/)
+# 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
+#    pytest -m gpu (junit XML + log into bench/results/)
 # 4. the GPU micro-benchmarks: every bench/*_gpu.py, bench/e2e_gpu.py on the two small real-shape models,
 #    and bench/kv_encode.py --device gpu (JSON into bench/results/)
 # 5. copies the results into $OUT when it is set (at most 8 files come back: the rest go into one .tgz)
@@ -57,6 +58,22 @@ print(f"cupy {cupy.__version__}, CUDA runtime {rt.runtimeGetVersion()}, driver {
       f"{rt.getDeviceCount()} device(s)")
 from cupyllm.cuda.registry import cuda_include_dirs, kernel_source_dir
 print("kernels:", kernel_source_dir(), "CUDA headers:", cuda_include_dirs())
+EOF
+
+step "compile every kernel set (parallel NVRTC; fills CuPy's kernel cache for the test processes)"
+timeout 150 "$PY" - <<'EOF'
+import os, time
+from concurrent.futures import ThreadPoolExecutor
+from cupyllm.cuda.registry import KernelRegistry
+registry, start = KernelRegistry(), time.perf_counter()
+def compile_set(kernel_set):
+    try:
+        registry.function(kernel_set.name_expressions[0])  # compiles the whole set
+    except Exception as exc:  # reported here, and again by the tests that use it
+        print(f"FAILED {kernel_set.description}: {str(exc)[:300]}")
+with ThreadPoolExecutor(max_workers=os.cpu_count() or 8) as pool:
+    list(pool.map(compile_set, registry.sets))
+print(f"{len(registry.sets)} kernel sets in {time.perf_counter() - start:.0f} s")
 EOF
 
 step "pytest -m gpu"

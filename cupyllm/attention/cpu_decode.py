@@ -1,7 +1,7 @@
 """Few-query attention on the CPU (decode): one numba call per layer instead of a dozen NumPy ones.
 
 Same semantics as `reference.attend` (causal / sliding-window mask from slot positions, optional softcap,
-(O, LSE) outputs); tested against it. Online softmax over the keys, one (query, head) pair per task.
+(O, LSE) outputs); tested against it. One (query, head) pair per task: masked scores, then softmax-weighted values.
 """
 from __future__ import annotations
 
@@ -22,37 +22,41 @@ def _attend_few(q, k, v, q_pos, k_pos, window, scale, softcap, out, lse):
         i = task // n_head
         h = task % n_head
         kh = h // group
-        m = -np.inf
-        total = 0.0
-        acc = np.zeros(dv, np.float32)
+        # pass 1: masked scores and their maximum (two passes instead of an online softmax: no rescaling
+        # branch per key, and both loops below are plain vector loops)
+        scores = np.empty(n_k, np.float32)
+        m = np.float32(-np.inf)
         for j in range(n_k):
             kp = k_pos[j]
             if kp < 0 or kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window):
+                scores[j] = -np.inf
                 continue
             s = np.float32(0.0)
             for c in range(d):
                 s += q[i, h, c] * k[j, kh, c]
             s *= scale
             if softcap > 0.0:
-                s = softcap * math.tanh(s / softcap)
-            if s > m:  # rescale what has been accumulated to the new maximum
-                factor = math.exp(m - s) if total > 0.0 else 0.0
-                total *= factor
-                for c in range(dv):
-                    acc[c] *= factor
-                m = s
-            p = math.exp(s - m)
+                s = softcap * np.float32(math.tanh(s / softcap))
+            scores[j] = s
+            m = max(m, s)
+        if m == -np.inf:  # no visible key
+            out[i, h, :] = 0.0
+            lse[i, h] = -np.inf
+            continue
+        # pass 2: probabilities and the weighted sum of values
+        total = np.float32(0.0)
+        acc = np.zeros(dv, np.float32)
+        for j in range(n_k):
+            if scores[j] == -np.inf:
+                continue
+            p = np.float32(math.exp(scores[j] - m))
             total += p
             for c in range(dv):
                 acc[c] += p * v[j, kh, c]
-        if total > 0.0:
-            for c in range(dv):
-                out[i, h, c] = acc[c] / total
-            lse[i, h] = m + math.log(total)
-        else:
-            for c in range(dv):
-                out[i, h, c] = 0.0
-            lse[i, h] = -np.inf
+        inv = np.float32(1.0) / total
+        for c in range(dv):
+            out[i, h, c] = acc[c] * inv
+        lse[i, h] = m + np.float32(math.log(total))
 
 
 def attend_few(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, *, scale: float,

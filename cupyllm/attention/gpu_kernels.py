@@ -10,6 +10,9 @@ Kernels (fa_common.cuh has the shared semantics and layouts):
 * ``fa_prep_q<G, QT, OT>``: Q * scale, WHT-rotated per group when the K format is rotated.
 * ``fa_combine<G, OT>``: merge split results by LSE, unrotate O when the V format is rotated.
 * ``fa_chunk_check<G>``: test aid, the kernels' chunk reader next to kv_formats.cuh's per-value one.
+* ``fa_vec<D, R, true>``, ``fa_mma<D, kDecode, true>``: Dual Chunk Attention (fa_common.cuh): Q in three
+  rotations, the rotation of each (query, key) pair picked by its chunk regime, one online softmax
+  (cupyllm/attention/gpu_dca.py runs them).
 
 The K and V formats are runtime ids (``FORMAT_IDS``), so one kernel per head dim serves every (K, V)
 pair; this module mirrors the kernels' shared-memory layouts (``vec_smem_bytes``, ``mma_smem_bytes``;
@@ -32,6 +35,7 @@ AUX_FILE = "fa_combine.cu"
 HEAD_DIMS = (64, 128, 256, 512)
 THREADS = 128                     # every flash-attention block (kFaThreads)
 VEC_ROW_OPTIONS = (4, 8)          # VecConfig::kRows: query rows per fa_vec block (registers scale with it)
+DCA_VEC_ROWS = 8                  # the one fa_vec DCA instantiation per head dim (NVRTC time: ~5 s per kernel)
 DEFAULT_SMEM_LIMIT = 48 * 1024    # above this a kernel needs max_dynamic_shared_size_bytes raised
 
 # Runtime format ids of the kernels (enum FaFormatId in fa_common.cuh): list_formats() order.
@@ -59,9 +63,9 @@ class VecGeometry:
         return max(1, self.head_dim // 8 // 32)
 
 
-def vec_rows_for(rows: int) -> int:
+def vec_rows_for(rows: int, dca: bool = False) -> int:
     """The fa_vec instantiation (rows per block) for `rows` query rows per KV head."""
-    return 4 if rows <= 4 else 8
+    return DCA_VEC_ROWS if dca else 4 if rows <= 4 else 8
 
 
 @dataclass(frozen=True)
@@ -131,12 +135,12 @@ def mma_smem_bytes(head_dim: int, decode: bool, k_row_bytes: int, v_row_bytes: i
 
 # ---- kernel names and declarations --------------------------------------------------------------------
 
-def vec_kernel_name(head_dim: int, rows: int) -> str:
-    return f"fa_vec<{head_dim}, {rows}>"
+def vec_kernel_name(head_dim: int, rows: int, dca: bool = False) -> str:
+    return f"fa_vec<{head_dim}, {rows}, true>" if dca else f"fa_vec<{head_dim}, {rows}>"
 
 
-def mma_kernel_name(head_dim: int, decode: bool) -> str:
-    return f"fa_mma<{head_dim}, {'true' if decode else 'false'}>"
+def mma_kernel_name(head_dim: int, decode: bool, dca: bool = False) -> str:
+    return f"fa_mma<{head_dim}, {'true' if decode else 'false'}{', true' if dca else ''}>"
 
 
 def prep_kernel_name(rot_group: int, q_dtype: str, out_dtype: str) -> str:
@@ -155,6 +159,10 @@ def kernel_sets() -> list[KernelSet]:
     """Every flash-attention instantiation: one set per main kernel (each is large), one for the rest."""
     sets = [KernelSet(VEC_FILE, (vec_kernel_name(d, r),), label=f"d{d} r{r}") for d in HEAD_DIMS for r in VEC_ROW_OPTIONS]
     sets += [KernelSet(MMA_FILE, (mma_kernel_name(d, dec),), label=f"d{d}{' decode' if dec else ''}")
+             for d in HEAD_DIMS for dec in (False, True)]
+    sets += [KernelSet(VEC_FILE, (vec_kernel_name(d, DCA_VEC_ROWS, dca=True),), label=f"d{d} r{DCA_VEC_ROWS} dca")
+             for d in HEAD_DIMS]
+    sets += [KernelSet(MMA_FILE, (mma_kernel_name(d, dec, dca=True),), label=f"d{d}{' decode' if dec else ''} dca")
              for d in HEAD_DIMS for dec in (False, True)]
     aux = []
     for g in (0, *GROUP_SIZES):
@@ -233,6 +241,11 @@ class AttentionLaunch:
     slots_are_positions: bool
     k_fmt: KVFormat
     v_fmt: KVFormat
+    dca_chunk_len: int = 0  # > 0: Dual Chunk Attention, q holds [3, n_q, n_head, D] (intra, successive, inter)
+
+    @property
+    def dca(self) -> bool:
+        return self.dca_chunk_len > 0
 
 
 def _args(a: AttentionLaunch) -> tuple:
@@ -242,7 +255,7 @@ def _args(a: AttentionLaunch) -> tuple:
             np.int32(a.n_keys), np.int32(a.keys_per_split), np.int32(a.window), np.float32(a.softcap),
             np.int32(1 if a.slots_are_positions else 0), np.int32(format_id(a.k_fmt)), np.int32(format_id(a.v_fmt)),
             np.int32(a.k_cache.shape[2]), np.int32(a.v_cache.shape[2]), np.int32(table_len(a.k_fmt)),
-            np.int32(table_len(a.v_fmt)))
+            np.int32(table_len(a.v_fmt)), np.int32(a.dca_chunk_len))
 
 
 def _with_smem(kernel, smem: int):
@@ -253,10 +266,10 @@ def _with_smem(kernel, smem: int):
 
 def launch_vec(registry: KernelRegistry, a: AttentionLaunch) -> None:
     group = a.n_head // a.n_kv
-    rows = vec_rows_for(a.n_q * group)
+    rows = vec_rows_for(a.n_q * group, a.dca)
     smem = vec_smem_bytes(a.head_dim, rows, a.k_cache.shape[2], a.v_cache.shape[2], table_len(a.k_fmt),
                           table_len(a.v_fmt))
-    kernel = _with_smem(registry.function(vec_kernel_name(a.head_dim, rows)), smem)
+    kernel = _with_smem(registry.function(vec_kernel_name(a.head_dim, rows, a.dca)), smem)
     grid = (-(-(a.n_q * group) // rows), a.n_split, a.n_kv)
     kernel(grid, (THREADS,), _args(a), shared_mem=smem)
 
@@ -271,18 +284,25 @@ def launch_mma(registry: KernelRegistry, a: AttentionLaunch) -> None:
     decode = mma_is_decode(a.n_q * group)
     smem = mma_smem_bytes(a.head_dim, decode, a.k_cache.shape[2], a.v_cache.shape[2], table_len(a.k_fmt),
                           table_len(a.v_fmt))
-    kernel = _with_smem(registry.function(mma_kernel_name(a.head_dim, decode)), smem)
+    kernel = _with_smem(registry.function(mma_kernel_name(a.head_dim, decode, a.dca)), smem)
     grid = (-(-(a.n_q * group) // MmaGeometry(a.head_dim, decode).rows), a.n_split, a.n_kv)
     kernel(grid, (THREADS,), _args(a), shared_mem=smem)
 
 
-def launch_prep_q(registry: KernelRegistry, q, out, rot_group: int, scale: float) -> None:
+def launch_prep_q(registry: KernelRegistry, q, out, rot_group: int, scale: float, more=()) -> None:
+    """out = scale * q (rotated per group when rot_group > 0); with `more` (up to two arrays shaped like q, e.g.
+    DCA's other rotations) out is [1 + len(more), *q.shape], every part prepared by the same launch."""
     n_rows = q.shape[0] * q.shape[1]
     d = q.shape[2]
+    parts = (q, *more)
+    if len(parts) > 3 or any(p.shape != q.shape or p.dtype != q.dtype for p in parts):
+        raise ValueError("fa_prep_q takes one to three Q arrays of one shape and dtype")
     kernel = registry.function(prep_kernel_name(rot_group, np.dtype(q.dtype).name, np.dtype(out.dtype).name))
     group = rot_group or 32
-    n_items = n_rows * (d // group)
-    kernel((-(-n_items // (THREADS // 32)),), (THREADS,), (q, out, np.int32(n_rows), np.int32(d), np.float32(scale)))
+    n_items = len(parts) * n_rows * (d // group)
+    padded = parts + (q,) * (3 - len(parts))  # unread
+    kernel((-(-n_items // (THREADS // 32)),), (THREADS,),
+           (*padded, out, np.int32(n_rows), np.int32(len(parts)), np.int32(d), np.float32(scale)))
 
 
 def launch_combine(registry: KernelRegistry, o_part, lse_part, out, lse_out, rot_group: int) -> None:

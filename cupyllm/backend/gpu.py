@@ -11,7 +11,8 @@ Same operations and semantics as backend/cpu.py, so the model code (models/*.py)
   computed in float64 on the device exactly like rope.rope_tables on the host).
 - attention: cupyllm.attention.dispatch.gpu_attention (FA-VEC / FA-MMA reading the quantized cache in-register);
   for caches it has no kernels for (e.g. head dims outside its list), or with attention="decode",
-  backend/gpu_attention.py (decode the cache to f16, CuPy matmuls).
+  backend/gpu_attention.py (decode the cache to f16, CuPy matmuls). dca_attention (Dual Chunk Attention):
+  cupyllm.attention.gpu_dca (the same kernels' DCA instantiations), with the same kind of fallback.
 - the KV cache: new_cache() -> KVCache of DeviceLayerKV (backend/gpu_cache.py), written by kv_encode.cu.
 
 Importing this module does not import CuPy; building a GPUBackend does (DeviceError without it).
@@ -171,6 +172,24 @@ class GPUBackend:
                     raise
                 self._no_dispatch[shape] = str(exc)
         return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, scale=scale, window=window, softcap=softcap)
+
+    def dca_attention(self, q_intra, q_successive, q_inter, q_pos, layer_kv, dca, *, scale: float,
+                      softcap: float = 0.0):
+        """Dual Chunk Attention over the layer's cache (K cached at its in-chunk rope positions): the fused
+        flash kernel (attention/gpu_dca.py), or the decoding fallback for caches it has no kernels for."""
+        from ..attention.gpu_dca import attend_dca_decoded
+        shape = (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name)
+        if self._gpu_attention is not None and shape not in self._no_dispatch:
+            from ..attention.gpu_dca import gpu_dca_attention
+            try:
+                return gpu_dca_attention(q_intra, q_successive, q_inter, q_pos, layer_kv, dca, scale=scale,
+                                         softcap=softcap)
+            except self._dispatch_refusal as exc:  # checked before any launch
+                if self._attention_mode == "dispatch":
+                    raise
+                self._no_dispatch[shape] = str(exc)
+        return attend_dca_decoded(q_intra, q_successive, q_inter, self.inputs.int32(q_pos), layer_kv, dca,
+                                  scale=scale, softcap=softcap)
 
     # --- decode loop ------------------------------------------------------------------------------
     def decode_forward(self, forward, min_bucket: int = 256):

@@ -12,12 +12,20 @@ and the predecessors of a state ``s'`` are ``((s' & (2^(L-k) - 1)) << k) | r`` f
 Coordinate t is reconstructed from ``CODEBOOK[state_t]`` (2^L float32 values, package data
 ``cupyllm/data/tcq_turbo3.npy`` / ``tcq_turbo2.npy``, one codebook per format for every group size).
 
-Training set of the shipped codebooks (details and numbers in ``cupyllm/data/TCQ_CODEBOOKS.md``):
-``python tools/train_tcq_codebook.py --format all --gaussian``: 16384 groups of 128 i.i.d. N(0, 1) values,
-rotated and normalised exactly as the encoder does (4096 more held out), Lloyd iterations from QTIP's
-random-Gaussian codebook (seed 0), 60 iterations with over-relaxation 2.5. Held-out MSE per coordinate
-(N(0,1) units, raw norm): turbo3_tcq 0.01910, turbo2_tcq 0.07264 (Lloyd-Max scalar: 0.03455, 0.11748).
-To be retrained on rotated K/V dumped from the real models (``--from-npy``).
+Training set of the shipped codebooks (commands, sizes and measurements in ``cupyllm/data/TCQ_CODEBOOKS.md``).
+Both are trained with this module's own Viterbi encoder, so under the start-state/tail convention below
+(free start state, no tail-biting, no forced end state):
+
+* ``tcq_turbo2.npy``: synthetic Gaussian. ``python tools/train_tcq_codebook.py --format all --gaussian``:
+  16384 groups of 128 i.i.d. N(0, 1) values, rotated and normalised exactly as the encoder does (4096 more
+  held out), Lloyd iterations from QTIP's random-Gaussian codebook (seed 0), 60 iterations with
+  over-relaxation 2.5. Held-out MSE per coordinate (N(0,1) units, raw norm) 0.07264 (Lloyd-Max scalar
+  0.11748). Fine-tuning on real K/V lowered its MSE slightly but not the KLD, so it was kept.
+* ``tcq_turbo3.npy``: the Gaussian turbo3 codebook (held-out 0.01910; Lloyd-Max 0.03455), then 30 Lloyd
+  iterations on real K/V: K (after RoPE) and V of every layer of Gemma 3 270M (G = 128) and Qwen2.5-Coder-0.5B
+  (G = 64) over ``tests/data/kv_train_text.txt`` (``tools/dump_kv.py``), 8192 training + 2048 held-out
+  groups from each of the four dumps. Held-out MSE on K/V of the separate evaluation text: Gemma K/V
+  0.01869 / 0.01892, Qwen K/V 0.01779 / 0.01802 (Gaussian codebook 0.01886 / 0.01902 / 0.01825 / 0.01814).
 
 Scale convention: the codebook is in N(0, 1) units, like the turbo LEVELS: ``z_hat[t] = CODEBOOK[state_t]``
 approximates ``z[t] = y[t] * sqrt(G) / r``, and the decoded rotated value is

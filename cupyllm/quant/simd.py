@@ -1,0 +1,265 @@
+"""Eight-lane SIMD values for numba kernels: `f32x8` (float32) and `i32x8` (int32) that live in registers.
+
+Why: numba widens every integer expression to 64 bits and LLVM's auto-vectoriser gives up on the short,
+byte-shuffling loops of the GGUF block decoders (measured: 1 value/cycle, scalar or 4-lane code). These
+intrinsics spell the vector code out instead, so a fused dequantize-dot runs at ~8-lane width (AVX2 on x86;
+LLVM splits the vectors for narrower targets, so the code stays portable, only slower there).
+
+Each function below is a numba intrinsic: call it only from @njit code. Loads take an array and an element
+index and read `8` consecutive elements from there without bounds checks (callers keep indices in range).
+Float arithmetic is plain IEEE float32, rounded after every operation like NumPy's (the @njit fastmath flags
+do not reach these); only `fma` lets LLVM contract `a * b + c` into one instruction.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, models, register_model
+
+LANES = 8
+
+_I32 = ir.IntType(32)
+_VF = ir.VectorType(ir.FloatType(), LANES)
+_VI = ir.VectorType(_I32, LANES)
+
+
+class F32x8Type(types.Type):
+    def __init__(self):
+        super().__init__(name="f32x8")
+
+
+class I32x8Type(types.Type):
+    def __init__(self):
+        super().__init__(name="i32x8")
+
+
+f32x8 = F32x8Type()
+i32x8 = I32x8Type()
+
+
+@register_model(F32x8Type)
+class _F32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VF)
+
+
+@register_model(I32x8Type)
+class _I32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VI)
+
+
+# --- helpers (code generation) ---------------------------------------------------------------------
+def _lane_ptr(context, builder, arr_type, arr, index, lane_type):
+    """Pointer to arr.data[index] as a pointer to a vector of LANES `lane_type`."""
+    data = context.make_array(arr_type)(context, builder, arr).data
+    return builder.bitcast(builder.gep(data, [index]), ir.VectorType(lane_type, LANES).as_pointer())
+
+
+def _splat(builder, value, vec_type):
+    vec = builder.insert_element(ir.Constant(vec_type, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+
+
+def _int32(context, builder, value, value_type):
+    return context.cast(builder, value, value_type, types.int32)
+
+
+def _is_array(t, dtype):
+    return isinstance(t, types.Array) and t.dtype == dtype and t.layout == "C"
+
+
+def _is_int(t):
+    return isinstance(t, types.Integer)
+
+
+# --- loads -----------------------------------------------------------------------------------------
+@intrinsic
+def load_f32(typingctx, arr, index):
+    """arr[index:index+8] of a float32 array."""
+    if not (_is_array(arr, types.float32) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType()), align=4)
+    return f32x8(arr, index), codegen
+
+
+def _byte_load(arr, index, extend):
+    if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        raw = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8)), align=1)
+        return getattr(builder, extend)(raw, _VI)
+    return i32x8(arr, index), codegen
+
+
+@intrinsic
+def load_u8(typingctx, arr, index):
+    """arr[index:index+8] of a byte array, zero-extended to int32 lanes (0..255)."""
+    return _byte_load(arr, index, "zext")
+
+
+@intrinsic
+def load_i8(typingctx, arr, index):
+    """arr[index:index+8] of a byte array read as int8, sign-extended to int32 lanes (-128..127)."""
+    return _byte_load(arr, index, "sext")
+
+
+# --- int32 lanes -----------------------------------------------------------------------------------
+def _int_binop(v, other, op):
+    if not (v == i32x8 and (_is_int(other) or other == i32x8)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        rhs = args[1] if sig.args[1] == i32x8 else _splat(builder, _int32(context, builder, args[1], sig.args[1]), _VI)
+        return getattr(builder, op)(args[0], rhs)
+    return i32x8(v, other), codegen
+
+
+@intrinsic
+def iand(typingctx, v, m):
+    """v & m (m: i32x8, or an integer for every lane)."""
+    return _int_binop(v, m, "and_")
+
+
+@intrinsic
+def ior(typingctx, v, m):
+    """v | m (m: i32x8, or an integer for every lane)."""
+    return _int_binop(v, m, "or_")
+
+
+@intrinsic
+def isub(typingctx, v, m):
+    """v - m (m: i32x8, or an integer for every lane)."""
+    return _int_binop(v, m, "sub")
+
+
+@intrinsic
+def ishr(typingctx, v, s):
+    """v >> s, logical (s: i32x8, or an integer 0..31 for every lane)."""
+    return _int_binop(v, s, "lshr")
+
+
+@intrinsic
+def ishl(typingctx, v, s):
+    """v << s (s: i32x8, or an integer 0..31 for every lane)."""
+    return _int_binop(v, s, "shl")
+
+
+@intrinsic
+def bit_lanes(typingctx, word, first_bit, value):
+    """Lane i: `value` where bit (first_bit + i) of the 32-bit `word` is set, else 0 (first_bit + 7 <= 31)."""
+    if not (_is_int(word) and _is_int(first_bit) and _is_int(value)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = _splat(builder, _int32(context, builder, args[0], sig.args[0]), _VI)
+        first = _splat(builder, _int32(context, builder, args[1], sig.args[1]), _VI)
+        shift = builder.add(first, ir.Constant(_VI, list(range(LANES))))
+        bits = builder.and_(builder.lshr(w, shift), ir.Constant(_VI, [1] * LANES))
+        return builder.mul(bits, _splat(builder, _int32(context, builder, args[2], sig.args[2]), _VI))
+    return i32x8(word, first_bit, value), codegen
+
+
+@intrinsic
+def to_f32(typingctx, v):
+    """int32 lanes -> float32 lanes (exact below 2**24)."""
+    if v != i32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VF)
+    return f32x8(v), codegen
+
+
+# --- float32 lanes ---------------------------------------------------------------------------------
+@intrinsic
+def zeros(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VF, [0.0] * LANES)
+    return f32x8(), codegen
+
+
+@intrinsic
+def splat(typingctx, scalar):
+    """`scalar` (cast to float32) in every lane."""
+    if not isinstance(scalar, (types.Float, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF)
+    return f32x8(scalar), codegen
+
+
+def _float_op(vs, build):
+    if any(v != f32x8 for v in vs):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return build(builder, *args)
+    return f32x8(*vs), codegen
+
+
+@intrinsic
+def fadd(typingctx, x, y):
+    """x + y"""
+    return _float_op((x, y), lambda b, x, y: b.fadd(x, y))
+
+
+@intrinsic
+def fsub(typingctx, x, y):
+    """x - y"""
+    return _float_op((x, y), lambda b, x, y: b.fsub(x, y))
+
+
+@intrinsic
+def fmul(typingctx, x, y):
+    """x * y"""
+    return _float_op((x, y), lambda b, x, y: b.fmul(x, y))
+
+
+@intrinsic
+def fma(typingctx, x, y, z):
+    """x * y + z (one fused instruction where the target has FMA)."""
+    return _float_op((x, y, z), lambda b, x, y, z: b.fadd(b.fmul(x, y, flags=("contract",)), z, flags=("contract",)))
+
+
+@intrinsic
+def hsum(typingctx, v):
+    """Sum of the 8 lanes as float32 (pairwise: (l0+l4 + l2+l6) + (l1+l5 + l3+l7))."""
+    if v != f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        def half(vec, lanes):
+            return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+        s4 = builder.fadd(half(args[0], [0, 1, 2, 3]), half(args[0], [4, 5, 6, 7]))
+        s2 = builder.fadd(half(s4, [0, 1]), half(s4, [2, 3]))
+        return builder.fadd(builder.extract_element(s2, ir.Constant(_I32, 0)),
+                            builder.extract_element(s2, ir.Constant(_I32, 1)))
+    return types.float32(v), codegen
+
+
+@intrinsic
+def store_f32(typingctx, arr, index, v):
+    """arr[index:index+8] = v (float32 array)."""
+    if not (_is_array(arr, types.float32) and _is_int(index) and v == f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType()), align=4)
+        return context.get_dummy_value()
+    return types.none(arr, index, v), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose IEEE bit pattern is the low 32 bits of the integer `bits` (a scalar bitcast)."""
+    if not _is_int(bits):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_int32(context, builder, args[0], sig.args[0]), ir.FloatType())
+    return types.float32(bits), codegen

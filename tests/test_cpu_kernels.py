@@ -1,0 +1,107 @@
+"""CPU numba kernels against their NumPy definitions: the SIMD lane helpers, the fused GEMV and the row
+dequantization of every weight format, RoPE, RMSNorm."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from cupyllm.backend.cpu_kernels import rms_norm_rows, rope_rows
+from cupyllm.config import RopeConfig
+from cupyllm.quant import simd
+from cupyllm.quant.cpu_matmul import F16_TABLE, dequantize_ids, dequantize_numba, gemv_blocks
+from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
+from cupyllm.rope import apply_rope, rope_tables
+from test_weights import random_rows
+
+
+@njit
+def _lanes(raw, x):
+    """Every simd helper once, written to a float32 array [8 * 9] (+ one horizontal sum)."""
+    out = np.empty(8 * 9 + 1, np.float32)
+    u = simd.load_u8(raw, 3)
+    i = simd.load_i8(raw, 3)
+    simd.store_f32(out, 0, simd.to_f32(u))
+    simd.store_f32(out, 8, simd.to_f32(i))
+    simd.store_f32(out, 16, simd.to_f32(simd.ior(simd.iand(u, 15), simd.ishl(simd.ishr(u, 6), 4))))
+    simd.store_f32(out, 24, simd.to_f32(simd.isub(u, i)))
+    simd.store_f32(out, 32, simd.to_f32(simd.bit_lanes(np.uint32(0xA5F00F5A), 9, 16)))
+    v = simd.load_f32(x, 1)
+    simd.store_f32(out, 40, simd.fma(v, v, simd.splat(0.5)))
+    simd.store_f32(out, 48, simd.fadd(simd.fmul(v, simd.splat(3)), simd.zeros()))
+    simd.store_f32(out, 56, simd.to_f32(simd.iand(u, simd.load_u8(raw, 0))))
+    simd.store_f32(out, 64, simd.to_f32(simd.ishr(u, simd.load_u8(raw, 20))))
+    out[72] = simd.hsum(v)
+    return out
+
+
+def test_simd_lanes_match_numpy():
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, 32, dtype=np.uint8)
+    raw[20:28] = rng.integers(0, 8, 8)  # shift counts
+    x = rng.standard_normal(16).astype(np.float32)
+    out = _lanes(raw, x)
+    u = raw[3:11].astype(np.int64)
+    i = raw[3:11].view(np.int8).astype(np.int64)
+    np.testing.assert_array_equal(out[0:8], u)
+    np.testing.assert_array_equal(out[8:16], i)
+    np.testing.assert_array_equal(out[16:24], (u & 15) | ((u >> 6) << 4))
+    np.testing.assert_array_equal(out[24:32], u - i)
+    np.testing.assert_array_equal(out[32:40], ((0xA5F00F5A >> np.arange(9, 17)) & 1) * 16)
+    v = x[1:9]
+    np.testing.assert_allclose(out[40:48], v * v + np.float32(0.5), rtol=1e-6)
+    np.testing.assert_array_equal(out[48:56], v * np.float32(3))
+    np.testing.assert_array_equal(out[56:64], u & raw[0:8])
+    np.testing.assert_array_equal(out[64:72], u >> raw[20:28])
+    np.testing.assert_allclose(out[72], v.astype(np.float64).sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
+@pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
+def test_gemv_matches_reference(qtype, n_in):
+    fmt = WEIGHT_FORMATS[qtype]
+    if n_in % fmt.block_values:
+        pytest.skip("row length not a whole number of blocks")
+    n_out = 37
+    rows = random_rows(qtype, n_out, n_in, seed=n_in)
+    # activations with a large common offset: the folded block offsets/mins must not lose precision
+    x = (np.random.default_rng(5).standard_normal(n_in) + 3.0).astype(np.float32)
+    reference = dequantize(rows, qtype, n_in).astype(np.float64) @ x.astype(np.float64)
+    out = np.empty(n_out, np.float32)
+    gemv_blocks(fmt.code, rows, x, out, F16_TABLE)
+    scale = np.abs(dequantize(rows, qtype, n_in)).astype(np.float64) @ np.abs(x).astype(np.float64)
+    np.testing.assert_array_less(np.abs(out - reference), 2e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
+def test_row_dequantization_is_bit_exact(qtype):
+    """Prefill tiles and embedding lookups: the very float32 values of the NumPy definition."""
+    rows = random_rows(qtype, 9, 512, seed=4)
+    reference = dequantize(rows, qtype, 512)
+    fmt = WEIGHT_FORMATS[qtype]
+    np.testing.assert_array_equal(dequantize_numba(rows, fmt, 512, slice(2, 7)), reference[2:7])
+    np.testing.assert_array_equal(dequantize_ids(rows, fmt, 512, np.array([8, 0, 8, 3])), reference[[8, 0, 8, 3]])
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("n_rot", [64, 48])  # full and partial rotary
+def test_rope_rows_equals_apply_rope(neox, n_rot):
+    cfg = RopeConfig(base=10000.0, n_rot=n_rot, neox=neox)
+    positions = np.array([0, 5, 1000])
+    cos, sin = rope_tables(cfg, positions)
+    x = np.random.default_rng(1).standard_normal((3, 4, 64)).astype(np.float32)
+    out = np.empty_like(x)
+    rope_rows(x, cos, sin, neox, out)
+    np.testing.assert_array_equal(out, apply_rope(x, cos, sin, neox))
+
+
+@pytest.mark.parametrize("n_rows", [1, 67])
+def test_rms_norm_rows(n_rows):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n_rows, 640)).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    out = np.empty_like(x)
+    rms_norm_rows(x, w, np.float32(1e-6), out)
+    x64 = x.astype(np.float64)
+    reference = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-6)
