@@ -1,4 +1,4 @@
-// Pieces shared by the flash-attention kernels (fa_vec.cu, fa_mma.cu, fa_combine.cu): reading 8 values of
+// Pieces shared by the flash-attention kernels (fa_vec.cuh, fa_mma.cuh, fa_combine.cu): reading 8 values of
 // a cached row at a time (Chunk8), the runtime KV-format dispatch (with_format / read_chunk), staging raw
 // cache rows in shared memory with cp.async (StagedRows / stage_rows), the attention mask and key ranges.
 //

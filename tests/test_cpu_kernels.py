@@ -9,7 +9,7 @@ from numba import njit
 from cupyllm.backend.cpu_kernels import rms_norm_rows, rope_rows
 from cupyllm.config import RopeConfig
 from cupyllm.quant import simd
-from cupyllm.quant.cpu_matmul import F16_TABLE, dequantize_ids, dequantize_numba, gemv_blocks
+from cupyllm.quant.cpu_matmul import F16_TABLE, dequantize_ids, dequantize_numba, gemv_blocks, matmul, matmul_many
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
 from cupyllm.rope import apply_rope, rope_tables
 from test_weights import random_rows
@@ -71,6 +71,17 @@ def test_gemv_matches_reference(qtype, n_in):
     gemv_blocks(fmt.code, rows, x, out, F16_TABLE)
     scale = np.abs(dequantize(rows, qtype, n_in)).astype(np.float64) @ np.abs(x).astype(np.float64)
     np.testing.assert_array_less(np.abs(out - reference), 2e-6 * scale + 1e-30)
+
+
+@pytest.mark.parametrize("n_tok", [1, 2, 5])  # one parallel GEMV for all weights; two tokens; BLAS tiles
+def test_matmul_many_equals_one_matmul_per_weight(n_tok):
+    """q/k/v and gate/up share one call: mixed formats and row counts give the very values of separate calls."""
+    from gguf import GGMLQuantizationType as T
+    shapes = [(T.Q5_0, 70), (T.Q8_0, 9), (T.Q4_K, 130), (T.Q6_K, 1)]
+    weights = [(random_rows(qtype, n_out, 512, seed=n_out), WEIGHT_FORMATS[qtype]) for qtype, n_out in shapes]
+    x = np.random.default_rng(7).standard_normal((n_tok, 512)).astype(np.float32)
+    for got, (rows, fmt) in zip(matmul_many(x, weights, 512), weights):
+        np.testing.assert_array_equal(got, matmul(x, rows, fmt, 512))
 
 
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)

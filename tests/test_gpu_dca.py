@@ -1,5 +1,5 @@
-"""Fused Dual Chunk Attention on the GPU (the DCA instantiations of kernels_cu/fa_vec.cu and fa_mma.cu, run by
-cupyllm/attention/gpu_dca.py) against two independent computations of the same (O, LSE):
+"""Fused Dual Chunk Attention on the GPU (kernels_cu/dca_fused.cu: the DCA instantiations of the fa_vec.cuh and
+fa_mma.cuh templates, run by cupyllm/attention/gpu_dca.py) against two independent computations of the same (O, LSE):
 
 * NumPy: ``cupyllm.attention.dca.attend_dca`` (three masked attentions merged by LSE) over the NumPy-decoded
   cache, the definition;

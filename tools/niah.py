@@ -105,7 +105,7 @@ def run(args) -> dict:
     from models import gemma_path
 
     path = Path(args.model) if args.model else gemma_path()
-    rows = []
+    rows = _previous_rows(args) if args.append else []
     jobs = [(mode, length, task, depth) for mode in args.modes for length in args.lengths for task in args.tasks
             for depth in (args.depths if task != "vartrack" else [-1.0])]
     models = {}
@@ -131,6 +131,12 @@ def run(args) -> dict:
         if args.out:
             _write(args, path, rows)
     return {"rows": rows}
+
+
+def _previous_rows(args) -> list[dict]:
+    """Rows of an earlier run into the same --out (same model settings), so one table can grow run by run."""
+    out = Path(args.out)
+    return json.loads(out.read_text())["rows"] if out.exists() else []
 
 
 def _write(args, path: Path, rows: list[dict]) -> None:
@@ -167,6 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "niah.json"))
+    parser.add_argument("--append", action="store_true", help="keep the rows already in --out and add these")
     args = parser.parse_args(argv)
     run(args)
     print("wrote", args.out)

@@ -10,7 +10,7 @@ Kernels (fa_common.cuh has the shared semantics and layouts):
 * ``fa_prep_q<G, QT, OT>``: Q * scale, WHT-rotated per group when the K format is rotated.
 * ``fa_combine<G, OT>``: merge split results by LSE, unrotate O when the V format is rotated.
 * ``fa_chunk_check<G>``: test aid, the kernels' chunk reader next to kv_formats.cuh's per-value one.
-* ``fa_vec<D, R, true>``, ``fa_mma<D, kDecode, true>``: Dual Chunk Attention (fa_common.cuh): Q in three
+* ``fa_vec<D, R, true>``, ``fa_mma<D, kDecode, true>`` (dca_fused.cu): Dual Chunk Attention (fa_common.cuh): Q in three
   rotations, the rotation of each (query, key) pair picked by its chunk regime, one online softmax
   (cupyllm/attention/gpu_dca.py runs them).
 
@@ -30,6 +30,7 @@ from ..kv.formats import KVFormat, KVFormatError, group_values_for, is_rotated, 
 
 VEC_FILE = "fa_vec.cu"
 MMA_FILE = "fa_mma.cu"
+DCA_FILE = "dca_fused.cu"           # the DCA instantiations of both templates
 AUX_FILE = "fa_combine.cu"
 
 HEAD_DIMS = (64, 128, 256, 512)
@@ -160,9 +161,9 @@ def kernel_sets() -> list[KernelSet]:
     sets = [KernelSet(VEC_FILE, (vec_kernel_name(d, r),), label=f"d{d} r{r}") for d in HEAD_DIMS for r in VEC_ROW_OPTIONS]
     sets += [KernelSet(MMA_FILE, (mma_kernel_name(d, dec),), label=f"d{d}{' decode' if dec else ''}")
              for d in HEAD_DIMS for dec in (False, True)]
-    sets += [KernelSet(VEC_FILE, (vec_kernel_name(d, DCA_VEC_ROWS, dca=True),), label=f"d{d} r{DCA_VEC_ROWS} dca")
+    sets += [KernelSet(DCA_FILE, (vec_kernel_name(d, DCA_VEC_ROWS, dca=True),), label=f"d{d} r{DCA_VEC_ROWS} dca")
              for d in HEAD_DIMS]
-    sets += [KernelSet(MMA_FILE, (mma_kernel_name(d, dec, dca=True),), label=f"d{d}{' decode' if dec else ''} dca")
+    sets += [KernelSet(DCA_FILE, (mma_kernel_name(d, dec, dca=True),), label=f"d{d}{' decode' if dec else ''} dca")
              for d in HEAD_DIMS for dec in (False, True)]
     aux = []
     for g in (0, *GROUP_SIZES):

@@ -10,7 +10,7 @@ from ..attention.reference import attend_chunks, causal_mask
 from ..kv.cache import KVCache, LayerKV
 from .cpu_kernels import rms_norm_rows, rope_rows
 from ..errors import CupyllmError
-from ..quant.cpu_matmul import dequantize_ids, matmul
+from ..quant.cpu_matmul import dequantize_ids, matmul, matmul_many
 from ..rope import apply_rope, rope_tables
 from ..weights import Weight
 
@@ -49,6 +49,15 @@ class CPUBackend:
         if bias is not None:
             y += bias
         return y
+
+    def linear_many(self, x: np.ndarray, weights, biases=None) -> list[np.ndarray]:
+        """[linear(x, w, b) for w, b in zip(weights, biases)]; for a decode step one parallel GEMV for all."""
+        n_in = weights[0].shape[-1]
+        ys = matmul_many(x, [(w.data, w.fmt) for w in weights], n_in)
+        for y, bias in zip(ys, biases or ()):
+            if bias is not None:
+                y += bias
+        return ys
 
     def embed(self, weight: Weight, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

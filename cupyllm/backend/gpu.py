@@ -121,6 +121,11 @@ class GPUBackend:
         y = matmul_f16_f32(cp, x16, w16)
         return y + bias if bias is not None else y
 
+    def linear_many(self, x, weights, biases=None):
+        """[linear(x, w, b) for w, b in zip(weights, biases)] (each GEMV is one launch already)."""
+        biases = biases or (None,) * len(weights)
+        return [self.linear(x, w, b) for w, b in zip(weights, biases)]
+
     def embed(self, weight: Weight, ids):
         host = self.inputs.host_values(ids)
         n_vocab = weight.shape[0]

@@ -56,9 +56,10 @@ def self_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, x, positi
                    cache: KVCache, attention=None):
     """Project to q/k/v, normalise and rotate them, append k/v to the cache, attend, project out."""
     n = x.shape[0]
-    q = ops.linear(x, w.wq, w.bq).reshape(n, cfg.n_head, cfg.head_dim)
-    k = ops.linear(x, w.wk, w.bk).reshape(n, cfg.n_kv_head, cfg.head_dim)
-    v = ops.linear(x, w.wv, w.bv).reshape(n, cfg.n_kv_head, cfg.v_head_dim)
+    q, k, v = ops.linear_many(x, (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv))
+    q = q.reshape(n, cfg.n_head, cfg.head_dim)
+    k = k.reshape(n, cfg.n_kv_head, cfg.head_dim)
+    v = v.reshape(n, cfg.n_kv_head, cfg.v_head_dim)
     if w.q_norm is not None:
         q = ops.rms_norm(q, w.q_norm, cfg.norm_eps)
         k = ops.rms_norm(k, w.k_norm, cfg.norm_eps)
@@ -98,7 +99,6 @@ def dca_attention(dca):
 
 def gated_mlp(ops, w: LayerWeights, x, activation: str):
     """down( act(gate(x)) * up(x) ): SwiGLU for Qwen, GeGLU (tanh GELU) for Gemma."""
-    gate = ops.linear(x, w.w_gate)
-    up = ops.linear(x, w.w_up)
+    gate, up = ops.linear_many(x, (w.w_gate, w.w_up))
     act = ops.silu(gate) if activation == "silu" else ops.gelu_tanh(gate)
     return ops.linear(act * up, w.w_down)

@@ -434,6 +434,43 @@ def gemv_blocks(code, data, x, out, f16):
             out[n] = _dot_row(code, data[n], x, xs, f16)
 
 
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def gemv_blocks_many(codes, datas, x, outs, f16):
+    """gemv_blocks for several weights that read the same x (q/k/v, gate/up) in ONE parallel region: a
+    decode step pays the thread wake-up once per group, not per weight."""
+    xs = np.empty(max(x.shape[0] // XS_GROUP, 1), np.float32)
+    if x.shape[0] % XS_GROUP == 0:
+        _partial_sums(x, xs)
+    n_weights = len(datas)
+    chunk_start = np.zeros(n_weights + 1, np.int64)  # row chunks of weight i: [chunk_start[i], chunk_start[i+1])
+    for i in range(n_weights):
+        chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 128)
+    for c in prange(chunk_start[n_weights]):
+        i = 0
+        while c >= chunk_start[i + 1]:
+            i += 1
+        data, out, code = datas[i], outs[i], codes[i]
+        n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
+        for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
+            out[n] = _dot_row(code, data[n], x, xs, f16)
+
+
+def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int) -> list[np.ndarray]:
+    """[x @ W.T for W in weights]; decode-sized x with quantized weights of one array type goes through one
+    parallel GEMV (gemv_blocks_many), anything else weight by weight."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    datas = tuple(data for data, _ in weights)
+    one_call = (x.shape[0] <= TOKENS_PER_GEMV and all(fmt.qtype != T.F32 for _, fmt in weights)
+                and len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d in datas}) == 1)
+    if not one_call:
+        return [matmul(x, data, fmt, n_in) for data, fmt in weights]
+    codes = np.array([fmt.code for _, fmt in weights], np.int64)
+    outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas]
+    for t in range(x.shape[0]):
+        gemv_blocks_many(codes, datas, x[t], tuple(out[t] for out in outs), F16_TABLE)
+    return outs
+
+
 def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:
     """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]."""
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -1,0 +1,436 @@
+// FA-MMA: tensor-core flash attention (mma.sync m16n8k16, f16 inputs, f32 accumulation) for prefill
+// and many query rows.
+//
+// fa_mma<D>: one block = kRows query rows sharing one KV head (query heads of a GQA group times queries,
+// row r = (query r / group, head r % group)), over one split of the keys. Tiles of kTile keys move in two
+// steps: the raw cache rows of tile t + 1 are copied into a staging buffer with cp.async while tile t is
+// computed (no thread waits on global memory), then dequantized (any K / V format: runtime ids,
+// fa_common.cuh) from shared memory into f16 tiles: K row-major [key][dim], V transposed [dim][key], so
+// that every mma operand is one 32-bit shared-memory load with padded rows (row strides of 4 words mod 8
+// banks: the 8 groups x 4 threads of a fragment load hit 32 distinct banks).
+//
+// fa_mma<D, kDecode>: warps split the rows (prefill, kDecode = false: kRowWarps warps own 16 rows each,
+// 64 rows per block) or the keys (decode, kDecode = true: one 16-row tile, each warp takes a quarter of
+// every key tile with its own running max/sum/O, merged at the end). Decode on tensor cores: the
+// products cost nothing next to dequantizing, which matters for the quantized formats at a few rows.
+// For D = 512 the 256 f32 accumulators of a full output row would not fit in registers, so two warps
+// share each row/key range (kColSplit = 2): both compute the scores, each keeps half of the output dims.
+//
+// Per tile: S = Q K^T (f32 accumulators), mask + softcap + online softmax on the accumulator fragments
+// (a row's values live in the 4 threads of a quad: max/sum by 2 xor shuffles), P rounded to f16 is
+// re-used in registers as the A operand of O += P V (the accumulator layout of two n8 tiles is the A
+// layout of one k16 step).
+//
+// fa_mma<D, kDecode, true>: Dual Chunk Attention (fa_common.cuh). q holds the three rotations; the Q tile
+// in shared memory holds one of them, reloaded while a tile is dequantized when the tile holds one regime
+// only and it is another (a few times per block: the keys are walked in slot order). A tile with several
+// regimes (across a chunk boundary of a regime change: at most about two per row block) keeps the tensor-core
+// scores of the regime in shared memory and recomputes the other visible pairs one by one.
+//
+// Grid: (ceil(n_q * group / kRows), n_split, n_kv); block 128 threads; dynamic shared memory
+// MmaLayout::bytes (mirrored in cupyllm/attention/gpu_kernels.py; the kernel traps if given less).
+// Outputs as fa_vec (fa_common.cuh).
+#pragma once
+#include "fa_common.cuh"
+
+namespace cupyllm {
+
+template <int D, bool kDecode>
+struct MmaConfig {
+    static_assert(D == 64 || D == 128 || D == 256 || D == 512, "head dims 64, 128, 256, 512");
+    static constexpr int kColSplit = D == 512 ? 2 : 1;
+    static constexpr int kKeyParts = kDecode ? (kFaThreads / 32) / kColSplit : 1;   // warps splitting the keys
+    static constexpr int kRowWarps = (kFaThreads / 32) / kColSplit / kKeyParts;
+    static constexpr int kRows = 16 * kRowWarps;  // prefill 64 (32 for D = 512), decode 16
+    // keys per tile: prefill 64, 32 (D = 256), 16 (D = 512); decode 16 per key part
+    static constexpr int kTile = kDecode ? 16 * kKeyParts : D <= 128 ? 64 : 8192 / D;
+    static constexpr int kWarpKeys = kTile / kKeyParts;  // keys of a tile one warp multiplies
+    static_assert(kWarpKeys % 16 == 0, "P V takes keys 16 at a time");
+    static constexpr int kDv = D / kColSplit;           // output dims per warp
+    static constexpr int kQStride = D + 8;              // halves per row of Q and K in shared memory
+    static constexpr int kVStride = kTile + 8;          // halves per row of V^T
+};
+
+// Dynamic shared memory layout (byte offsets).
+template <int D, bool kDecode>
+struct MmaLayout {
+    using C = MmaConfig<D, kDecode>;
+    static constexpr int kQ = 0;                                    // half [kRows][kQStride]
+    static constexpr int kK = kQ + C::kRows * C::kQStride * 2;       // half [kTile][kQStride]
+    static constexpr int kV = kK + C::kTile * C::kQStride * 2;       // half [D][kVStride]  (V^T)
+    static constexpr int kPos = kV + D * C::kVStride * 2;            // int [kTile]: positions of the tile
+    static constexpr int kRawPos = kPos + C::kTile * 4;              // int [kTile]: staged positions
+    static constexpr int kKRaw = kRawPos + C::kTile * 4;             // u8 [kTile][LK.slot_bytes]: staged K rows
+    int v_raw, k_table, v_table, bytes;                              // then V rows, the tables
+
+    __device__ static MmaLayout of(const StagedRows& LK, const StagedRows& LV, int k_table_len, int v_table_len) {
+        MmaLayout s;
+        s.v_raw = kKRaw + C::kTile * LK.slot_bytes;
+        s.k_table = s.v_raw + C::kTile * LV.slot_bytes;
+        s.v_table = s.k_table + (k_table_len + 3) / 4 * 16;
+        s.bytes = max(s.v_table + (v_table_len + 3) / 4 * 16, kMergeBytes);
+        return s;
+    }
+    // decode: the key parts' O (f32 [kKeyParts][16][D]) over the start of the buffer after the last tile
+    static constexpr int kMergeBytes = C::kKeyParts > 1 ? C::kKeyParts * 16 * D * 4 : 0;
+};
+
+// 8 values of a cached row of format `id` as f16 (one 16-byte shared-memory store); f16 rows are
+// copied as they are.
+template <int G>
+__device__ __forceinline__ uint4 chunk_as_f16(int id, const u8* row, int c, const float* table) {
+    if (id == kFaF16) return reinterpret_cast<const uint4*>(row)[c];
+    float v[8];
+    read_chunk<G>(id, row, c, table, v);
+    return make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+}
+
+// Issue the cp.async copies of the raw K / V rows and positions of the tile at key `first` (one group).
+template <int kTile>
+__device__ __forceinline__ void stage_mma_tile(const StagedRows& LK, const StagedRows& LV, u8* k_raw, u8* v_raw,
+                                               int* raw_pos, const u8* k_cache, const u8* v_cache,
+                                               const int* slot_pos, KeyRange keys, int first, int n_kv, int kh,
+                                               long long n_cache_rows, int tid) {
+    const int n_valid = min(kTile, keys.end - first);
+    stage_rows(LK, k_raw, k_cache, first, kTile, n_valid, n_kv, kh, n_cache_rows, tid);
+    stage_rows(LV, v_raw, v_cache, first, kTile, n_valid, n_kv, kh, n_cache_rows, tid);
+    if (tid < kTile) cp_async<4>(raw_pos + tid, tid < n_valid ? slot_pos + first + tid : slot_pos, tid < n_valid);
+    cp_async_commit();
+}
+
+__device__ __forceinline__ u32 smem_u32(const __half* base, int half_index) {  // two halves, 4-byte aligned
+    return *reinterpret_cast<const u32*>(base + half_index);
+}
+
+
+// The f16 Q tile: rows r < rows_here of q [n_q][n_head][D] (row r = (query r / group, head r % group) of
+// KV head kh), zero past the end; row stride kQStride halves. Every thread of the block takes part.
+template <int D, int kRows, int kQStride>
+__device__ __forceinline__ void load_q_tile(__half* q_s, const __half* q, int rows_here, int row0, int group, int kh,
+                                            int n_head, int tid) {
+    constexpr int kChunks = D / 8;
+    for (int task = tid; task < kRows * kChunks; task += kFaThreads) {
+        const int r = task / kChunks, c = task % kChunks;
+        uint4 w = make_uint4(0u, 0u, 0u, 0u);
+        if (r < rows_here) {
+            const RowIndex ri = row_index(row0 + r, group, kh);
+            w = reinterpret_cast<const uint4*>(q + (static_cast<long long>(ri.query) * n_head + ri.head) * D)[c];
+        }
+        *reinterpret_cast<uint4*>(q_s + r * kQStride + 8 * c) = w;
+    }
+}
+
+// DCA: q . k of one f16 Q row (global memory) and one f16 K row (shared memory), f32 sums. Out of line:
+// the rare tiles that need it do not cost the main loop registers.
+template <int D>
+__device__ __noinline__ float dca_pair_score(const __half* q_row, const __half* k_row) {
+    float sum = 0.0f;
+#pragma unroll 4
+    for (int c = 0; c < D; c += 2) {
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(q_row + c));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(k_row + c));
+        sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+    }
+    return sum;
+}
+
+// s += Q K^T for one warp's 16 Q rows (q_rows, row stride kQStride) and kWarpKeys keys from k_keys.
+template <int D, int kWarpKeys, int kQStride>
+__device__ __forceinline__ void qk_tile(float (&s)[kWarpKeys / 8][4], const __half* q_rows, const __half* k_keys,
+                                        int g, int t) {
+#pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 16) {
+        const u32 a[4] = {smem_u32(q_rows, g * kQStride + k0 + 2 * t), smem_u32(q_rows, (g + 8) * kQStride + k0 + 2 * t),
+                          smem_u32(q_rows, g * kQStride + k0 + 8 + 2 * t),
+                          smem_u32(q_rows, (g + 8) * kQStride + k0 + 8 + 2 * t)};
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / 8; ++n) {
+            const __half* k_rows = k_keys + (n * 8 + g) * kQStride;
+            const u32 b[2] = {smem_u32(k_rows, k0 + 2 * t), smem_u32(k_rows, k0 + 8 + 2 * t)};
+            mma_m16n8k16_f16_f32(s[n], a, b, s[n]);
+        }
+    }
+}
+
+}  // namespace cupyllm
+
+template <int D, bool kDecode, bool kDca = false>
+__global__ void __launch_bounds__(cupyllm::kFaThreads)
+fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, const cupyllm::u8* __restrict__ v_cache,
+       const int* __restrict__ slot_pos, const int* __restrict__ q_pos, const float* __restrict__ mask,
+       long long mask_stride, const float* __restrict__ k_table, const float* __restrict__ v_table,
+       float* __restrict__ o_part, float* __restrict__ lse_part, int n_q, int n_head, int n_kv, int n_slots,
+       int n_keys, int keys_per_split, int window, float softcap, int slots_are_positions, int k_fmt, int v_fmt,
+       int k_row_bytes, int v_row_bytes, int k_table_len, int v_table_len, int dca_chunk_len) {
+    using namespace cupyllm;
+    using C = MmaConfig<D, kDecode>;
+    using S = MmaLayout<D, kDecode>;
+    constexpr int kRows = C::kRows, kTile = C::kTile, kQStride = C::kQStride, kVStride = C::kVStride;
+    constexpr int kWarpKeys = C::kWarpKeys;
+    constexpr int kChunks = D / 8, G = GroupOf<D>::value;
+
+    extern __shared__ __align__(16) u8 fa_smem[];
+    const StagedRows LK = StagedRows::of(k_row_bytes), LV = StagedRows::of(v_row_bytes);
+    const S layout = S::of(LK, LV, k_table_len, v_table_len);
+    if (dynamic_smem_bytes() < static_cast<u32>(layout.bytes)) __trap();  // gpu_kernels.py sized it too small
+    __half* q_s = reinterpret_cast<__half*>(fa_smem + S::kQ);
+    __half* k_s = reinterpret_cast<__half*>(fa_smem + S::kK);
+    __half* vt_s = reinterpret_cast<__half*>(fa_smem + S::kV);
+    int* pos_s = reinterpret_cast<int*>(fa_smem + S::kPos);
+    int* raw_pos_s = reinterpret_cast<int*>(fa_smem + S::kRawPos);
+    u8* k_raw = fa_smem + S::kKRaw;
+    u8* v_raw = fa_smem + layout.v_raw;
+    float* ktab_s = reinterpret_cast<float*>(fa_smem + layout.k_table);
+    float* vtab_s = reinterpret_cast<float*>(fa_smem + layout.v_table);
+    __shared__ long long row_qpos[kRows];
+    __shared__ int row_query[kRows];
+    __shared__ long long qpos_range[2];
+    __shared__ float part_m[C::kKeyParts][kRows], part_l[C::kKeyParts][kRows];
+    __shared__ int key_chunk_s[kDca ? kTile : 1];  // DCA: chunk of each key position of the tile
+    __shared__ DcaRows dca_rows_s;
+
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, t = lane % 4;                          // mma fragment coordinates
+    const int col_part = warp % C::kColSplit;
+    const int key_part = (warp / C::kColSplit) % C::kKeyParts;     // decode: this warp's quarter of each tile
+    const int row_warp = warp / (C::kColSplit * C::kKeyParts);
+    const int key0 = key_part * kWarpKeys;                         // its first key within a tile
+    const int kh = blockIdx.z, split = blockIdx.y;
+    const int group = n_head / n_kv;
+    const int row0 = blockIdx.x * kRows;
+    const int rows_here = min(kRows, n_q * group - row0);
+    const long long n_cache_rows = static_cast<long long>(n_slots) * n_kv;
+
+    // ---- setup: tables, Q tile (f16, zero rows past the end), row positions ----
+    for (int i = tid; i < k_table_len; i += kFaThreads) ktab_s[i] = k_table[i];
+    for (int i = tid; i < v_table_len; i += kFaThreads) vtab_s[i] = v_table[i];
+    load_q_tile<D, kRows, kQStride>(q_s, q, rows_here, row0, group, kh, n_head, tid);  // DCA: the intra rotation
+    int q_loaded = 0;  // DCA: the rotation in q_s
+    const long long q_regime_stride = static_cast<long long>(n_q) * n_head * D;  // DCA: Q [3][n_q][n_head][D]
+    for (int r = tid; r < kRows; r += kFaThreads) {
+        const int query = r < rows_here ? row_index(row0 + r, group, kh).query : 0;
+        row_query[r] = query;
+        row_qpos[r] = r < rows_here ? q_pos[query] : -1;  // -1: no key is visible to a padding row
+    }
+    __syncthreads();
+    if (tid == 0) {
+        long long lo = row_qpos[0], hi = row_qpos[0];
+        for (int r = 1; r < rows_here; ++r) {
+            lo = min(lo, row_qpos[r]);
+            hi = max(hi, row_qpos[r]);
+        }
+        qpos_range[0] = lo;
+        qpos_range[1] = hi;
+        if constexpr (kDca) dca_rows_s = dca_rows_of(row_qpos, rows_here, dca_chunk_len);
+    }
+    __syncthreads();
+    const KeyRange keys = split_key_range(split, keys_per_split, n_keys, slots_are_positions != 0, qpos_range[0],
+                                          qpos_range[1], window);
+
+    // this thread's two rows (g and g + 8 of its warp's 16)
+    const int my_row[2] = {row_warp * 16 + g, row_warp * 16 + g + 8};
+    const long long my_qpos[2] = {row_qpos[my_row[0]], row_qpos[my_row[1]]};
+    const int my_query[2] = {row_query[my_row[0]], row_query[my_row[1]]};
+    int my_chunk[2] = {0, 0};
+    if constexpr (kDca) {
+        my_chunk[0] = dca_chunk(static_cast<int>(my_qpos[0]), dca_chunk_len);
+        my_chunk[1] = dca_chunk(static_cast<int>(my_qpos[1]), dca_chunk_len);
+    }
+
+    float o_acc[C::kDv / 8][4];
+#pragma unroll
+    for (int n = 0; n < C::kDv / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o_acc[n][i] = 0.0f;
+    float m_run[2] = {neg_inf(), neg_inf()};
+    float l_part[2] = {0.0f, 0.0f};  // this thread's share of the row sums (the quad is summed at the end)
+
+    if (keys.begin < keys.end)
+        stage_mma_tile<kTile>(LK, LV, k_raw, v_raw, raw_pos_s, k_cache, v_cache, slot_pos, keys, keys.begin, n_kv, kh,
+                              n_cache_rows, tid);
+    for (int first = keys.begin; first < keys.end; first += kTile) {
+        const int n_valid = min(kTile, keys.end - first);
+        cp_async_wait<0>();
+        __syncthreads();  // the staged tile has landed, and the previous tile's f16 tiles are no longer read
+        u32 regimes = 1u;  // DCA: the regimes this tile can hold (every warp computes the same set)
+        if constexpr (kDca) {
+            regimes = dca_tile_regimes(raw_pos_s, n_valid, dca_rows_s, lane);
+            const int regime = __ffs(static_cast<int>(regimes)) - 1;
+            if (regimes != 0u && regimes == (1u << regime) && regime != q_loaded) {  // one regime, not in q_s: load it
+                load_q_tile<D, kRows, kQStride>(q_s, q + regime * q_regime_stride, rows_here, row0, group, kh, n_head, tid);
+                q_loaded = regime;
+            }
+        }
+
+        // ---- dequantize the staged rows: K as f16 rows, V transposed, positions ----
+#pragma unroll 1  // one copy of the format switch
+        for (int task = tid; task < kTile * kChunks; task += kFaThreads) {
+            const int j = task / kChunks, c = task % kChunks;  // consecutive threads: consecutive chunks of a row
+            const long long row = (static_cast<long long>(first) + j) * n_kv + kh;
+            *reinterpret_cast<uint4*>(k_s + j * kQStride + 8 * c) =
+                chunk_as_f16<G>(k_fmt, k_raw + j * LK.slot_bytes + LK.offset(row), c, ktab_s);
+        }
+#pragma unroll 1  // one copy of the format switch
+        for (int task = tid; task < (kTile / 2) * kChunks; task += kFaThreads) {
+            // consecutive threads: consecutive key pairs of one chunk, so the transposed 4-byte stores
+            // of a warp fall in distinct banks
+            const int p = task % (kTile / 2), c = task / (kTile / 2);
+            const long long row0_kv = (static_cast<long long>(first) + 2 * p) * n_kv + kh;
+            float v0[8], v1[8];  // rows past the tile's end were zero-filled: they decode to 0
+            read_chunk<G>(v_fmt, v_raw + (2 * p) * LV.slot_bytes + LV.offset(row0_kv), c, vtab_s, v0);
+            read_chunk<G>(v_fmt, v_raw + (2 * p + 1) * LV.slot_bytes + LV.offset(row0_kv + n_kv), c, vtab_s, v1);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+                *reinterpret_cast<u32*>(vt_s + (8 * c + e) * kVStride + 2 * p) = pack_half2(v0[e], v1[e]);
+        }
+        for (int j = tid; j < kTile; j += kFaThreads) {
+            pos_s[j] = raw_pos_s[j];
+            if constexpr (kDca) key_chunk_s[j] = dca_chunk(raw_pos_s[j], dca_chunk_len);
+        }
+        __syncthreads();  // f16 tiles ready; the staging buffer is free
+        if (first + kTile < keys.end)  // the next tile's copies overlap this tile's arithmetic
+            stage_mma_tile<kTile>(LK, LV, k_raw, v_raw, raw_pos_s, k_cache, v_cache, slot_pos, keys, first + kTile,
+                                  n_kv, kh, n_cache_rows, tid);
+
+        // ---- S = Q K^T for this warp's 16 rows x kWarpKeys keys ----
+        float s_acc[kWarpKeys / 8][4];
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / 8; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s_acc[n][i] = 0.0f;
+        qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_s + key0 * kQStride, g, t);
+        if (kDca && (regimes & (regimes - 1u)) != 0u) {
+            // several regimes (a tile across a chunk boundary, at most ~2 per row block): the scores of the
+            // visible pairs whose regime is not the one in q_s, one by one from Q in global memory
+#pragma unroll
+            for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
+                    const int regime = dca_regime(my_chunk[h], key_chunk_s[j]);
+                    if (regime != q_loaded && j < n_valid && key_visible(pos_s[j], my_qpos[h], window)) {
+                        const RowIndex ri = row_index(row0 + my_row[h], group, kh);
+                        const __half* q_row = q + regime * q_regime_stride +
+                                              (static_cast<long long>(ri.query) * n_head + ri.head) * D;
+                        s_acc[n][i] = dca_pair_score<D>(q_row, k_s + j * kQStride);
+                    }
+                }
+            }
+        }
+
+        // ---- mask, softcap, online softmax on the fragments ----
+        float m_tile[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
+                float s = apply_softcap(s_acc[n][i], softcap);
+                const bool visible = j < n_valid && key_visible(pos_s[j], my_qpos[h], window);
+                if (mask_stride > 0 && visible) s += mask[my_query[h] * mask_stride + first + j];
+                s = visible ? s : neg_inf();
+                s_acc[n][i] = s;
+                m_tile[h] = fmaxf(m_tile[h], s);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            m_tile[h] = fmaxf(m_tile[h], __shfl_xor_sync(kFullMask, m_tile[h], 1));
+            m_tile[h] = fmaxf(m_tile[h], __shfl_xor_sync(kFullMask, m_tile[h], 2));
+            const float m_new = fmaxf(m_run[h], m_tile[h]);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;  // no visible key yet: exp(-inf) = 0
+            alpha[h] = __expf(m_run[h] - m_use);
+            m_run[h] = m_new;
+            l_part[h] *= alpha[h];
+#pragma unroll
+            for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+                for (int i = 2 * h; i < 2 * h + 2; ++i) {
+                    s_acc[n][i] = __expf(s_acc[n][i] - m_use);
+                    l_part[h] += s_acc[n][i];
+                }
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < C::kDv / 8; ++n) {
+            o_acc[n][0] *= alpha[0];
+            o_acc[n][1] *= alpha[0];
+            o_acc[n][2] *= alpha[1];
+            o_acc[n][3] *= alpha[1];
+        }
+
+        // ---- O += P V: P from the score fragments, V^T from shared memory ----
+        const __half* vt_cols = vt_s + (col_part * C::kDv) * kVStride;
+#pragma unroll
+        for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
+            const u32 a[4] = {pack_half2(s_acc[2 * kk][0], s_acc[2 * kk][1]), pack_half2(s_acc[2 * kk][2], s_acc[2 * kk][3]),
+                              pack_half2(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
+                              pack_half2(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < C::kDv / 8; ++n) {
+                const __half* v_row = vt_cols + (n * 8 + g) * kVStride;
+                const u32 b[2] = {smem_u32(v_row, key0 + kk * 16 + 2 * t), smem_u32(v_row, key0 + kk * 16 + 8 + 2 * t)};
+                mma_m16n8k16_f16_f32(o_acc[n], a, b, o_acc[n]);
+            }
+        }
+        __syncthreads();  // the next tile overwrites K, V^T and the positions
+    }
+
+    // ---- normalise and write this split's O and LSE ----
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l_part[h] += __shfl_xor_sync(kFullMask, l_part[h], 1);
+        l_part[h] += __shfl_xor_sync(kFullMask, l_part[h], 2);
+    }
+    if constexpr (C::kKeyParts == 1) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = my_row[h];
+            if (r >= rows_here) continue;
+            const RowIndex ri = row_index(row0 + r, group, kh);
+            const long long out_row = (static_cast<long long>(split) * n_q + ri.query) * n_head + ri.head;
+            const float l = l_part[h];
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            float* o = o_part + out_row * D + col_part * C::kDv + 2 * t;
+#pragma unroll
+            for (int n = 0; n < C::kDv / 8; ++n)
+                *reinterpret_cast<float2*>(o + n * 8) = make_float2(o_acc[n][2 * h] * inv, o_acc[n][2 * h + 1] * inv);
+            if (col_part == 0 && t == 0) lse_part[out_row] = l > 0.0f ? m_run[h] + logf(l) : neg_inf();
+        }
+    } else {
+        // decode: merge the key parts like splits (fa_combine's rule), through shared memory
+        float* merge_s = reinterpret_cast<float*>(fa_smem);  // [kKeyParts][16][D], over the tiles: all done
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float* o = merge_s + (key_part * 16 + my_row[h]) * D + col_part * C::kDv + 2 * t;
+#pragma unroll
+            for (int n = 0; n < C::kDv / 8; ++n)
+                *reinterpret_cast<float2*>(o + n * 8) = make_float2(o_acc[n][2 * h], o_acc[n][2 * h + 1]);
+            if (col_part == 0 && t == 0) {
+                part_m[key_part][my_row[h]] = m_run[h];
+                part_l[key_part][my_row[h]] = l_part[h];
+            }
+        }
+        __syncthreads();
+        for (int idx = tid; idx < rows_here * D; idx += kFaThreads) {
+            const int r = idx / D, d = idx % D;
+            float m = neg_inf();
+#pragma unroll
+            for (int p = 0; p < C::kKeyParts; ++p) m = fmaxf(m, part_m[p][r]);
+            float l = 0.0f, o = 0.0f;
+            if (m != neg_inf()) {
+#pragma unroll
+                for (int p = 0; p < C::kKeyParts; ++p) {
+                    const float w = __expf(part_m[p][r] - m);  // a part without visible keys: exp(-inf) = 0
+                    l += w * part_l[p][r];
+                    o += w * merge_s[(p * 16 + r) * D + d];
+                }
+            }
+            const RowIndex ri = row_index(row0 + r, group, kh);
+            const long long out_row = (static_cast<long long>(split) * n_q + ri.query) * n_head + ri.head;
+            o_part[out_row * D + d] = l > 0.0f ? o / l : 0.0f;
+            if (d == 0) lse_part[out_row] = l > 0.0f ? m + logf(l) : neg_inf();
+        }
+    }
+}
