@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from cupyllm.cuda import gpu_count
+from gpu_helpers import emulated, get_test_format, rounded_f16, rounded_f16_query
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,22 +51,6 @@ def _pairs(head_dim: int) -> list[tuple[str, str]]:
 
 
 CASES = [(d, k, v, MASK_CASES[i % len(MASK_CASES)]) for d in HEAD_DIMS for i, (k, v) in enumerate(_pairs(d))]
-
-
-def get_test_format(name: str, head_dim: int):
-    from cupyllm.kv import formats, tcq
-    try:
-        return formats.get_format(name, head_dim=head_dim)
-    except formats.KVFormatError:
-        if name not in tcq.TCQ_PARAMS:
-            raise
-        _, L = tcq.TCQ_PARAMS[name]
-        return tcq.make_format(name, formats.group_values_for(head_dim), codebook=tcq.initial_codebook(L))
-
-
-def _emulated() -> bool:
-    import cupy
-    return bool(getattr(cupy, "__cupyllm_emulated__", False))
 
 
 @pytest.fixture(scope="module")
@@ -104,33 +89,13 @@ def reference(q, q_pos, layer: Layer, *, scale, window=0, softcap=0.0, mask=None
     n = layer.n_used
     k, v, k_pos = layer.k[:n], layer.v[:n], layer.host_pos[:n]
     if f16_inputs:  # what fa_mma feeds the tensor cores
-        q = _f16_scaled_q(q, layer, scale)
-        k, v = _rounded_f16(k, layer.k_format), _rounded_f16(v, layer.v_format)
+        q = rounded_f16_query(q, layer.k_format, scale)
+        k, v = rounded_f16(k, layer.k_format), rounded_f16(v, layer.v_format)
         scale = 1.0
     allowed = causal_mask(q_pos, k_pos, window)
     if mask is None:
         return attend(q, k, v, allowed, scale=scale, softcap=softcap)
     return _attend_additive(q, k, v, allowed, mask[:, :n], scale, softcap)
-
-
-def _f16_scaled_q(q, layer: Layer, scale):
-    """Q * scale (rotated for rotated K formats, in the K format's rotated domain) rounded to f16, and then
-    back in the original domain so that the reference attends over the decoded (unrotated) K."""
-    from cupyllm.kv.formats import is_rotated
-    qs = (q.astype(np.float32) * np.float32(scale)).reshape(-1, q.shape[-1])
-    if is_rotated(layer.k_format.name):
-        rotated = layer.k_format.rotate(qs).astype(np.float16).astype(np.float32)
-        return layer.k_format.unrotate(rotated).reshape(q.shape)
-    return qs.astype(np.float16).astype(np.float32).reshape(q.shape)
-
-
-def _rounded_f16(x, fmt):
-    """x (original domain) with its stored rotated-domain values rounded to f16, as fa_mma loads them."""
-    from cupyllm.kv.formats import is_rotated
-    flat = x.reshape(-1, x.shape[-1])
-    if is_rotated(fmt.name):
-        return fmt.unrotate(fmt.rotate(flat).astype(np.float16).astype(np.float32)).reshape(x.shape)
-    return flat.astype(np.float16).astype(np.float32).reshape(x.shape)
 
 
 def _attend_additive(q, k, v, allowed, mask, scale, softcap):
@@ -214,8 +179,8 @@ def _sizes(head_dim: int, kernel: str, case: str = "causal") -> tuple[int, int, 
     """(n_q, n_head, n_kv, n_slots): a partial last tile, several tiles, GQA; fewer slots under the emulator."""
     n_q, n_head, n_kv = (VEC_SHAPES if kernel == "vec" else MMA_SHAPES)[case]
     if kernel == "vec":
-        return n_q, n_head, n_kv, 203 if _emulated() else 1500
-    return n_q, n_head, n_kv, 150 if _emulated() else 700
+        return n_q, n_head, n_kv, 203 if emulated() else 1500
+    return n_q, n_head, n_kv, 150 if emulated() else 700
 
 
 # splits over the keys per mask case: the combine kernel runs in most cases (None: the automatic choice)
@@ -296,9 +261,9 @@ def test_split_count_does_not_change_the_result(runner, kernel):
     v_max = float(np.abs(layer.v).max())
     for o, lse in results:
         if kernel == "vec":
-            _check(o, lse, ref_o, ref_lse, v_max, VEC_TOL, VEC_TOL * 10, f"vec split")
+            _check(o, lse, ref_o, ref_lse, v_max, VEC_TOL, VEC_TOL * 10, "vec split")
         else:
-            _check(o, lse, ref_o, ref_lse, v_max, MMA_TOL_O, MMA_TOL_LSE, f"mma split")
+            _check(o, lse, ref_o, ref_lse, v_max, MMA_TOL_O, MMA_TOL_LSE, "mma split")
 
 
 def test_lse_merges_two_caches(runner):

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from cupyllm.cuda import gpu_count
+from gpu_helpers import emulated
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,11 +36,6 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _emulated() -> bool:
-    import cupy
-    return bool(getattr(cupy, "__cupyllm_emulated__", False))
 
 
 @pytest.fixture(scope="module")
@@ -393,7 +389,7 @@ def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention):
         eager_cache.n_past += 1
         graph_cache.n_past += 1
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    if not _emulated():  # the emulator has no stream capture: the runner must have fallen back to eager steps
+    if not emulated():  # the emulator has no stream capture: the runner must have fallen back to eager steps
         assert graphs.enabled, f"graph capture failed: {graphs.disabled_reason}"
         assert graphs.captures == 2 and graphs.replays == 14
 
@@ -416,7 +412,7 @@ def test_import_without_cupy():
 def test_real_model_logits_match_transformers(name):
     """HF transformers' stored top-32 logits (tests/data/hf_reference_*.npz): the GEMV path (chunks of 8) within
     the CPU engine's bound, the f16 prefill paths within their stated one."""
-    if _emulated():
+    if emulated():
         pytest.skip("the real models are too large for the CPU emulator")
     from cupyllm.backend.gpu import GPUBackend
     from models import gemma_path, qwen_path

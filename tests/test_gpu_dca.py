@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from cupyllm.cuda import gpu_count
+from gpu_helpers import emulated, get_test_format, rounded_f16, rounded_f16_query
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,22 +57,6 @@ def _pairs(head_dim: int) -> list[tuple[str, str]]:
 
 
 CASES = [(d, k, v, list(CONFIGS)[i % len(CONFIGS)]) for d in HEAD_DIMS for i, (k, v) in enumerate(_pairs(d))]
-
-
-def get_test_format(name: str, head_dim: int):
-    from cupyllm.kv import formats, tcq
-    try:
-        return formats.get_format(name, head_dim=head_dim)
-    except formats.KVFormatError:
-        if name not in tcq.TCQ_PARAMS:
-            raise
-        _, L = tcq.TCQ_PARAMS[name]
-        return tcq.make_format(name, formats.group_values_for(head_dim), codebook=tcq.initial_codebook(L))
-
-
-def _emulated() -> bool:
-    import cupy
-    return bool(getattr(cupy, "__cupyllm_emulated__", False))
 
 
 @pytest.fixture(scope="module")
@@ -117,33 +102,14 @@ def query_positions(kind: str, n_q: int, n_used: int, chunk_len: int, rng) -> np
     return np.concatenate([q_pos[:1], [-1], q_pos[1:]]).astype(np.int32)
 
 
-def _rounded_q(q, layer, scale):
-    """q * scale (rotated for rotated K formats) rounded to f16 as fa_prep_q writes it for fa_mma, back in the
-    original domain."""
-    from cupyllm.kv.formats import is_rotated
-    flat = (q.astype(np.float32) * np.float32(scale)).reshape(-1, q.shape[-1])
-    if is_rotated(layer.k_format.name):
-        return layer.k_format.unrotate(layer.k_format.rotate(flat).astype(np.float16).astype(np.float32)).reshape(q.shape)
-    return flat.astype(np.float16).astype(np.float32).reshape(q.shape)
-
-
-def _rounded_kv(x, fmt):
-    """Decoded rows with their stored-domain values rounded to f16, as fa_mma stages them."""
-    from cupyllm.kv.formats import is_rotated
-    flat = x.reshape(-1, x.shape[-1])
-    if is_rotated(fmt.name):
-        return fmt.unrotate(fmt.rotate(flat).astype(np.float16).astype(np.float32)).reshape(x.shape)
-    return flat.astype(np.float16).astype(np.float32).reshape(x.shape)
-
-
 def numpy_reference(q3, q_pos, layer, dca, *, scale, softcap=0.0, f16_inputs=False):
     """attend_dca over the cache's decoded slots [0, n_used); f16_inputs: on what fa_mma multiplies."""
     from cupyllm.attention.dca import attend_dca
     n = layer.n_used
     k, v, k_pos = layer.k[:n], layer.v[:n], layer.host_pos[:n]
     if f16_inputs:
-        q3 = [_rounded_q(q, layer, scale * dca.logit_scale) for q in q3]
-        k, v = _rounded_kv(k, layer.k_format), _rounded_kv(v, layer.v_format)
+        q3 = [rounded_f16_query(q, layer.k_format, scale * dca.logit_scale) for q in q3]
+        k, v = rounded_f16(k, layer.k_format), rounded_f16(v, layer.v_format)
         scale = 1.0 / dca.logit_scale  # the queries carry the whole logit scale already
     return attend_dca(*q3, k, v, q_pos, k_pos, dca, scale=scale, softcap=softcap)
 
@@ -184,7 +150,7 @@ PREFILL_SHAPE = (24, 8, 2)
 
 def _n_slots(kernel: str) -> int:
     """Cache slots (the last 5 empty): several chunks of every L, not a multiple of any; fewer on the emulator."""
-    if _emulated():
+    if emulated():
         return 181 if kernel == "vec" else 150
     return 1499 if kernel == "vec" else 701
 

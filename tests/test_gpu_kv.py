@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cupyllm.cuda import gpu_count
+from gpu_helpers import get_test_format
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,19 +30,6 @@ TCQ_TIE_BOUND = 0.01  # at most 1% of groups may pick a different path of exactl
 def _formats():
     from cupyllm.kv.formats import list_formats
     return list_formats()
-
-
-def get_test_format(name: str, head_dim: int):
-    """The engine's format; a TCQ format whose codebook file is absent falls back to the QTIP-style
-    initial codebook (the kernels take the codebook as an argument, so parity does not depend on it)."""
-    from cupyllm.kv import formats, tcq
-    try:
-        return formats.get_format(name, head_dim=head_dim)
-    except formats.KVFormatError:
-        if name not in tcq.TCQ_PARAMS:
-            raise
-        _, L = tcq.TCQ_PARAMS[name]
-        return tcq.make_format(name, formats.group_values_for(head_dim), codebook=tcq.initial_codebook(L))
 
 
 def make_kv_rows(rng, n_new: int, head_dim: int, dtype: str) -> np.ndarray:

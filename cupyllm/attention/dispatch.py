@@ -37,7 +37,7 @@ import numpy as np
 
 from ..cuda.registry import KernelRegistry, require_cupy
 from ..errors import CupyllmError
-from ..kv.formats import KVFormat, is_rotated
+from ..kv.formats import KVFormat
 from . import gpu_kernels as fk
 
 VEC_MAX_QUERIES = 8
@@ -122,12 +122,21 @@ class GpuAttention:
         return cached[1]
 
     def attention_lse(self, q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0,
-                      mask=None, kernel: str | None = None, n_split: int | None = None):
+                      mask=None, kernel: str | None = None, n_split: int | None = None, dca=None,
+                      dca_queries=()):
         """(O [n_q, n_head, d] in q's dtype, LSE float32 [n_q, n_head]); see the module docstring.
 
-        `kernel` ("vec" / "mma") and `n_split` override the automatic choices (tests, benchmarks)."""
+        `kernel` ("vec" / "mma") and `n_split` override the automatic choices (tests, benchmarks).
+        Dual Chunk Attention (attention/gpu_dca.py): `dca` (DCAConfig) with q the intra rotation and
+        `dca_queries` the successive and inter ones; the same launches with the kernels' DCA instantiations."""
         cp = self._cp
-        q = cp.ascontiguousarray(cp.asarray(q))
+        qs = [cp.ascontiguousarray(cp.asarray(x)) for x in (q, *dca_queries)]
+        if any(x.shape != qs[0].shape or x.dtype != qs[0].dtype for x in qs[1:]):
+            raise AttentionArgumentError("the DCA rotations must have one shape and dtype, got "
+                                         + ", ".join(f"{x.dtype} {tuple(x.shape)}" for x in qs))
+        if (dca is None) != (len(qs) == 1) or len(qs) not in (1, 3):
+            raise AttentionArgumentError("DCA takes dca= and exactly two dca_queries (successive, inter)")
+        q = qs[0]
         n_q, n_head, d, n_kv, n_slots, n_keys = _check(q, layer_kv)
         k_fmt, v_fmt = layer_kv.k_format, layer_kv.v_format
         k_rot = fk.rotation_group(k_fmt, d)
@@ -146,10 +155,12 @@ class GpuAttention:
         if kernel not in ("vec", "mma"):
             raise AttentionArgumentError(f"kernel must be 'vec' or 'mma', got {kernel!r}")
         plan = plan_attention(n_q, n_head, n_kv, d, n_keys, self.n_sm, kernel, n_split)
-        self._check_shared_memory(kernel, n_q * (n_head // n_kv), d, layer_kv)
+        self._check_shared_memory(kernel, n_q * (n_head // n_kv), d, layer_kv, dca=dca is not None)
 
-        q_prepped = cp.empty(q.shape, dtype=cp.float32 if kernel == "vec" else cp.float16)
-        fk.launch_prep_q(self.registry, q, q_prepped, k_rot, float(scale))
+        # DCA: [3, n_q, n_head, d], the three rotations scaled (and rotated for rotated K formats) by one launch
+        q_prepped = cp.empty(((len(qs),) if dca else ()) + q.shape, dtype=cp.float32 if kernel == "vec" else cp.float16)
+        logit_scale = float(scale) * (dca.logit_scale if dca else 1.0)
+        fk.launch_prep_q(self.registry, q, q_prepped, k_rot, logit_scale, more=qs[1:])
         direct = plan.n_split == 1 and v_rot == 0 and q_dtype == "float32"
         if direct:  # the main kernel writes the final O and LSE
             o_part, lse_part = out.reshape(1, n_q, n_head, d), lse.reshape(1, n_q, n_head)
@@ -163,7 +174,8 @@ class GpuAttention:
             k_table=self._table(k_fmt), v_table=self._table(v_fmt), o_part=o_part, lse_part=lse_part,
             n_q=n_q, n_head=n_head, n_kv=n_kv, n_slots=n_slots, n_keys=n_keys, keys_per_split=plan.keys_per_split,
             n_split=plan.n_split, window=int(window), softcap=float(softcap),
-            slots_are_positions=not bool(getattr(layer_kv, "ring", True)), k_fmt=k_fmt, v_fmt=v_fmt)
+            slots_are_positions=not bool(getattr(layer_kv, "ring", True)), k_fmt=k_fmt, v_fmt=v_fmt,
+            dca_chunk_len=int(dca.chunk_len) if dca else 0)
         if launch.q_pos.shape != (n_q,):
             raise AttentionArgumentError(f"q_pos must hold one position per query ({n_q}), got shape "
                                          f"{tuple(launch.q_pos.shape)}")
@@ -172,17 +184,18 @@ class GpuAttention:
             fk.launch_combine(self.registry, o_part, lse_part, out, lse, v_rot)
         return out, lse
 
-    def _check_shared_memory(self, kernel: str, rows: int, d: int, layer_kv) -> None:
+    def _check_shared_memory(self, kernel: str, rows: int, d: int, layer_kv, dca: bool = False) -> None:
         k_fmt, v_fmt = layer_kv.k_format, layer_kv.v_format
         sizes = (layer_kv.k_data.shape[2], layer_kv.v_data.shape[2], fk.table_len(k_fmt), fk.table_len(v_fmt))
         if kernel == "vec":
-            need = fk.vec_smem_bytes(d, fk.vec_rows_for(rows), *sizes)
+            need = fk.vec_smem_bytes(d, fk.vec_rows_for(rows, dca=dca), *sizes)
         else:
             need = fk.mma_smem_bytes(d, fk.mma_is_decode(rows), *sizes)
         if self.smem_optin is not None and need > self.smem_optin:
             raise AttentionArgumentError(
-                f"the {kernel} attention kernel needs {need} bytes of shared memory for K {k_fmt.name!r} / V "
-                f"{v_fmt.name!r} at head_dim {d}, the device allows {self.smem_optin}; use kernel='vec'")
+                f"the {kernel} {'DCA' if dca else 'attention'} kernel needs {need} bytes of shared memory for K "
+                f"{k_fmt.name!r} / V {v_fmt.name!r} at head_dim {d}, the device allows {self.smem_optin}; "
+                "use kernel='vec'")
 
     def attention(self, q, q_pos, layer_kv, **kwargs):
         return self.attention_lse(q, q_pos, layer_kv, **kwargs)[0]

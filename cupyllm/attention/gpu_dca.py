@@ -22,22 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import gpu_kernels as fk
 from .dca import DCAConfig
-from .dispatch import (AttentionArgumentError, GpuAttention, _check, _int32_device, _query_positions,
-                       choose_kernel, default_gpu_attention, plan_attention)
+from .dispatch import GpuAttention, default_gpu_attention
 
 KEY_CHUNK = 4096  # cache slots the fallback decodes at a time
-
-
-def _queries(cp, q_intra, q_successive, q_inter) -> list:
-    """The three rotations as contiguous device arrays of one shape and dtype."""
-    qs = [cp.ascontiguousarray(cp.asarray(q)) for q in (q_intra, q_successive, q_inter)]
-    if any(q.shape != qs[0].shape or q.dtype != qs[0].dtype for q in qs[1:]):
-        raise AttentionArgumentError(
-            "q_intra, q_successive and q_inter must have one shape and dtype, got "
-            + ", ".join(f"{q.dtype} {tuple(q.shape)}" for q in qs))
-    return qs
 
 
 def gpu_dca_attention_lse(q_intra, q_successive, q_inter, q_pos, layer_kv, dca: DCAConfig, *, scale: float,
@@ -45,52 +33,8 @@ def gpu_dca_attention_lse(q_intra, q_successive, q_inter, q_pos, layer_kv, dca: 
                           runner: GpuAttention | None = None):
     """(O [n_q, n_head, d] in q's dtype, LSE float32 [n_q, n_head]); see the module docstring."""
     runner = runner or default_gpu_attention()
-    cp = runner._cp
-    qs = _queries(cp, q_intra, q_successive, q_inter)
-    q = qs[0]
-    n_q, n_head, d, n_kv, n_slots, n_keys = _check(q, layer_kv)
-    k_fmt, v_fmt = layer_kv.k_format, layer_kv.v_format
-    k_rot, v_rot = fk.rotation_group(k_fmt, d), fk.rotation_group(v_fmt, d)
-    fk.format_id(k_fmt), fk.format_id(v_fmt)
-    out = cp.empty((n_q, n_head, d), dtype=q.dtype)
-    lse = cp.empty((n_q, n_head), dtype=cp.float32)
-    if n_q == 0:
-        return out, lse
-    if n_keys == 0:
-        out.fill(0)
-        lse.fill(-np.inf)
-        return out, lse
-    kernel = kernel or choose_kernel(n_q, n_head, n_kv, d, k_fmt.name, v_fmt.name)
-    if kernel not in ("vec", "mma"):
-        raise AttentionArgumentError(f"kernel must be 'vec' or 'mma', got {kernel!r}")
-    rows = n_q * (n_head // n_kv)
-    _check_shared_memory(runner, kernel, rows, d, layer_kv)
-    plan = plan_attention(n_q, n_head, n_kv, d, n_keys, runner.n_sm, kernel, n_split)
-
-    # [3, n_q, n_head, d]: the rotations scaled (and rotated for rotated K formats) by one launch
-    q_prepped = cp.empty((3, n_q, n_head, d), dtype=cp.float32 if kernel == "vec" else cp.float16)
-    fk.launch_prep_q(runner.registry, q, q_prepped, k_rot, float(scale) * dca.logit_scale, more=qs[1:])
-    direct = plan.n_split == 1 and v_rot == 0 and np.dtype(q.dtype) == np.float32
-    if direct:  # the main kernel writes the final O and LSE
-        o_part, lse_part = out.reshape(1, n_q, n_head, d), lse.reshape(1, n_q, n_head)
-    else:
-        o_part = cp.empty((plan.n_split, n_q, n_head, d), dtype=cp.float32)
-        lse_part = cp.empty((plan.n_split, n_q, n_head), dtype=cp.float32)
-    launch = fk.AttentionLaunch(
-        head_dim=d, q=q_prepped, k_cache=layer_kv.k_data, v_cache=layer_kv.v_data,
-        slot_pos=_int32_device(cp, layer_kv.slot_pos), q_pos=_query_positions(cp, q_pos, layer_kv),
-        mask=runner._no_mask, k_table=runner._table(k_fmt), v_table=runner._table(v_fmt), o_part=o_part,
-        lse_part=lse_part, n_q=n_q, n_head=n_head, n_kv=n_kv, n_slots=n_slots, n_keys=n_keys,
-        keys_per_split=plan.keys_per_split, n_split=plan.n_split, window=0, softcap=float(softcap),
-        slots_are_positions=not bool(getattr(layer_kv, "ring", True)), k_fmt=k_fmt, v_fmt=v_fmt,
-        dca_chunk_len=int(dca.chunk_len))
-    if launch.q_pos.shape != (n_q,):
-        raise AttentionArgumentError(f"q_pos must hold one position per query ({n_q}), got shape "
-                                     f"{tuple(launch.q_pos.shape)}")
-    (fk.launch_vec if kernel == "vec" else fk.launch_mma)(runner.registry, launch)
-    if not direct:
-        fk.launch_combine(runner.registry, o_part, lse_part, out, lse, v_rot)
-    return out, lse
+    return runner.attention_lse(q_intra, q_pos, layer_kv, scale=scale, softcap=softcap, kernel=kernel,
+                                n_split=n_split, dca=dca, dca_queries=(q_successive, q_inter))
 
 
 def gpu_dca_attention(q_intra, q_successive, q_inter, q_pos, layer_kv, dca: DCAConfig, *, scale: float,
@@ -99,19 +43,6 @@ def gpu_dca_attention(q_intra, q_successive, q_inter, q_pos, layer_kv, dca: DCAC
     """O of the fused DCA (gpu_dca_attention_lse without the LSE)."""
     return gpu_dca_attention_lse(q_intra, q_successive, q_inter, q_pos, layer_kv, dca, scale=scale, softcap=softcap,
                                  kernel=kernel, n_split=n_split, runner=runner)[0]
-
-
-def _check_shared_memory(runner: GpuAttention, kernel: str, rows: int, d: int, layer_kv) -> None:
-    k_fmt, v_fmt = layer_kv.k_format, layer_kv.v_format
-    sizes = (layer_kv.k_data.shape[2], layer_kv.v_data.shape[2], fk.table_len(k_fmt), fk.table_len(v_fmt))
-    if kernel == "vec":
-        need = fk.vec_smem_bytes(d, fk.vec_rows_for(rows, dca=True), *sizes)
-    else:
-        need = fk.mma_smem_bytes(d, fk.mma_is_decode(rows), *sizes)
-    if runner.smem_optin is not None and need > runner.smem_optin:
-        raise AttentionArgumentError(
-            f"the {kernel} DCA kernel needs {need} bytes of shared memory for K {k_fmt.name!r} / V {v_fmt.name!r} "
-            f"at head_dim {d}, the device allows {runner.smem_optin}; use kernel='vec'")
 
 
 def attend_dca_decoded(q_intra, q_successive, q_inter, q_pos, layer_kv, dca: DCAConfig, *, scale: float,

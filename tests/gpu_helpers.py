@@ -1,0 +1,39 @@
+"""Helpers shared by the GPU test files (test_gpu_kv, test_gpu_attention, test_gpu_dca, test_gpu_backend)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def emulated() -> bool:
+    """True when `cupy` is tools/cuda_emu's fake (CUPYLLM_EMULATE=1): smaller shapes, no stream capture."""
+    import cupy
+    return bool(getattr(cupy, "__cupyllm_emulated__", False))
+
+
+def get_test_format(name: str, head_dim: int):
+    """The engine's format; a TCQ format whose codebook file is absent falls back to the QTIP-style
+    initial codebook (the kernels take the codebook as an argument, so parity does not depend on it)."""
+    from cupyllm.kv import formats, tcq
+    try:
+        return formats.get_format(name, head_dim=head_dim)
+    except formats.KVFormatError:
+        if name not in tcq.TCQ_PARAMS:
+            raise
+        _, L = tcq.TCQ_PARAMS[name]
+        return tcq.make_format(name, formats.group_values_for(head_dim), codebook=tcq.initial_codebook(L))
+
+
+def rounded_f16(x, fmt):
+    """Rows x (original domain) with their values in fmt's storage domain (rotated for the rotated formats)
+    rounded to f16, back in the original domain: what fa_mma stages for K / V, and, for Q (scaled first),
+    what fa_prep_q writes for it."""
+    from cupyllm.kv.formats import is_rotated
+    flat = x.astype(np.float32).reshape(-1, x.shape[-1])
+    if is_rotated(fmt.name):
+        return fmt.unrotate(fmt.rotate(flat).astype(np.float16).astype(np.float32)).reshape(x.shape)
+    return flat.astype(np.float16).astype(np.float32).reshape(x.shape)
+
+
+def rounded_f16_query(q, k_format, scale):
+    """q * scale rounded to f16 in K's storage domain (fa_prep_q for fa_mma), back in the original domain."""
+    return rounded_f16(q.astype(np.float32) * np.float32(scale), k_format)
