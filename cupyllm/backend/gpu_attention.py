@@ -14,31 +14,44 @@ KEY_CHUNK = 4096  # cache slots decoded at a time
 
 
 def attend_decoded(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0,
-                   key_chunk: int = KEY_CHUNK):
-    """out [n_q, n_head, dv] float32 for q [n_q, n_head, d] at int32 device positions q_pos [n_q]."""
+                   key_chunk: int = KEY_CHUNK, dca=None, dca_queries=()):
+    """out [n_q, n_head, dv] float32 for q [n_q, n_head, d] at int32 device positions q_pos [n_q].
+
+    Dual Chunk Attention with `dca` (DCAConfig): q is the intra rotation, `dca_queries` the successive and
+    inter ones; each (query, key) pair is scored with the rotation of its regime, under one softmax."""
     cp = layer_kv.xp
     n_q, n_head, d = q.shape
     n_kv, dv = layer_kv.n_kv, layer_kv.v_head_dim
     group = n_head // n_kv
     rows = group * n_q
-    # [n_kv, group * n_q, d]: the query heads sharing a KV head as one batch of rows (GQA)
-    qg = cp.ascontiguousarray(q.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3)).reshape(n_kv, rows, d)
-    qg = qg.astype(cp.float32, copy=False)
+    # [n_kv, group * n_q, d] per rotation: the query heads sharing a KV head as one batch of rows (GQA)
+    qgs = [cp.ascontiguousarray(cp.asarray(x).reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3))
+           .reshape(n_kv, rows, d).astype(cp.float32, copy=False) for x in (q, *dca_queries)]
     q_pos = q_pos.reshape(n_q, 1)
+    scale = np.float32(scale * (dca.logit_scale if dca else 1.0))
+
+    def by_rows(pairs):  # [n_q, nk] -> [1, group * n_q, nk], the row order of qgs
+        return cp.broadcast_to(pairs[None], (group, n_q, pairs.shape[-1])).reshape(1, rows, -1)
+
     row_max = cp.full((n_kv, rows), -np.inf, dtype=cp.float32)
     row_sum = cp.zeros((n_kv, rows), dtype=cp.float32)
     acc = cp.zeros((n_kv, rows, dv), dtype=cp.float32)
     for start in range(0, layer_kv.n_used, key_chunk):
         k, v, k_pos = layer_kv.decode(start, min(start + key_chunk, layer_kv.n_used))
-        scores = cp.matmul(qg, cp.ascontiguousarray(k.transpose(1, 2, 0))) * np.float32(scale)  # [n_kv, rows, nk]
+        k_t = cp.ascontiguousarray(k.transpose(1, 2, 0))
+        k_pos = k_pos.reshape(1, -1)
+        scores = cp.matmul(qgs[-1], k_t)  # [n_kv, rows, nk]; DCA: the inter rotation, then the nearer regimes
+        if dca is not None:
+            regime = by_rows(cp.minimum(q_pos // np.int32(dca.chunk_len) - k_pos // np.int32(dca.chunk_len), 2))
+            scores = cp.where(regime == 1, cp.matmul(qgs[1], k_t), scores)
+            scores = cp.where(regime == 0, cp.matmul(qgs[0], k_t), scores)
+        scores = scores * scale
         if softcap > 0.0:
             scores = np.float32(softcap) * cp.tanh(scores / np.float32(softcap))
-        k_pos = k_pos.reshape(1, -1)
         allowed = (k_pos <= q_pos) & (k_pos >= 0)
         if window > 0:
             allowed &= (q_pos - k_pos) < window
-        allowed = cp.broadcast_to(allowed[None], (group, n_q, allowed.shape[-1])).reshape(1, rows, -1)
-        scores = cp.where(allowed, scores, np.float32(-np.inf))
+        scores = cp.where(by_rows(allowed), scores, np.float32(-np.inf))
         new_max = cp.maximum(row_max, scores.max(axis=-1))
         safe_max = cp.where(cp.isfinite(new_max), new_max, np.float32(0.0))
         probs = cp.exp(scores - safe_max[..., None])  # masked keys: exp(-inf) = 0
