@@ -39,11 +39,12 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | No
     if softcap > 0.0:
         scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
     scores = scores.reshape(n_kv, group, n_q, n_k)
-    if allowed is not None:
+    if allowed is not None and not allowed.all():  # (a block every query sees in full needs no mask)
         scores = np.where(allowed[None, None], scores, np.float32(-np.inf))
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, np.float32(0.0))
-    probs = np.exp(scores - row_max)
+    scores -= row_max  # in place: long prefills hold [n_kv, group, n_q, n_k] scores per key block
+    probs = np.exp(scores, out=scores)
     row_sum = probs.sum(axis=-1)  # [n_kv, group, n_q]
     out = np.matmul(probs.reshape(n_kv, group * n_q, n_k), np.ascontiguousarray(v.transpose(1, 0, 2)))
     out = out.reshape(n_kv, group, n_q, dv)
