@@ -120,3 +120,10 @@ def test_cli_errors_are_one_line(tiny_model, args, message):
     out = run_cli(*[a.replace("{tiny}", str(path)) for a in args], "--device", "cpu")
     assert out.returncode == 1
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_cache_that_cannot_fit_is_one_clear_error(tiny_model):
+    path, _, _ = tiny_model("qwen2")  # full-attention layers: the cache grows with the context
+    out = run_cli("generate", "hi", "-m", str(path), "-c", str(2**40), "--device", "cpu")
+    assert out.returncode == 1
+    assert "lower -c/--ctx" in out.stderr and "GiB" in out.stderr and "Traceback" not in out.stderr

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import ContextOverflowError
+from ..errors import BudgetError, ContextOverflowError
 from .formats import KVFormat, get_format
 
 EMPTY = -1
@@ -109,13 +109,19 @@ class KVCache:
         whose cache lives on its device passes its own (backend/gpu_cache.py: arrays in GPU memory)."""
         k_format = get_format(spec.kv_type_k, head_dim=cfg.head_dim)
         v_format = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim)
+        need = kv_bytes(cfg, spec, mirror=mirror)
+        if mirror and need > _host_bytes_available():
+            raise BudgetError(_no_room(cfg, spec, need, f"the host has {_gib(_host_bytes_available())} available", mirror))
         layers = []
-        for layer in range(cfg.n_layer):
-            sliding = cfg.is_sliding(layer)
-            capacity = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if sliding else spec.ctx
-            layers.append(make_layer(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
-                                     capacity=capacity, ring=sliding, window=cfg.sliding_window if sliding else 0,
-                                     mirror=mirror))
+        try:
+            for layer in range(cfg.n_layer):
+                sliding = cfg.is_sliding(layer)
+                capacity = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if sliding else spec.ctx
+                layers.append(make_layer(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
+                                         capacity=capacity, ring=sliding,
+                                         window=cfg.sliding_window if sliding else 0, mirror=mirror))
+        except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
+            raise BudgetError(_no_room(cfg, spec, need, "the allocation failed", mirror)) from None
         return cls(spec, layers)
 
     @property
@@ -134,12 +140,39 @@ class KVCache:
         self.n_past = 0
 
 
-def kv_bytes(cfg: ModelConfig, spec: KVSpec) -> int:
-    """Bytes a cache for `spec` takes, without allocating it."""
+def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:
+    """Bytes a cache for `spec` takes, without allocating it (mirror: plus the CPU's float32 copy)."""
     k_row = get_format(spec.kv_type_k, head_dim=cfg.head_dim).row_bytes(cfg.head_dim)
     v_row = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim).row_bytes(cfg.v_head_dim)
+    if mirror:
+        k_row, v_row = k_row + 4 * cfg.head_dim, v_row + 4 * cfg.v_head_dim
     total = 0
     for layer in range(cfg.n_layer):
         slots = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if cfg.is_sliding(layer) else spec.ctx
         total += slots * cfg.n_kv_head * (k_row + v_row)
     return total
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.1f} GiB"
+
+
+def _host_bytes_available() -> float:
+    """MemAvailable of /proc/meminfo (Linux); elsewhere unknown (infinite: the allocation itself decides)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def _no_room(cfg: ModelConfig, spec: KVSpec, need: int, why: str, mirror: bool) -> str:
+    what = f"a KV cache of {spec.ctx} tokens (K {spec.kv_type_k}, V {spec.kv_type_v}) needs {_gib(need)}"
+    if mirror:  # the float32 copy dominates: fewer KV bits barely help on the CPU
+        return (f"{what} on the CPU (with its float32 copy for attention) and {why}; lower -c/--ctx (ctx=...), "
+                f"or run on a GPU where a quantized cache (-ctk/-ctv q8_0, turbo3, ...) is all that is stored")
+    return (f"{what} and {why}; lower -c/--ctx (ctx=...) or store K/V in fewer bits (-ctk/-ctv q8_0, q4_0, "
+            f"turbo3, turbo2_tcq; kv_type_k=/kv_type_v=)")
