@@ -27,6 +27,7 @@ import os
 import shutil
 import statistics
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -214,6 +215,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--quick", action="store_true", help="4k and 64k; f16, q8_0, q4_0, turbo3")
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="start no new row after this many seconds (0: no limit); the 64k rows run first")
     args = parser.parse_args(argv)
     if gpu_count() == 0:
         print("attention_gpu: no CUDA device (CuPy finds none); nothing to measure")
@@ -229,10 +232,17 @@ def main(argv=None) -> int:
     device = device_info(cp)
     runner = GpuAttention()
     pairs = [(f, f) for f in args.formats] + (list(PAIRS) if args.pairs else [])
-    jobs = [(s, kf, vf, n) for s in args.shapes for (kf, vf) in pairs for n in args.lengths]
+    # the targets' length (64k) first for every shape and format, then the others: a time budget keeps those
+    lengths = sorted(args.lengths, key=lambda n: (n != 65536, n))
+    jobs = [(s, kf, vf, n) for n in lengths for s in args.shapes for (kf, vf) in pairs]
     rng = np.random.default_rng(0)
     rows, torch_cache = [], {}
+    started = time.perf_counter()
     for shape, k_name, v_name, n_keys in tqdm(jobs, desc="attention", unit="run"):
+        if args.budget_s and time.perf_counter() - started > args.budget_s:
+            rows.append({"shape": shape, "k_format": k_name, "v_format": v_name, "n_keys": n_keys,
+                         "skipped": f"time budget of {args.budget_s} s spent"})
+            continue
         head_dim, n_head, n_kv = SHAPES[shape]
         kf, vf = get_format(k_name, head_dim=head_dim), get_format(v_name, head_dim=head_dim)
         layer_bytes = n_keys * n_kv * (kf.row_bytes(head_dim) + vf.row_bytes(head_dim))
@@ -265,6 +275,12 @@ def main(argv=None) -> int:
             if "seconds" in torch_cache[key] and "seconds" in ours:
                 row["speedup_vs_torch"] = torch_cache[key]["seconds"] / ours["seconds"]
         rows.append(row)
+        _write_report(device, rows)  # after every row: a timeout keeps what ran
+    _write_report(device, rows, final=True)
+    return 0
+
+
+def _write_report(device: dict, rows: list, final: bool = False) -> None:
     report = {
         "benchmark": "attention_gpu",
         "what": "decode attention, batch 1, one query over n_keys cached positions; bandwidth = K+V bytes read / time",
@@ -277,10 +293,10 @@ def main(argv=None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "attention_gpu.json"
     path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    if final:
+        print(f"wrote {path}")
     if os.environ.get("OUT"):
         shutil.copy(path, Path(os.environ["OUT"]) / path.name)
-    return 0
 
 
 if __name__ == "__main__":

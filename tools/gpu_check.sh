@@ -8,7 +8,7 @@
 # 2. prints nvidia-smi and the CUDA stack CuPy sees
 # 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
 #    pytest -m gpu (junit XML + log into bench/results/)
-# 4. the GPU micro-benchmarks: every bench/*_gpu.py, bench/e2e_gpu.py on the two small real-shape models,
+# 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dca_gpu.py, bench/e2e_gpu.py on the two small real-shape models,
 #    and bench/kv_encode.py --device gpu (JSON into bench/results/)
 # 5. copies the results into $OUT when it is set (at most 8 files come back: the rest go into one .tgz)
 #
@@ -61,7 +61,7 @@ print("kernels:", kernel_source_dir(), "CUDA headers:", cuda_include_dirs())
 EOF
 
 step "compile every kernel set (parallel NVRTC; fills CuPy's kernel cache for the test processes)"
-timeout 150 "$PY" - <<'EOF'
+timeout 90 "$PY" - <<'EOF'
 import os, time
 from concurrent.futures import ThreadPoolExecutor
 from cupyllm.cuda.registry import KernelRegistry
@@ -77,24 +77,23 @@ print(f"{len(registry.sets)} kernel sets in {time.perf_counter() - start:.0f} s"
 EOF
 
 step "pytest -m gpu"
-timeout 330 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$RESULTS/gpu_pytest.xml" 2>&1 \
+timeout 210 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$RESULTS/gpu_pytest.xml" 2>&1 \
     | tee "$RESULTS/gpu_pytest.log"
 pytest_status=${PIPESTATUS[0]}
 echo "pytest exit status: $pytest_status"
 
 step "GPU micro-benchmarks"
-for bench in bench/*_gpu.py; do
-    [ -e "$bench" ] || continue
-    [ "$bench" = bench/e2e_gpu.py ] && continue  # below, with its own time budget
-    echo "--- $bench"
-    timeout 60 "$PY" "$bench" || echo "$bench failed or timed out ($?)"
-done
+# each writes its JSON after every row and starts no new row past its --budget-s (the 64k rows first)
+echo "--- bench/attention_gpu.py"
+timeout 45 "$PY" bench/attention_gpu.py --budget-s 32 || echo "bench/attention_gpu.py failed or timed out ($?)"
+echo "--- bench/dca_gpu.py"
+timeout 45 "$PY" bench/dca_gpu.py --budget-s 32 || echo "bench/dca_gpu.py failed or timed out ($?)"
 # The two small real-shape models only (~1.5 min); the 7B adds ~2-3 min: run `python bench/e2e_gpu.py` alone.
 echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b)"
-timeout 170 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b --budget-s 110 \
+timeout 80 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b --budget-s 55 \
     || echo "bench/e2e_gpu.py failed or timed out ($?)"
 echo "--- bench/kv_encode.py --device gpu"
-timeout 120 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
+timeout 40 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
 
 step "results"
 if [ -n "${OUT:-}" ]; then
