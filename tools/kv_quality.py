@@ -32,7 +32,6 @@ Writes bench/results/kv_quality.json and bench/results/kv_quality.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -306,6 +305,7 @@ def _entry(model, config: KVConfig, summary: dict, seconds: float) -> dict:
 # -- why K is the sensitive half: attention-logit noise ----------------------------------------------------
 
 NOISE_FORMATS = ("q8_0", "q4_0", "turbo4", "turbo3", "turbo3_tcq", "turbo2", "turbo2_tcq")
+CENTRED = " (K - mean)"  # the same format on mean-centred K (a diagnostic: the cache does not centre K yet)
 
 
 def attention_logit_noise(model, ids: np.ndarray, formats=NOISE_FORMATS, queries: int = 64) -> dict[str, list[float]]:
@@ -317,7 +317,7 @@ def attention_logit_noise(model, ids: np.ndarray, formats=NOISE_FORMATS, queries
     cache = new_cache(model, KVConfig("f32", "f32"), len(ids))
     layer_of = {id(layer): i for i, layer in enumerate(cache.layers)}
     group = cfg.n_head // cfg.n_kv_head
-    ratios = {f: [0.0] * cfg.n_layer for f in formats}
+    ratios = {f + c: [0.0] * cfg.n_layer for f in formats for c in ("", CENTRED)}
     original = ops.attention
 
     def attention(q, q_pos, layer_kv, *, scale, window=0, softcap=0.0):
@@ -329,13 +329,17 @@ def attention_logit_noise(model, ids: np.ndarray, formats=NOISE_FORMATS, queries
             signal = np.einsum("qhd,khd->qhk", qq, np.repeat(k, group, axis=1)) * scale
             signal[np.broadcast_to(future[:, None, :], signal.shape)] = np.nan
             spread = np.nanstd(signal, axis=-1)
+            # K minus its per-head channel mean over the causal keys: attention over K - mu is attention over
+            # K (q.mu is one constant per query), so only the quantization error differs
+            centred = k - k[(k_pos > 0) & (k_pos <= qp[-1])].mean(axis=0, keepdims=True)
             for name in formats:
                 fmt = get_format(name, head_dim=cfg.head_dim)
-                flat = k.reshape(-1, cfg.head_dim)
-                err = (fmt.decode(fmt.encode(flat), cfg.head_dim) - flat).reshape(k.shape)
-                noise = np.einsum("qhd,khd->qhk", qq, np.repeat(err, group, axis=1)) * scale
-                noise[np.broadcast_to(future[:, None, :], noise.shape)] = np.nan
-                ratios[name][layer_of[id(layer_kv)]] = float(np.median(np.nanstd(noise, axis=-1) / spread))
+                for key, rows in ((name, k), (name + CENTRED, centred)):
+                    flat = np.ascontiguousarray(rows.reshape(-1, cfg.head_dim))
+                    err = (fmt.decode(fmt.encode(flat), cfg.head_dim) - flat).reshape(k.shape)
+                    noise = np.einsum("qhd,khd->qhk", qq, np.repeat(err, group, axis=1)) * scale
+                    noise[np.broadcast_to(future[:, None, :], noise.shape)] = np.nan
+                    ratios[key][layer_of[id(layer_kv)]] = float(np.median(np.nanstd(noise, axis=-1) / spread))
         return original(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap)
 
     ops.attention = attention  # this backend object only, for this one run
@@ -476,11 +480,15 @@ def k_noise_section(report: dict) -> list[str]:
               "Per layer: `std_keys(q.(k_hat - k)) / std_keys(q.k)` (scaled logits, causal keys after BOS, median "
               "over heads and the last 64 queries of the first 256 tokens, f32 cache): the K format's error on the "
               "attention logits relative to how much the logits differ between keys. Mean over layers, and the "
-              "worst layer.", "",
+              "worst layer. Rows marked `(K - mean)`: the same format on K minus its per-head channel mean over "
+              "the cached keys; attention over K - mean equals attention over K (q.mean is one constant per "
+              "query), so this is what centring K before quantizing would buy (not done by the cache yet).", "",
               "| format | " + " | ".join(f"{m['model'].split('-q4')[0]} mean | worst (layer)" for m in
                                       report["models"].values()) + " |",
               "|---|" + "---|---|" * len(report["models"])]
-    for fmt in NOISE_FORMATS:
+    for fmt in [f + c for f in NOISE_FORMATS for c in ("", CENTRED)]:
+        if any(fmt not in m["k_logit_noise"]["per_layer"] for m in report["models"].values()):
+            continue  # a report written before the centred rows existed
         cells = []
         for m in report["models"].values():
             r = np.array(m["k_logit_noise"]["per_layer"][fmt])
