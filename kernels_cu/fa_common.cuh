@@ -431,6 +431,21 @@ __device__ __forceinline__ DcaRows dca_rows_of(const long long* row_qpos, int n_
     return DcaRows{chunk_len, dca_chunk(lo, chunk_len), dca_chunk(hi, chunk_len), hi};
 }
 
+// What the split's key range (split_key_range) and, for DCA, a tile's regimes need of the block's rows: the
+// range [lo, hi] of their positions into qpos_range and their DcaRows. One thread calls it.
+template <bool kDca>
+__device__ __forceinline__ void summarize_rows(const long long* row_qpos, int rows_here, int dca_chunk_len,
+                                               long long* qpos_range, DcaRows* dca_rows) {
+    long long lo = row_qpos[0], hi = row_qpos[0];
+    for (int r = 1; r < rows_here; ++r) {
+        lo = min(lo, row_qpos[r]);
+        hi = max(hi, row_qpos[r]);
+    }
+    qpos_range[0] = lo;
+    qpos_range[1] = hi;
+    if constexpr (kDca) *dca_rows = dca_rows_of(row_qpos, rows_here, dca_chunk_len);
+}
+
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_out(__half* p, float v) { *p = __float2half_rn(v); }
 

@@ -213,16 +213,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
         row_qpos[r] = r < rows_here ? q_pos[query] : -1;  // -1: no key is visible to a padding row
     }
     __syncthreads();
-    if (tid == 0) {
-        long long lo = row_qpos[0], hi = row_qpos[0];
-        for (int r = 1; r < rows_here; ++r) {
-            lo = min(lo, row_qpos[r]);
-            hi = max(hi, row_qpos[r]);
-        }
-        qpos_range[0] = lo;
-        qpos_range[1] = hi;
-        if constexpr (kDca) dca_rows_s = dca_rows_of(row_qpos, rows_here, dca_chunk_len);
-    }
+    if (tid == 0) summarize_rows<kDca>(row_qpos, rows_here, dca_chunk_len, qpos_range, &dca_rows_s);
     __syncthreads();
     const KeyRange keys = split_key_range(split, keys_per_split, n_keys, slots_are_positions != 0, qpos_range[0],
                                           qpos_range[1], window);
