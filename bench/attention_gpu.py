@@ -57,6 +57,18 @@ L2_MULTIPLE = 2.0      # cycle through layers totalling this many times the L2 s
 MEMORY_FRACTION = 0.6  # of the free device memory, for the caches of one run
 
 
+def real_cupy(bench: str):
+    """CuPy on a CUDA device, or None (saying why) without one or under the CPU emulator."""
+    if gpu_count() == 0:
+        print(f"{bench}: no CUDA device (CuPy finds none); nothing to measure")
+        return None
+    import cupy as cp
+    if getattr(cp, "__cupyllm_emulated__", False):
+        print(f"{bench}: CuPy is the CPU emulator (CUPYLLM_EMULATE); timings would be meaningless")
+        return None
+    return cp
+
+
 def device_info(cp) -> dict:
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -218,12 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="start no new row after this many seconds (0: no limit); the 64k rows run first")
     args = parser.parse_args(argv)
-    if gpu_count() == 0:
-        print("attention_gpu: no CUDA device (CuPy finds none); nothing to measure")
-        return 0
-    import cupy as cp
-    if getattr(cp, "__cupyllm_emulated__", False):
-        print("attention_gpu: CuPy is the CPU emulator (CUPYLLM_EMULATE); timings would be meaningless")
+    cp = real_cupy("attention_gpu")
+    if cp is None:
         return 0
     from cupyllm.attention import dispatch
     from cupyllm.attention.dispatch import GpuAttention

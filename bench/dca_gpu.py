@@ -36,7 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from cupyllm.cuda import gpu_count  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 SHAPES = {  # name: (head_dim, n_head, n_kv)
@@ -122,14 +121,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=45.0, help="start no new row after this many seconds")
     args = parser.parse_args(argv)
-    if gpu_count() == 0:
-        print("dca_gpu: no CUDA device (CuPy finds none); nothing to measure")
+    from attention_gpu import device_info, make_layers, real_cupy
+    cp = real_cupy("dca_gpu")
+    if cp is None:
         return 0
-    import cupy as cp
-    if getattr(cp, "__cupyllm_emulated__", False):
-        print("dca_gpu: CuPy is the CPU emulator (CUPYLLM_EMULATE); timings would be meaningless")
-        return 0
-    from attention_gpu import device_info, make_layers
     from cupyllm.attention import dispatch
     from cupyllm.attention.dca import DCAConfig
     from cupyllm.attention.dispatch import GpuAttention

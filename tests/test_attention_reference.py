@@ -7,8 +7,9 @@ import pytest
 from cupyllm.attention.reference import attend, attend_chunks, causal_mask, merge
 
 
-def dense(q, k, v, allowed, scale, softcap=0.0):
-    """Direct float64 softmax attention, one head at a time."""
+def dense(q, k, v, allowed, scale, softcap=0.0, mask=None):
+    """Direct float64 softmax attention, one head at a time; `mask` [n_q, n_k] is added to the scores (-inf drops
+    a key)."""
     n_q, n_head, _ = q.shape
     group = n_head // k.shape[1]
     out = np.zeros((n_q, n_head, v.shape[-1]))
@@ -17,8 +18,10 @@ def dense(q, k, v, allowed, scale, softcap=0.0):
         s = (q[:, h].astype(np.float64) @ k[:, h // group].astype(np.float64).T) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
+        if mask is not None:
+            s = s + mask
         for i in range(n_q):
-            keep = allowed[i]
+            keep = allowed[i] & np.isfinite(s[i])
             if not keep.any():
                 continue
             m = s[i, keep].max()

@@ -68,7 +68,7 @@ def test_gemv_matches_reference(qtype, n_in):
     x = (np.random.default_rng(5).standard_normal(n_in) + 3.0).astype(np.float32)
     reference = dequantize(rows, qtype, n_in).astype(np.float64) @ x.astype(np.float64)
     out = np.empty(n_out, np.float32)
-    gemv_blocks(fmt.code, rows, x, out, F16_TABLE)
+    gemv_blocks(np.array([fmt.code]), (rows,), x, (out,), F16_TABLE)
     scale = np.abs(dequantize(rows, qtype, n_in)).astype(np.float64) @ np.abs(x).astype(np.float64)
     np.testing.assert_array_less(np.abs(out - reference), 2e-6 * scale + 1e-30)
 

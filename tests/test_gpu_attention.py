@@ -25,6 +25,7 @@ import pytest
 
 from cupyllm.cuda import gpu_count
 from gpu_helpers import emulated, get_test_format, rounded_f16, rounded_f16_query
+from test_attention_reference import dense
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,27 +96,7 @@ def reference(q, q_pos, layer: Layer, *, scale, window=0, softcap=0.0, mask=None
     allowed = causal_mask(q_pos, k_pos, window)
     if mask is None:
         return attend(q, k, v, allowed, scale=scale, softcap=softcap)
-    return _attend_additive(q, k, v, allowed, mask[:, :n], scale, softcap)
-
-
-def _attend_additive(q, k, v, allowed, mask, scale, softcap):
-    n_q, n_head, _ = q.shape
-    group = n_head // k.shape[1]
-    out = np.zeros((n_q, n_head, v.shape[-1]))
-    lse = np.full((n_q, n_head), -np.inf)
-    for h in range(n_head):
-        s = (q[:, h].astype(np.float64) @ k[:, h // group].astype(np.float64).T) * scale
-        if softcap:
-            s = softcap * np.tanh(s / softcap)
-        s = s + mask
-        for i in range(n_q):
-            keep = allowed[i] & np.isfinite(s[i])
-            if not keep.any():
-                continue
-            m = s[i, keep].max()
-            p = np.exp(s[i, keep] - m)
-            out[i, h] = p @ v[keep, h // group] / p.sum()
-            lse[i, h] = m + np.log(p.sum())
+    out, lse = dense(q, k, v, allowed, scale, softcap, mask=mask[:, :n])
     return out.astype(np.float32), lse.astype(np.float32)
 
 

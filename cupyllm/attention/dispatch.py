@@ -257,15 +257,17 @@ def default_gpu_attention() -> GpuAttention:
 
 
 def gpu_attention_lse(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0, mask=None,
-                      kernel: str | None = None, n_split: int | None = None, runner: GpuAttention | None = None):
-    """(O, LSE) of q over everything `layer_kv` caches; see the module docstring."""
+                      kernel: str | None = None, n_split: int | None = None, runner: GpuAttention | None = None,
+                      dca=None, dca_queries=()):
+    """(O, LSE) of q over everything `layer_kv` caches; see the module docstring (DCA: GpuAttention.attention_lse)."""
     runner = runner or default_gpu_attention()
     return runner.attention_lse(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap, mask=mask,
-                                kernel=kernel, n_split=n_split)
+                                kernel=kernel, n_split=n_split, dca=dca, dca_queries=dca_queries)
 
 
 def gpu_attention(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0, mask=None,
-                  kernel: str | None = None, n_split: int | None = None, runner: GpuAttention | None = None):
+                  kernel: str | None = None, n_split: int | None = None, runner: GpuAttention | None = None,
+                  dca=None, dca_queries=()):
     """O of q over everything `layer_kv` caches (gpu_attention_lse without the LSE)."""
     return gpu_attention_lse(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap, mask=mask,
-                             kernel=kernel, n_split=n_split, runner=runner)[0]
+                             kernel=kernel, n_split=n_split, runner=runner, dca=dca, dca_queries=dca_queries)[0]

@@ -21,7 +21,7 @@ by CuPy matmuls, the regime picked per (query, key), one online softmax).
 from __future__ import annotations
 
 from .dca import DCAConfig
-from .dispatch import GpuAttention, default_gpu_attention
+from .dispatch import GpuAttention, gpu_attention_lse
 
 KEY_CHUNK = 4096  # cache slots the fallback decodes at a time
 
@@ -30,9 +30,8 @@ def gpu_dca_attention_lse(q_intra, q_successive, q_inter, q_pos, layer_kv, dca: 
                           softcap: float = 0.0, kernel: str | None = None, n_split: int | None = None,
                           runner: GpuAttention | None = None):
     """(O [n_q, n_head, d] in q's dtype, LSE float32 [n_q, n_head]); see the module docstring."""
-    runner = runner or default_gpu_attention()
-    return runner.attention_lse(q_intra, q_pos, layer_kv, scale=scale, softcap=softcap, kernel=kernel,
-                                n_split=n_split, dca=dca, dca_queries=(q_successive, q_inter))
+    return gpu_attention_lse(q_intra, q_pos, layer_kv, scale=scale, softcap=softcap, kernel=kernel, n_split=n_split,
+                             runner=runner, dca=dca, dca_queries=(q_successive, q_inter))
 
 
 def gpu_dca_attention(q_intra, q_successive, q_inter, q_pos, layer_kv, dca: DCAConfig, *, scale: float,

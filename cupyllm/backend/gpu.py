@@ -168,33 +168,27 @@ class GPUBackend:
     # --- attention --------------------------------------------------------------------------------
     def attention(self, q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0):
         """Causal (optionally sliding-window) attention of q [n, n_head, d] over everything the layer caches."""
-        shape = (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name)
-        if self._gpu_attention is not None and shape not in self._no_dispatch:
-            try:
-                return self._gpu_attention(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap)
-            except self._dispatch_refusal as exc:  # e.g. a head dim without kernels: checked before any launch
-                if self._attention_mode == "dispatch":
-                    raise
-                self._no_dispatch[shape] = str(exc)
-        return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, scale=scale, window=window, softcap=softcap)
+        return self._attend(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap)
 
     def dca_attention(self, q_intra, q_successive, q_inter, q_pos, layer_kv, dca, *, scale: float,
                       softcap: float = 0.0):
-        """Dual Chunk Attention over the layer's cache (K cached at its in-chunk rope positions): the fused
-        flash kernel (attention/gpu_dca.py), or the decoding fallback for caches it has no kernels for."""
-        from ..attention.gpu_dca import attend_dca_decoded
+        """Dual Chunk Attention over the layer's cache (K cached at its in-chunk rope positions): the flash
+        kernels' fused DCA instantiations (attention/gpu_dca.py)."""
+        return self._attend(q_intra, q_pos, layer_kv, scale=scale, softcap=softcap, dca=dca,
+                            dca_queries=(q_successive, q_inter))
+
+    def _attend(self, q, q_pos, layer_kv, **options):
+        """The in-register flash kernels, or, for caches they have no kernels for (e.g. head dims outside their
+        list) or with attention="decode", the decoding fallback (backend/gpu_attention.py)."""
         shape = (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name)
         if self._gpu_attention is not None and shape not in self._no_dispatch:
-            from ..attention.gpu_dca import gpu_dca_attention
             try:
-                return gpu_dca_attention(q_intra, q_successive, q_inter, q_pos, layer_kv, dca, scale=scale,
-                                         softcap=softcap)
+                return self._gpu_attention(q, q_pos, layer_kv, **options)
             except self._dispatch_refusal as exc:  # checked before any launch
                 if self._attention_mode == "dispatch":
                     raise
                 self._no_dispatch[shape] = str(exc)
-        return attend_dca_decoded(q_intra, q_successive, q_inter, self.inputs.int32(q_pos), layer_kv, dca,
-                                  scale=scale, softcap=softcap)
+        return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, **options)
 
     # --- decode loop ------------------------------------------------------------------------------
     def decode_forward(self, forward, min_bucket: int = 256):

@@ -110,8 +110,9 @@ class KVCache:
         k_format = get_format(spec.kv_type_k, head_dim=cfg.head_dim)
         v_format = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim)
         need = kv_bytes(cfg, spec, mirror=mirror)
-        if mirror and need > _host_bytes_available():
-            raise BudgetError(_no_room(cfg, spec, need, f"the host has {_gib(_host_bytes_available())} available", mirror))
+        available = _host_bytes_available() if mirror else float("inf")  # host arrays: check before allocating
+        if need > available:
+            raise BudgetError(_no_room(spec, need, f"the host has {_gib(available)} available", mirror))
         layers = []
         try:
             for layer in range(cfg.n_layer):
@@ -121,7 +122,7 @@ class KVCache:
                                          capacity=capacity, ring=sliding,
                                          window=cfg.sliding_window if sliding else 0, mirror=mirror))
         except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
-            raise BudgetError(_no_room(cfg, spec, need, "the allocation failed", mirror)) from None
+            raise BudgetError(_no_room(spec, need, "the allocation failed", mirror)) from None
         return cls(spec, layers)
 
     @property
@@ -169,7 +170,7 @@ def _host_bytes_available() -> float:
     return float("inf")
 
 
-def _no_room(cfg: ModelConfig, spec: KVSpec, need: int, why: str, mirror: bool) -> str:
+def _no_room(spec: KVSpec, need: int, why: str, mirror: bool) -> str:
     what = f"a KV cache of {spec.ctx} tokens (K {spec.kv_type_k}, V {spec.kv_type_v}) needs {_gib(need)}"
     if mirror:  # the float32 copy dominates: fewer KV bits barely help on the CPU
         return (f"{what} on the CPU (with its float32 copy for attention) and {why}; lower -c/--ctx (ctx=...), "

@@ -422,29 +422,17 @@ def _partial_sums(x, xs):
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def gemv_blocks(code, data, x, out, f16):
-    """out[n] = sum_k x[k] * W[n, k]: one activation vector against quantized rows, read once."""
-    n_rows = data.shape[0]
-    xs = np.empty(max(x.shape[0] // XS_GROUP, 1), np.float32)
-    if x.shape[0] % XS_GROUP == 0:
-        _partial_sums(x, xs)
-    n_chunks = min(n_rows, 256)
-    for c in prange(n_chunks):
-        for n in range(c * n_rows // n_chunks, (c + 1) * n_rows // n_chunks):
-            out[n] = _dot_row(code, data[n], x, xs, f16)
-
-
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def gemv_blocks_many(codes, datas, x, outs, f16):
-    """gemv_blocks for several weights that read the same x (q/k/v, gate/up) in ONE parallel region: a
-    decode step pays the thread wake-up once per group, not per weight."""
+def gemv_blocks(codes, datas, x, outs, f16):
+    """outs[i][n] = sum_k x[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i]) that
+    reads the one activation vector x: each row read once, all weights in ONE parallel region, so q/k/v and
+    gate/up cost a decode step one thread wake-up per group, not one per weight."""
     xs = np.empty(max(x.shape[0] // XS_GROUP, 1), np.float32)
     if x.shape[0] % XS_GROUP == 0:
         _partial_sums(x, xs)
     n_weights = len(datas)
     chunk_start = np.zeros(n_weights + 1, np.int64)  # row chunks of weight i: [chunk_start[i], chunk_start[i+1])
     for i in range(n_weights):
-        chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 128)
+        chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 256)
     for c in prange(chunk_start[n_weights]):
         i = 0
         while c >= chunk_start[i + 1]:
@@ -455,33 +443,36 @@ def gemv_blocks_many(codes, datas, x, outs, f16):
             out[n] = _dot_row(code, data[n], x, xs, f16)
 
 
-def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int) -> list[np.ndarray]:
-    """[x @ W.T for W in weights]; decode-sized x with quantized weights of one array type goes through one
-    parallel GEMV (gemv_blocks_many), anything else weight by weight."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
+def _gemv(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
+    """[x @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous)."""
     datas = tuple(data for data, _ in weights)
-    one_call = (x.shape[0] <= TOKENS_PER_GEMV and all(fmt.qtype != T.F32 for _, fmt in weights)
-                and len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d in datas}) == 1)
-    if not one_call:
-        return [matmul(x, data, fmt, n_in) for data, fmt in weights]
     codes = np.array([fmt.code for _, fmt in weights], np.int64)
     outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas]
     for t in range(x.shape[0]):
-        gemv_blocks_many(codes, datas, x[t], tuple(out[t] for out in outs), F16_TABLE)
+        gemv_blocks(codes, datas, x[t], tuple(out[t] for out in outs), F16_TABLE)
     return outs
+
+
+def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int) -> list[np.ndarray]:
+    """[x @ W.T for W in weights]; decode-sized x with quantized weights of one array type goes through one
+    parallel GEMV, anything else weight by weight."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    one_call = (x.shape[0] <= TOKENS_PER_GEMV and all(fmt.qtype != T.F32 for _, fmt in weights)
+                and len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d, _ in weights}) == 1)
+    if one_call:  # (one numba tuple type: the same array type for every weight)
+        return _gemv(x, weights)
+    return [matmul(x, data, fmt, n_in) for data, fmt in weights]
 
 
 def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:
     """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n_tok, n_out = x.shape[0], data.shape[0]
-    out = np.empty((n_tok, n_out), np.float32)
     if fmt.qtype == T.F32:
         return x @ data.view(np.float32).T
     if n_tok <= TOKENS_PER_GEMV:  # re-reading the rows per token beats expanding them to f32
-        for t in range(n_tok):
-            gemv_blocks(fmt.code, data, x[t], out[t], F16_TABLE)
-        return out
+        return _gemv(x, [(data, fmt)])[0]
+    out = np.empty((n_tok, n_out), np.float32)
     tile = np.empty((min(ROW_TILE, n_out), n_in), np.float32)
     for start in range(0, n_out, ROW_TILE):
         stop = min(start + ROW_TILE, n_out)
