@@ -2,7 +2,10 @@
 
 For every KV format, head_dim 128 and 256, n_kv_heads 8: tokens/s of one layer's K+V append, on the CPU
 (the NumPy/numba encoders of cupyllm.kv) and, where a CUDA device is present, on the GPU
-(cupyllm.backend.gpu_kv, timed with CUDA events after a warm-up; median of the repeats).
+(cupyllm.backend.gpu_kv, timed with CUDA events after a warm-up; median of the repeats). On the GPU each
+head-dim-128 row also gets its share of one prefill step of a Qwen3-8B layer over the same tokens (the
+layer's weight products through the engine's cuBLAS prefill path), the measure of the KV issue's
+"TCQ encode <= 10% of a prefill step".
 
     python bench/kv_encode.py                 # CPU, plus GPU when one is present
     python bench/kv_encode.py --device gpu    # only the GPU
@@ -64,31 +67,77 @@ def bench_cpu(fmt, head_dim: int, n_tokens: int, min_seconds: float, rng) -> dic
     return _row(fmt, head_dim, n_tokens, times)
 
 
-def bench_gpu(fmt, head_dim: int, n_tokens: int, repeats: int, rng, registry) -> dict:
-    import cupy as cp
-    from cupyllm.backend.gpu_kv import GpuKVCodec
+def gpu_inputs(cp, rng, n_tokens: int, head_dim: int, cache: dict):
+    """Three (K, V) input sets per head dim on the device, made once (several sets, so repeated runs do not
+    just re-read the L2)."""
+    if head_dim not in cache:
+        cache[head_dim] = [(cp.asarray(kv_rows(rng, n_tokens, head_dim)), cp.asarray(kv_rows(rng, n_tokens, head_dim)))
+                           for _ in range(3)]
+    return cache[head_dim]
 
-    codec = GpuKVCodec(fmt, head_dim, N_KV_HEADS, registry=registry)
-    # several input sets, so repeated runs do not just re-read the L2
-    inputs = [(cp.asarray(kv_rows(rng, n_tokens, head_dim)), cp.asarray(kv_rows(rng, n_tokens, head_dim)))
-              for _ in range(3)]
-    slots = cp.asarray(rng.permutation(2 * n_tokens)[:n_tokens].astype(np.int32))
-    k_cache, v_cache = codec.allocate(2 * n_tokens), codec.allocate(2 * n_tokens)
-    for k, v in inputs:  # warm-up: compile/load, first-touch
-        codec.encode(k, slots, k_cache)
-        codec.encode(v, slots, v_cache)
+
+def time_gpu(cp, run, repeats: int) -> list[float]:
+    """CUDA-event times of run(i) after one warm-up call per input set."""
+    for i in range(3):
+        run(i)
     cp.cuda.Device().synchronize()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     times = []
     for i in range(repeats):
-        k, v = inputs[i % len(inputs)]
         start.record()
-        codec.encode(k, slots, k_cache)
-        codec.encode(v, slots, v_cache)
+        run(i)
         stop.record()
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
-    return _row(fmt, head_dim, n_tokens, times)
+    return times
+
+
+def bench_gpu(fmt, head_dim: int, n_tokens: int, repeats: int, rng, registry, input_cache: dict) -> dict:
+    import cupy as cp
+    from cupyllm.backend.gpu_kv import GpuKVCodec
+
+    codec = GpuKVCodec(fmt, head_dim, N_KV_HEADS, registry=registry)
+    inputs = gpu_inputs(cp, rng, n_tokens, head_dim, input_cache)
+    slots = cp.asarray(rng.permutation(2 * n_tokens)[:n_tokens].astype(np.int32))
+    k_cache, v_cache = codec.allocate(2 * n_tokens), codec.allocate(2 * n_tokens)
+
+    def run(i):
+        k, v = inputs[i % len(inputs)]
+        codec.encode(k, slots, k_cache)
+        codec.encode(v, slots, v_cache)
+
+    return _row(fmt, head_dim, n_tokens, time_gpu(cp, run, repeats))
+
+
+# The layer whose prefill step the encode is compared with: Qwen3-8B (head dim 128, 8 KV heads like the
+# encode rows above): hidden 4096, 32 query heads, FFN 12288.
+PREFILL_LAYER = {"model": "Qwen3-8B layer", "hidden": 4096, "n_head": 32, "n_kv": 8, "head_dim": 128, "ffn": 12288}
+
+
+def bench_gpu_prefill_layer(n_tokens: int, repeats: int) -> dict:
+    """Seconds of one transformer layer's weight products for n_tokens (the engine's prefill path: f16
+    weights, cuBLAS GemmEx with float32 output; attention and norms left out, so the step is
+    underestimated and the encode share overestimated)."""
+    import cupy as cp
+    from cupyllm.backend.gpu_blas import matmul_f16_f32
+
+    L = PREFILL_LAYER
+    q_out = L["n_head"] * L["head_dim"]
+    kv_out = L["n_kv"] * L["head_dim"]
+    shapes = [(q_out + 2 * kv_out, L["hidden"]), (L["hidden"], q_out), (2 * L["ffn"], L["hidden"]),
+              (L["hidden"], L["ffn"])]
+    weights = [(cp.random.standard_normal(shape, dtype=cp.float32) * 0.02).astype(cp.float16) for shape in shapes]
+    x = {n_in: cp.random.standard_normal((n_tokens, n_in), dtype=cp.float32).astype(cp.float16)
+         for n_in in {s[1] for s in shapes}}
+    outs = [cp.empty((n_tokens, s[0]), dtype=cp.float32) for s in shapes]
+
+    def run(_):
+        for w, out in zip(weights, outs):
+            matmul_f16_f32(cp, x[w.shape[1]], w, out=out)
+
+    seconds = statistics.median(time_gpu(cp, run, repeats))
+    flops = 2 * n_tokens * sum(a * b for a, b in shapes)
+    return {**L, "tokens": n_tokens, "seconds_per_layer": seconds, "tflop_per_s": flops / seconds / 1e12}
 
 
 def _row(fmt, head_dim: int, n_tokens: int, times: list[float]) -> dict:
@@ -168,13 +217,24 @@ def main(argv=None) -> int:
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         registry = KernelRegistry()
-        rows = []
+        extra = {"implementation": "kernels_cu/kv_encode.cu via cupyllm.backend.gpu_kv",
+                 "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+                 "timing": "CUDA events, median of repeats after a warm-up"}
+        prefill = bench_gpu_prefill_layer(args.gpu_tokens, args.gpu_repeats)
+        extra["prefill_layer"] = prefill
+        rows, input_cache = [], {}
         for name, hd in tqdm(cases, desc="GPU kv encode"):
-            rows.append(bench_gpu(get_format(name, head_dim=hd), hd, args.gpu_tokens, args.gpu_repeats, rng, registry))
-        path = write_results("gpu", gpu_name, rows, {
-            "implementation": "kernels_cu/kv_encode.cu via cupyllm.backend.gpu_kv",
-            "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
-            "timing": "CUDA events, median of repeats after a warm-up"})
+            row = bench_gpu(get_format(name, head_dim=hd), hd, args.gpu_tokens, args.gpu_repeats, rng, registry,
+                            input_cache)
+            if hd == PREFILL_LAYER["head_dim"]:
+                row["share_of_prefill_layer"] = row["seconds_per_layer_kv"] / prefill["seconds_per_layer"]
+            rows.append(row)
+            path = write_results("gpu", gpu_name, rows, extra)  # after every row: a timeout keeps what ran
+        print(f"prefill step of one {prefill['model']} ({args.gpu_tokens} tokens, weight products only): "
+              f"{prefill['seconds_per_layer'] * 1e3:.2f} ms ({prefill['tflop_per_s']:.0f} TFLOP/s)")
+        for row in rows:
+            if "share_of_prefill_layer" in row:
+                print(f"  {row['format']:<12} encode = {100 * row['share_of_prefill_layer']:.1f}% of it")
         print_table(f"GPU ({gpu_name}) -> {path}", rows)
     return 0
 

@@ -27,8 +27,16 @@
 // regimes (across a chunk boundary of a regime change: at most about two per row block) keeps the tensor-core
 // scores of the regime in shared memory and recomputes the other visible pairs one by one.
 //
+// fa_mma<D, true, kDca, true>: K and V f16, decode (plain or DCA). The cache rows are already the tiles' f16
+// rows, so cp.async copies them straight into K and V tiles (row major; P V reads V's key pairs as two
+// halves instead of a transposed copy) and the staging buffer and dequantizing pass go away; two stages for
+// D <= 128 overlap the copies of tile t + 1 with all the work on tile t (MmaF16Layout). On an H200 (Nsight
+// Compute, head dim 128, 64k keys, 64 splits) this halved the instructions of a launch (70M -> 33M) and took
+// its memory throughput from 1.7 to 2.5 TB/s.
+//
 // Grid: (ceil(n_q * group / kRows), n_split, n_kv); block 128 threads; dynamic shared memory
-// MmaLayout::bytes (mirrored in cupyllm/attention/gpu_kernels.py; the kernel traps if given less).
+// MmaLayout::bytes / MmaF16Layout::kBytes (mirrored in cupyllm/attention/gpu_kernels.py; the kernel traps if
+// given less).
 // Outputs as fa_vec (fa_common.cuh).
 #pragma once
 #include "fa_common.cuh"
@@ -73,6 +81,19 @@ struct MmaLayout {
     }
     // decode: the key parts' O (f32 [kKeyParts][16][D]) over the start of the buffer after the last tile
     static constexpr int kMergeBytes = C::kKeyParts > 1 ? C::kKeyParts * 16 * D * 4 : 0;
+};
+
+// fa_mma<D, true, false, true> (K and V f16, decode): Q, then kStages stages of K [kTile][kQStride],
+// V [kTile][kQStride] (row major) and the tile's positions, all copied by cp.async (byte offsets).
+template <int D>
+struct MmaF16Layout {
+    using C = MmaConfig<D, true>;
+    static constexpr int kStages = D <= 128 ? 2 : 1;  // two stages of D = 256 / 512 would leave 1 block per SM
+    static constexpr int kTileHalves = C::kTile * C::kQStride;
+    static constexpr int kStage = C::kRows * C::kQStride * 2;   // the first stage, after Q
+    static constexpr int kStageBytes = 2 * kTileHalves * 2 + C::kTile * 4;
+    static constexpr int kEnd = kStage + kStages * kStageBytes;
+    static constexpr int kBytes = kEnd > MmaLayout<D, true>::kMergeBytes ? kEnd : MmaLayout<D, true>::kMergeBytes;
 };
 
 // 8 values of a cached row of format `id` as f16 (one 16-byte shared-memory store); f16 rows are
@@ -154,7 +175,7 @@ __device__ __forceinline__ void qk_tile(float (&s)[kWarpKeys / 8][4], const __ha
 
 }  // namespace cupyllm
 
-template <int D, bool kDecode, bool kDca = false>
+template <int D, bool kDecode, bool kDca = false, bool kF16 = false>
 __global__ void __launch_bounds__(cupyllm::kFaThreads)
 fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, const cupyllm::u8* __restrict__ v_cache,
        const int* __restrict__ slot_pos, const int* __restrict__ q_pos, const float* __restrict__ mask,
@@ -172,7 +193,9 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     extern __shared__ __align__(16) u8 fa_smem[];
     const StagedRows LK = StagedRows::of(k_row_bytes), LV = StagedRows::of(v_row_bytes);
     const S layout = S::of(LK, LV, k_table_len, v_table_len);
-    if (dynamic_smem_bytes() < static_cast<u32>(layout.bytes)) __trap();  // gpu_kernels.py sized it too small
+    static_assert(!kF16 || kDecode, "the f16 path is a decode layout");
+    const int smem_needed = kF16 ? MmaF16Layout<D>::kBytes : layout.bytes;
+    if (dynamic_smem_bytes() < static_cast<u32>(smem_needed)) __trap();  // gpu_kernels.py sized it too small
     __half* q_s = reinterpret_cast<__half*>(fa_smem + S::kQ);
     __half* k_s = reinterpret_cast<__half*>(fa_smem + S::kK);
     __half* vt_s = reinterpret_cast<__half*>(fa_smem + S::kV);
@@ -186,7 +209,6 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     __shared__ int row_query[kRows];
     __shared__ long long qpos_range[2];
     __shared__ float part_m[C::kKeyParts][kRows], part_l[C::kKeyParts][kRows];
-    __shared__ int key_chunk_s[kDca ? kTile : 1];  // DCA: chunk of each key position of the tile
     __shared__ DcaRows dca_rows_s;
 
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -236,79 +258,20 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     float m_run[2] = {neg_inf(), neg_inf()};
     float l_part[2] = {0.0f, 0.0f};  // this thread's share of the row sums (the quad is summed at the end)
 
-    if (keys.begin < keys.end)
-        stage_mma_tile<kTile>(LK, LV, k_raw, v_raw, raw_pos_s, k_cache, v_cache, slot_pos, keys, keys.begin, n_kv, kh,
-                              n_cache_rows, tid);
-    for (int first = keys.begin; first < keys.end; first += kTile) {
-        const int n_valid = min(kTile, keys.end - first);
-        cp_async_wait<0>();
-        __syncthreads();  // the staged tile has landed, and the previous tile's f16 tiles are no longer read
-        u32 regimes = 1u;  // DCA: the regimes this tile can hold (every warp computes the same set)
-        if constexpr (kDca) {
-            regimes = dca_tile_regimes(raw_pos_s, n_valid, dca_rows_s, lane);
-            const int regime = __ffs(static_cast<int>(regimes)) - 1;
-            if (regimes != 0u && regimes == (1u << regime) && regime != q_loaded) {  // one regime, not in q_s: load it
-                load_q_tile<D, kRows, kQStride>(q_s, q + regime * q_regime_stride, rows_here, row0, group, kh, n_head, tid);
-                q_loaded = regime;
-            }
+    // The f16 pair (V[key][dim], V[key + 1][dim]) of this warp's output dims: from V^T [dim][kVStride], or
+    // from row-major V [key][kQStride] on the f16 path.
+    auto v_pair = [&](const __half* v_base, int dim, int key) -> u32 {
+        if constexpr (kF16) {
+            const unsigned short* v = reinterpret_cast<const unsigned short*>(v_base + key * kQStride + dim);
+            return static_cast<u32>(v[0]) | (static_cast<u32>(v[kQStride]) << 16);
+        } else {
+            return smem_u32(v_base + dim * kVStride, key);
         }
-
-        // ---- dequantize the staged rows: K as f16 rows, V transposed, positions ----
-#pragma unroll 1  // one copy of the format switch
-        for (int task = tid; task < kTile * kChunks; task += kFaThreads) {
-            const int j = task / kChunks, c = task % kChunks;  // consecutive threads: consecutive chunks of a row
-            const long long row = (static_cast<long long>(first) + j) * n_kv + kh;
-            *reinterpret_cast<uint4*>(k_s + j * kQStride + 8 * c) =
-                chunk_as_f16<G>(k_fmt, k_raw + j * LK.slot_bytes + LK.offset(row), c, ktab_s);
-        }
-#pragma unroll 1  // one copy of the format switch
-        for (int task = tid; task < (kTile / 2) * kChunks; task += kFaThreads) {
-            // consecutive threads: consecutive key pairs of one chunk, so the transposed 4-byte stores
-            // of a warp fall in distinct banks
-            const int p = task % (kTile / 2), c = task / (kTile / 2);
-            const long long row0_kv = (static_cast<long long>(first) + 2 * p) * n_kv + kh;
-            float v0[8], v1[8];  // rows past the tile's end were zero-filled: they decode to 0
-            read_chunk<G>(v_fmt, v_raw + (2 * p) * LV.slot_bytes + LV.offset(row0_kv), c, vtab_s, v0);
-            read_chunk<G>(v_fmt, v_raw + (2 * p + 1) * LV.slot_bytes + LV.offset(row0_kv + n_kv), c, vtab_s, v1);
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                *reinterpret_cast<u32*>(vt_s + (8 * c + e) * kVStride + 2 * p) = pack_half2(v0[e], v1[e]);
-        }
-        for (int j = tid; j < kTile; j += kFaThreads) {
-            pos_s[j] = raw_pos_s[j];
-            if constexpr (kDca) key_chunk_s[j] = dca_chunk(raw_pos_s[j], dca_chunk_len);
-        }
-        __syncthreads();  // f16 tiles ready; the staging buffer is free
-        if (first + kTile < keys.end)  // the next tile's copies overlap this tile's arithmetic
-            stage_mma_tile<kTile>(LK, LV, k_raw, v_raw, raw_pos_s, k_cache, v_cache, slot_pos, keys, first + kTile,
-                                  n_kv, kh, n_cache_rows, tid);
-
-        // ---- S = Q K^T for this warp's 16 rows x kWarpKeys keys ----
-        float s_acc[kWarpKeys / 8][4];
-#pragma unroll
-        for (int n = 0; n < kWarpKeys / 8; ++n)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s_acc[n][i] = 0.0f;
-        qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_s + key0 * kQStride, g, t);
-        if (kDca && (regimes & (regimes - 1u)) != 0u) {
-            // several regimes (a tile across a chunk boundary, at most ~2 per row block): the scores of the
-            // visible pairs whose regime is not the one in q_s, one by one from Q in global memory
-#pragma unroll
-            for (int n = 0; n < kWarpKeys / 8; ++n) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
-                    const int regime = dca_regime(my_chunk[h], key_chunk_s[j]);
-                    if (regime != q_loaded && j < n_valid && key_visible(pos_s[j], my_qpos[h], window)) {
-                        const RowIndex ri = row_index(row0 + my_row[h], group, kh);
-                        const __half* q_row = q + regime * q_regime_stride +
-                                              (static_cast<long long>(ri.query) * n_head + ri.head) * D;
-                        s_acc[n][i] = dca_pair_score<D>(q_row, k_s + j * kQStride);
-                    }
-                }
-            }
-        }
-
+    };
+    // Mask, softcap and online softmax on this warp's score fragments of the tile at key `first` (positions
+    // `pos`, n_valid keys), then O += P V with V from v_base (v_pair).
+    auto softmax_and_pv = [&](float (&s_acc)[kWarpKeys / 8][4], const int* pos, int n_valid, int first,
+                              const __half* v_base) {
         // ---- mask, softcap, online softmax on the fragments ----
         float m_tile[2] = {neg_inf(), neg_inf()};
 #pragma unroll
@@ -317,7 +280,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
             for (int i = 0; i < 4; ++i) {
                 const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
                 float s = apply_softcap(s_acc[n][i], softcap);
-                const bool visible = j < n_valid && key_visible(pos_s[j], my_qpos[h], window);
+                const bool visible = j < n_valid && key_visible(pos[j], my_qpos[h], window);
                 if (mask_stride > 0 && visible) s += mask[my_query[h] * mask_stride + first + j];
                 s = visible ? s : neg_inf();
                 s_acc[n][i] = s;
@@ -351,8 +314,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
             o_acc[n][3] *= alpha[1];
         }
 
-        // ---- O += P V: P from the score fragments, V^T from shared memory ----
-        const __half* vt_cols = vt_s + (col_part * C::kDv) * kVStride;
+        // ---- O += P V: P from the score fragments, V from v_pair ----
 #pragma unroll
         for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
             const u32 a[4] = {pack_half2(s_acc[2 * kk][0], s_acc[2 * kk][1]), pack_half2(s_acc[2 * kk][2], s_acc[2 * kk][3]),
@@ -360,12 +322,144 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
                               pack_half2(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
 #pragma unroll
             for (int n = 0; n < C::kDv / 8; ++n) {
-                const __half* v_row = vt_cols + (n * 8 + g) * kVStride;
-                const u32 b[2] = {smem_u32(v_row, key0 + kk * 16 + 2 * t), smem_u32(v_row, key0 + kk * 16 + 8 + 2 * t)};
+                const u32 b[2] = {v_pair(v_base, n * 8 + g, key0 + kk * 16 + 2 * t),
+                                  v_pair(v_base, n * 8 + g, key0 + kk * 16 + 8 + 2 * t)};
                 mma_m16n8k16_f16_f32(o_acc[n], a, b, o_acc[n]);
             }
         }
-        __syncthreads();  // the next tile overwrites K, V^T and the positions
+    };
+
+    // DCA: the regimes the tile at positions `pos` can hold (the same set in every warp); when it holds one
+    // regime only and q_s holds another, that regime's Q is loaded into q_s (returns true: the caller makes
+    // the new Q visible before multiplying).
+    auto dca_tile = [&](const int* pos, int n_valid, u32& regimes) -> bool {
+        regimes = dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
+        const int regime = __ffs(static_cast<int>(regimes)) - 1;
+        if (regimes != 0u && regimes == (1u << regime) && regime != q_loaded) {
+            load_q_tile<D, kRows, kQStride>(q_s, q + regime * q_regime_stride, rows_here, row0, group, kh, n_head, tid);
+            q_loaded = regime;
+            return true;
+        }
+        return false;
+    };
+    // DCA, a tile with several regimes (across a chunk boundary: at most ~2 per row block): the scores of the
+    // visible pairs whose regime is not the one in q_s, one by one from Q in global memory and the f16 K rows.
+    auto dca_other_regimes = [&](float (&s_acc)[kWarpKeys / 8][4], const __half* k_rows, const int* pos, int n_valid) {
+#pragma unroll
+        for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
+                if (j >= n_valid) continue;
+                const int regime = dca_regime(my_chunk[h], dca_chunk(pos[j], dca_chunk_len));
+                if (regime != q_loaded && key_visible(pos[j], my_qpos[h], window)) {
+                    const RowIndex ri = row_index(row0 + my_row[h], group, kh);
+                    const __half* q_row = q + regime * q_regime_stride +
+                                          (static_cast<long long>(ri.query) * n_head + ri.head) * D;
+                    s_acc[n][i] = dca_pair_score<D>(q_row, k_rows + j * kQStride);
+                }
+            }
+        }
+    };
+
+    if constexpr (kF16) {
+        // K and V f16 (decode): the cache rows are the tiles' rows already. cp.async copies them straight into
+        // K [kTile][kQStride] and V [kTile][kQStride] of a stage (no staging buffer, no dequantizing pass, no
+        // transposition: P V reads V's key pairs as two halves); two stages for D <= 128, so the copies of tile
+        // t + 1 overlap all the work on tile t.
+        using L = MmaF16Layout<D>;
+        auto stage_f16 = [&](int first, int stage) {
+            __half* k_dst = reinterpret_cast<__half*>(fa_smem + L::kStage + stage * L::kStageBytes);
+            __half* v_dst = k_dst + L::kTileHalves;
+            int* pos_dst = reinterpret_cast<int*>(v_dst + L::kTileHalves);
+            const int n_valid = min(kTile, keys.end - first);
+            for (int task = tid; task < kTile * kChunks; task += kFaThreads) {
+                const int j = task / kChunks, c = task % kChunks;  // consecutive threads: consecutive 16 bytes
+                const bool valid = j < n_valid;                    // rows past the end are zero-filled
+                const long long row = valid ? (static_cast<long long>(first) + j) * n_kv + kh : 0;
+                cp_async<16>(k_dst + j * kQStride + 8 * c, k_cache + row * k_row_bytes + 16 * c, valid);
+                cp_async<16>(v_dst + j * kQStride + 8 * c, v_cache + row * v_row_bytes + 16 * c, valid);
+            }
+            if (tid < kTile) cp_async<4>(pos_dst + tid, tid < n_valid ? slot_pos + first + tid : slot_pos, tid < n_valid);
+            cp_async_commit();
+        };
+        int stage = 0;
+        if (keys.begin < keys.end) stage_f16(keys.begin, 0);
+        for (int first = keys.begin; first < keys.end; first += kTile) {
+            const bool more = first + kTile < keys.end;
+            if (L::kStages == 2 && more) {
+                stage_f16(first + kTile, stage ^ 1);  // that stage's last reader passed the barrier below
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();  // this tile has landed for every thread
+            const __half* k_tile = reinterpret_cast<const __half*>(fa_smem + L::kStage + stage * L::kStageBytes);
+            const __half* v_tile = k_tile + L::kTileHalves + col_part * C::kDv;
+            const int* pos = reinterpret_cast<const int*>(k_tile + 2 * L::kTileHalves);
+            const int n_valid = min(kTile, keys.end - first);
+            u32 regimes = 1u;
+            if constexpr (kDca) {
+                if (dca_tile(pos, n_valid, regimes)) __syncthreads();  // the new Q tile, before any warp multiplies
+            }
+            float s_acc[kWarpKeys / 8][4] = {};
+            qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_tile + key0 * kQStride, g, t);
+            if (kDca && (regimes & (regimes - 1u)) != 0u) dca_other_regimes(s_acc, k_tile, pos, n_valid);
+            softmax_and_pv(s_acc, pos, n_valid, first, v_tile);
+            __syncthreads();  // every warp is done with this stage before it is refilled
+            if (L::kStages == 1 && more) stage_f16(first + kTile, 0);
+            if (L::kStages == 2) stage ^= 1;
+        }
+    } else {
+        if (keys.begin < keys.end)
+            stage_mma_tile<kTile>(LK, LV, k_raw, v_raw, raw_pos_s, k_cache, v_cache, slot_pos, keys, keys.begin, n_kv, kh,
+                                  n_cache_rows, tid);
+        for (int first = keys.begin; first < keys.end; first += kTile) {
+            const int n_valid = min(kTile, keys.end - first);
+            cp_async_wait<0>();
+            __syncthreads();  // the staged tile has landed, and the previous tile's f16 tiles are no longer read
+            u32 regimes = 1u;  // DCA: the regimes this tile can hold (the barrier below publishes a new Q tile)
+            if constexpr (kDca) dca_tile(raw_pos_s, n_valid, regimes);
+
+            // ---- dequantize the staged rows: K as f16 rows, V transposed, positions ----
+#pragma unroll 1  // one copy of the format switch
+            for (int task = tid; task < kTile * kChunks; task += kFaThreads) {
+                const int j = task / kChunks, c = task % kChunks;  // consecutive threads: consecutive chunks of a row
+                const long long row = (static_cast<long long>(first) + j) * n_kv + kh;
+                *reinterpret_cast<uint4*>(k_s + j * kQStride + 8 * c) =
+                    chunk_as_f16<G>(k_fmt, k_raw + j * LK.slot_bytes + LK.offset(row), c, ktab_s);
+            }
+#pragma unroll 1  // one copy of the format switch
+            for (int task = tid; task < (kTile / 2) * kChunks; task += kFaThreads) {
+                // consecutive threads: consecutive key pairs of one chunk, so the transposed 4-byte stores
+                // of a warp fall in distinct banks
+                const int p = task % (kTile / 2), c = task / (kTile / 2);
+                const long long row0_kv = (static_cast<long long>(first) + 2 * p) * n_kv + kh;
+                float v0[8], v1[8];  // rows past the tile's end were zero-filled: they decode to 0
+                read_chunk<G>(v_fmt, v_raw + (2 * p) * LV.slot_bytes + LV.offset(row0_kv), c, vtab_s, v0);
+                read_chunk<G>(v_fmt, v_raw + (2 * p + 1) * LV.slot_bytes + LV.offset(row0_kv + n_kv), c, vtab_s, v1);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    *reinterpret_cast<u32*>(vt_s + (8 * c + e) * kVStride + 2 * p) = pack_half2(v0[e], v1[e]);
+            }
+            for (int j = tid; j < kTile; j += kFaThreads) pos_s[j] = raw_pos_s[j];
+            __syncthreads();  // f16 tiles ready; the staging buffer is free
+            if (first + kTile < keys.end)  // the next tile's copies overlap this tile's arithmetic
+                stage_mma_tile<kTile>(LK, LV, k_raw, v_raw, raw_pos_s, k_cache, v_cache, slot_pos, keys, first + kTile,
+                                      n_kv, kh, n_cache_rows, tid);
+
+            // ---- S = Q K^T for this warp's 16 rows x kWarpKeys keys ----
+            float s_acc[kWarpKeys / 8][4];
+#pragma unroll
+            for (int n = 0; n < kWarpKeys / 8; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s_acc[n][i] = 0.0f;
+            qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_s + key0 * kQStride, g, t);
+            if (kDca && (regimes & (regimes - 1u)) != 0u) dca_other_regimes(s_acc, k_s, pos_s, n_valid);
+
+            softmax_and_pv(s_acc, pos_s, n_valid, first, vt_s + (col_part * C::kDv) * kVStride);
+            __syncthreads();  // the next tile overwrites K, V^T and the positions
+        }
     }
 
     // ---- normalise and write this split's O and LSE ----

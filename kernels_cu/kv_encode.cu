@@ -271,28 +271,32 @@ struct Encoder<FmtTurbo<kBits, G>> {
     }
 };
 
-// ---- *_tcq: Viterbi over the bitshift trellis, one CTA per group, one thread per state ------------
+// ---- *_tcq: Viterbi over the bitshift trellis, one CTA per group, one thread per predecessor set ----
 //
 // state_{t+1} = (state_t >> k) | new_bits << (L - k); the predecessors of s' are (m << k) | r with
-// m = s' & (2^(L-k) - 1), r = 0 .. 2^k - 1. Thread s' computes
-//   cost_t[s'] = min_r cost_{t-1}[(m << k) | r] + (z[t] - CODEBOOK[s'])^2
-// scanning r upwards and replacing only on a strictly smaller cost (a tie keeps the smaller
-// predecessor), exactly as tcq._viterbi_numba; the 2^k threads sharing m compute the same minimum,
-// which saves a barrier per step. The final state is the smallest argmin; thread 0 backtracks.
+// m = s' & (2^(L-k) - 1), r = 0 .. 2^k - 1, so the 2^k states s' = (b << (L - k)) | m, b = 0 .. 2^k - 1,
+// share them. Thread m takes the minimum over its predecessor set once per step,
+//   best_t[m] = min_r cost_{t-1}[(m << k) | r]
+// scanning r upwards and replacing only on a strictly smaller cost (a tie keeps the smaller predecessor),
+// exactly as tcq._viterbi_numba, then writes the 2^k costs cost_t[s'] = best_t[m] + (z[t] - CODEBOOK[s'])^2
+// with its 2^k centroids in registers: 2^k times less work per step than one thread per state, which
+// recomputed the shared minimum in every thread (the encode cost 2.7 prefill layer steps on an H200).
+// The final state is the smallest argmin; thread 0 backtracks.
 
 template <int kK, int kL, int G>
 struct Encoder<FmtTcq<kK, kL, G>> {
     using Fmt = FmtTcq<kK, kL, G>;
     static constexpr int kStates = 1 << kL;
-    static constexpr int kLowStates = 1 << (kL - kK);  // values of m
+    static constexpr int kLowStates = 1 << (kL - kK);  // values of m: one thread each
     static constexpr int kPreds = 1 << kK;
-    static constexpr int kUnitThreads = kStates, kUnitsPerCta = 1, kCtaThreads = kStates;
-    static_assert(kStates >= 64 && kStates <= 1024, "one thread per state, at most 1024");
-    static_assert(Fmt::kBlockBytes - 2 <= kStates, "one thread per stream byte");
+    static constexpr int kUnitThreads = kLowStates, kUnitsPerCta = 1, kCtaThreads = kLowStates;
+    static constexpr int kWarps = kLowStates / 32;
+    static_assert(kLowStates >= 32 && kLowStates <= 1024 && kLowStates % 32 == 0, "whole warps of predecessor sets");
+    static_assert(Fmt::kBlockBytes - 2 <= kLowStates, "one thread per stream byte");
 
-    // Costs are stored transposed, cost of state (m << k) | r at r * kRowStride + m: the 2^k
-    // predecessors one thread reads sit in 2^k rows at the same column, so a warp reading one r
-    // hits consecutive words; the padding spreads the writes (consecutive s') over all banks.
+    // Costs are stored transposed, cost of state (m << k) | r at r * kRowStride + m: thread m's 2^k
+    // predecessors sit in 2^k rows at column m, so a warp reading one r hits consecutive words; the
+    // padding spreads the writes of a warp (consecutive m, one b) over all banks.
     static constexpr int kRowStride = kLowStates + 32 / kPreds;
     __device__ static int cost_index(int state) { return (state & (kPreds - 1)) * kRowStride + (state >> kK); }
 
@@ -302,8 +306,8 @@ struct Encoder<FmtTcq<kK, kL, G>> {
         __shared__ float cost_smem[2][kPreds * kRowStride];
         __shared__ u8 choice[G][kLowStates];  // best r of step t for each m
         __shared__ short states[G];
-        __shared__ float best_cost[kStates / 32];
-        __shared__ int best_state[kStates / 32];
+        __shared__ float best_cost[kWarps];
+        __shared__ int best_state[kWarps];
         __shared__ float group_r;
 
         const int lane = thread & 31, warp = thread >> 5;
@@ -317,12 +321,16 @@ struct Encoder<FmtTcq<kK, kL, G>> {
         }
         __syncthreads();
 
-        const int state = thread;
-        const float centroid = table[state];
-        const int m = state & (kLowStates - 1);
-        float d = __fsub_rn(z_smem[0], centroid);
-        float cost = __fmul_rn(d, d);
-        cost_smem[0][cost_index(state)] = cost;
+        const int m = thread;
+        float centroid[kPreds], cost[kPreds];  // of the states (b << (L - k)) | m
+#pragma unroll
+        for (int b = 0; b < kPreds; ++b) {
+            const int state = (b << (kL - kK)) | m;
+            centroid[b] = table[state];
+            const float d = __fsub_rn(z_smem[0], centroid[b]);
+            cost[b] = __fmul_rn(d, d);
+            cost_smem[0][cost_index(state)] = cost[b];
+        }
         __syncthreads();
         for (int t = 1; t < G; ++t) {
             const float* prev = cost_smem[(t - 1) & 1];
@@ -333,16 +341,24 @@ struct Encoder<FmtTcq<kK, kL, G>> {
                 const float c = prev[r * kRowStride + m];
                 if (c < best) { best = c; best_r = r; }
             }
-            if (state < kLowStates) choice[t][m] = static_cast<u8>(best_r);  // state == m here
-            d = __fsub_rn(z_smem[t], centroid);
-            cost = __fadd_rn(best, __fmul_rn(d, d));
-            cost_smem[t & 1][cost_index(state)] = cost;
+            choice[t][m] = static_cast<u8>(best_r);
+            const float z = z_smem[t];
+            float* next = cost_smem[t & 1];
+#pragma unroll
+            for (int b = 0; b < kPreds; ++b) {
+                const float d = __fsub_rn(z, centroid[b]);
+                cost[b] = __fadd_rn(best, __fmul_rn(d, d));
+                next[cost_index((b << (kL - kK)) | m)] = cost[b];
+            }
             __syncthreads();
         }
 
-        // argmin over the final costs, the smallest state on ties
-        float c = cost;
-        int s = state;
+        // argmin over the final costs, the smallest state on ties: this thread's states grow with b
+        float c = cost[0];
+        int s = m;
+#pragma unroll
+        for (int b = 1; b < kPreds; ++b)
+            if (cost[b] < c) { c = cost[b]; s = (b << (kL - kK)) | m; }
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) {
             const float oc = __shfl_xor_sync(kFullMask, c, offset);
@@ -354,8 +370,8 @@ struct Encoder<FmtTcq<kK, kL, G>> {
         if (thread == 0) {
             float bc = best_cost[0];
             int bs = best_state[0];
-            for (int w = 1; w < kStates / 32; ++w)  // warps hold increasing state ranges
-                if (best_cost[w] < bc) { bc = best_cost[w]; bs = best_state[w]; }
+            for (int w = 1; w < kWarps; ++w)
+                if (best_cost[w] < bc || (best_cost[w] == bc && best_state[w] < bs)) { bc = best_cost[w]; bs = best_state[w]; }
             for (int t = G - 1; t > 0; --t) {
                 states[t] = static_cast<short>(bs);
                 const int low = bs & (kLowStates - 1);

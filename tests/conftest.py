@@ -39,3 +39,21 @@ def tiny_model(tiny_dir):
         return made[arch]
 
     return make
+
+
+# A CUDA fault (illegal address, misaligned access, trap) is sticky: every later CUDA call in the process fails
+# with it. Under pytest-xdist (tools/gpu_check.sh runs `-n`) the worker exits once the faulting test's report
+# is sent, so xdist starts a fresh one and the remaining tests report their own result, not the fault.
+_STICKY_CUDA_FAULTS = ("IllegalAddress", "ILLEGAL_ADDRESS", "Misaligned", "MISALIGNED", "LaunchFailure",
+                       "LAUNCH_FAILED", "IllegalInstruction", "ILLEGAL_INSTRUCTION", "cudaErrorAssert", "CUDA_ERROR_ASSERT",
+                       "HardwareStackError", "HARDWARE_STACK_ERROR", "cudaErrorLaunchTimeout")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_logreport(report):
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not report.failed:
+        return
+    text = report.longreprtext
+    if any(fault in text for fault in _STICKY_CUDA_FAULTS) and "cuda" in text.lower():
+        sys.stderr.write(f"sticky CUDA fault in {report.nodeid}: restarting this worker\n")
+        os._exit(70)

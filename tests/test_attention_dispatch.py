@@ -16,15 +16,17 @@ SM80_SMEM_OPTIN = 166912  # A100: the smallest opt-in limit we support
 SHAPES = ((128, 32, 8), (256, 8, 4), (256, 4, 1), (512, 16, 2), (64, 14, 2))  # (head_dim, n_head, n_kv)
 
 
-def test_decode_of_float_caches_uses_vec_and_the_rest_mma():
+def test_decode_of_f32_and_bf16_caches_uses_vec_and_the_rest_mma():
     for d, n_head, n_kv in SHAPES:
-        assert dispatch.choose_kernel(1, n_head, n_kv, d, "f16", "f16") == "vec"
+        assert dispatch.choose_kernel(1, n_head, n_kv, d, "f16", "f16") == "mma"  # fa_mma's f16 path
+        assert dispatch.choose_kernel(1, n_head, n_kv, d, "bf16", "bf16") == "vec"
         assert dispatch.choose_kernel(1, n_head, n_kv, d, "bf16", "f32") == "vec"
+        assert dispatch.choose_kernel(1, n_head, n_kv, d, "f16", "bf16") == "mma"
         assert dispatch.choose_kernel(1, n_head, n_kv, d, "f32", "q4_0") == "vec"  # f32: exact values
         assert dispatch.choose_kernel(1, n_head, n_kv, d, "q8_0", "turbo3") == "mma"  # decode tiles
         assert dispatch.choose_kernel(64, n_head, n_kv, d, "f16", "f16") == "mma"  # prefill
-    assert dispatch.choose_kernel(4, 32, 8, 128, "f16", "f16") == "vec"    # 16 rows per KV head
-    assert dispatch.choose_kernel(5, 32, 8, 128, "f16", "f16") == "mma"    # 20 rows
+    assert dispatch.choose_kernel(4, 32, 8, 128, "bf16", "bf16") == "vec"  # 16 rows per KV head
+    assert dispatch.choose_kernel(5, 32, 8, 128, "bf16", "bf16") == "mma"  # 20 rows
     assert dispatch.choose_kernel(9, 8, 8, 128, "f16", "f16") == "mma"     # more queries than decode takes
     assert fk.mma_is_decode(16) and not fk.mma_is_decode(17)
 
@@ -39,11 +41,12 @@ def test_splits_cover_the_keys_in_whole_tiles(shape, n_keys, kernel):
     tile = (fk.VecGeometry(d) if kernel == "vec" else fk.MmaGeometry(d, fk.mma_is_decode(n_q * n_head // n_kv))).tile
     assert plan.keys_per_split % tile == 0
     assert plan.n_split * plan.keys_per_split >= n_keys > (plan.n_split - 1) * plan.keys_per_split
-    if kernel == "vec" and n_keys >= 65536:  # long decode: the device filled several times over, unless
-        # that would leave fewer than VEC_MIN_KEYS_PER_SPLIT keys per block
+    if kernel == "vec" and n_keys >= 65536:  # long decode: about DECODE_BLOCKS_PER_SM blocks per SM (less what
+        # rounding the splits to whole tiles takes), unless that would leave fewer than DECODE_MIN_KEYS_PER_SPLIT keys
         base = n_kv * -(-(n_head // n_kv) // fk.vec_rows_for(n_head // n_kv))
-        assert plan.n_split * base >= min(4 * 132, base * (n_keys // dispatch.VEC_MIN_KEYS_PER_SPLIT))
-        assert plan.keys_per_split >= dispatch.VEC_MIN_KEYS_PER_SPLIT
+        want = 0.9 * dispatch.DECODE_BLOCKS_PER_SM * 132
+        assert plan.n_split * base >= min(want, base * (n_keys // dispatch.DECODE_MIN_KEYS_PER_SPLIT))
+        assert plan.keys_per_split >= dispatch.DECODE_MIN_KEYS_PER_SPLIT
 
 
 def test_forced_split_count_is_respected():

@@ -199,6 +199,18 @@ def test_mma_decode_matches_reference(runner, head_dim, k_name, v_name, case):
     _run_case(runner, head_dim, k_name, v_name, case, "mma", shapes="vec")
 
 
+@pytest.mark.parametrize("case", list(SPLITS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_mma_f16_decode_path(runner, head_dim, case):
+    """fa_mma's f16 path (K and V f16, decode: cache rows copied straight into the tiles, V read row-major)
+    against the reference, for every head dim and mask case."""
+    from cupyllm.attention import gpu_kernels as fk
+    from cupyllm.kv.formats import get_format
+    f16 = get_format("f16", head_dim=head_dim)
+    assert fk.mma_f16_direct(True, f16, f16)  # the launch below takes that path
+    _run_case(runner, head_dim, "f16", "f16", case, "mma", shapes="vec")
+
+
 @pytest.mark.parametrize("group", (64, 128))
 @pytest.mark.parametrize("name", _formats())
 def test_chunk_reader_is_bit_exact(runner, name, group):
@@ -294,7 +306,7 @@ def test_module_functions_and_dispatch_choice(runner):
     from cupyllm.attention import dispatch
     rng = np.random.default_rng(8)
     d = 64
-    for fmt, n_q, expected in (("f16", 1, "vec"), ("turbo3", 1, "mma"), ("turbo3", 20, "mma")):
+    for fmt, n_q, expected in (("bf16", 1, "vec"), ("f16", 1, "mma"), ("turbo3", 1, "mma"), ("turbo3", 20, "mma")):
         layer = make_layer(rng, fmt, fmt, d, 2, 130)
         q = rng.standard_normal((n_q, 14, d)).astype(np.float32)  # Qwen2.5-0.5B: 14 query heads, 2 KV heads
         q_pos = np.arange(130 - n_q, 130, dtype=np.int32)

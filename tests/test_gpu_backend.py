@@ -357,7 +357,8 @@ def test_tiny_model_with_flash_attention(flash_sized_models, arch):
     scale = np.abs(want).max()
     ops = GPUBackend(attention="dispatch")
     got = _run(ops, path, ids, chunk=4, decode_steps=steps)
-    assert np.abs(got - want).max() <= 2e-4 * scale
+    # f16 caches decode on fa_mma's f16 path (Q and P rounded to f16 for the tensor cores, as in prefill)
+    assert np.abs(got - want).max() <= 5e-3 * scale
     got = _run(ops, path, ids, chunk=len(ids))
     assert np.abs(got - want[:len(ids)]).max() <= 5e-3 * scale
 
@@ -388,7 +389,11 @@ def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention):
         got = ops.to_numpy(graphs(np.array([token]), np.array([graph_cache.n_past]), graph_cache))
         eager_cache.n_past += 1
         graph_cache.n_past += 1
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        # The flash kernels add the padded, empty slots of a graph's bucket as exact zeros tile by tile; the
+        # decoded path's CuPy reductions sum over the slot count, so padding changes their association: that
+        # path is held to the engine's GPU-vs-CPU decode bound instead.
+        bound = 1e-5 if attention == "dispatch" else 2e-4
+        np.testing.assert_allclose(got, want, rtol=bound, atol=bound * np.abs(want).max())
     if not emulated():  # the emulator has no stream capture: the runner must have fallen back to eager steps
         assert graphs.enabled, f"graph capture failed: {graphs.disabled_reason}"
         assert graphs.captures == 2 and graphs.replays == 14

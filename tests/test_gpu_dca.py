@@ -195,6 +195,18 @@ def test_mma_decode_matches_references(runner, head_dim, k_name, v_name, config)
     run_case(runner, head_dim, k_name, v_name, config, "mma", queries)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_mma_f16_decode_path_matches_references(runner, head_dim, config):
+    """fa_mma's f16 path (K and V f16, decode) with DCA: Q reloaded per regime, mixed tiles recomputed."""
+    from cupyllm.attention import gpu_kernels as fk
+    from cupyllm.kv.formats import get_format
+    f16 = get_format("f16", head_dim=head_dim)
+    assert fk.mma_f16_direct(True, f16, f16)
+    for queries in DECODE_QUERIES:
+        run_case(runner, head_dim, "f16", "f16", config, "mma", queries)
+
+
 @pytest.mark.parametrize("head_dim,k_name,v_name,config", CASES)
 def test_mma_prefill_matches_references(runner, head_dim, k_name, v_name, config):
     run_case(runner, head_dim, k_name, v_name, config, "mma", "spread", softcap=20.0 if head_dim == 256 else 0.0)

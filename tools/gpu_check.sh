@@ -2,17 +2,17 @@
 # The one prepared script for the GPU machine (an H200 with cupy-cuda13x, numba, torch, transformers; no
 # network, no gguf). Run it from the repository root there, with .whl/ carried (tools/fetch_gpu_wheels.sh):
 #
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   run(command="bash tools/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=420)
 #
 # 1. installs the carried wheels whose module is missing into /tmp/site
 # 2. prints nvidia-smi and the CUDA stack CuPy sees
 # 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
 #    pytest -m gpu (junit XML + log into bench/results/)
-# 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dca_gpu.py, bench/e2e_gpu.py on the two small real-shape models,
-#    and bench/kv_encode.py --device gpu (JSON into bench/results/)
-# 5. copies the results into $OUT when it is set (at most 8 files come back: the rest go into one .tgz)
+# 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dca_gpu.py, bench/kv_encode.py --device gpu, then
+#    bench/e2e_gpu.py on the real-shape models (Gemma 3 270M, Qwen2.5-0.5B, then Qwen2.5-7B while time is left)
+# 5. copies the results into $OUT (when set) after every step, so a run cut short keeps what it measured
 #
-# Finishes in under 8 minutes: each step has its own time limit.
+# Finishes in under 7 minutes: each step has its own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -61,7 +61,7 @@ print("kernels:", kernel_source_dir(), "CUDA headers:", cuda_include_dirs())
 EOF
 
 step "compile every kernel set (parallel NVRTC; fills CuPy's kernel cache for the test processes)"
-timeout 90 "$PY" - <<'EOF'
+timeout 75 "$PY" - <<'EOF'
 import os, time
 from concurrent.futures import ThreadPoolExecutor
 from cupyllm.cuda.registry import KernelRegistry
@@ -77,35 +77,48 @@ print(f"{len(registry.sets)} kernel sets in {time.perf_counter() - start:.0f} s"
 EOF
 
 step "pytest -m gpu"
-timeout 210 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml="$RESULTS/gpu_pytest.xml" 2>&1 \
-    | tee "$RESULTS/gpu_pytest.log"
+# pytest-xdist and pytest-timeout are in the device image: 12 workers (2 numba threads each, for the CPU
+# references), a per-test limit so a hung kernel fails one test, not the step
+pytest_args=()
+if "$PY" -c "import xdist" 2>/dev/null; then pytest_args+=(-n 12); export NUMBA_NUM_THREADS=2; fi
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then pytest_args+=(--timeout=60); fi
+timeout 150 "$PY" -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider "${pytest_args[@]}" \
+    --junitxml="$RESULTS/gpu_pytest.xml" 2>&1 | tee "$RESULTS/gpu_pytest.log"
 pytest_status=${PIPESTATUS[0]}
 echo "pytest exit status: $pytest_status"
+unset NUMBA_NUM_THREADS
+
+publish() {  # the result files into $OUT (at most 8 come back; gpu_check.log is the caller's tee)
+    [ -n "${OUT:-}" ] || return 0
+    for f in "$RESULTS/gpu_pytest.log" "$RESULTS/gpu_pytest.xml" "$RESULTS"/attention_gpu.json "$RESULTS"/dca_gpu.json \
+             "$RESULTS"/kv_encode_gpu.json; do
+        [ -e "$f" ] && cp "$f" "$OUT"/
+    done
+    return 0
+}
+publish
 
 step "GPU micro-benchmarks"
 # each writes its JSON after every row and starts no new row past its --budget-s (the 64k rows first)
 echo "--- bench/attention_gpu.py"
 timeout 45 "$PY" bench/attention_gpu.py --budget-s 32 || echo "bench/attention_gpu.py failed or timed out ($?)"
+publish
 echo "--- bench/dca_gpu.py"
 timeout 45 "$PY" bench/dca_gpu.py --budget-s 32 || echo "bench/dca_gpu.py failed or timed out ($?)"
-# The two small real-shape models only (~1.5 min); the 7B adds ~2-3 min: run `python bench/e2e_gpu.py` alone.
-echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b)"
-timeout 80 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b --budget-s 55 \
-    || echo "bench/e2e_gpu.py failed or timed out ($?)"
+publish
 echo "--- bench/kv_encode.py --device gpu"
 timeout 40 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
+publish
+# Small models first (~50 s with transformers beside them); the 7B (~4.7 GB GGUF written here, transformers
+# from the same weights) starts only inside --budget-s and writes its row when done.
+echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b, qwen2.5-7b)"
+# (its JSON goes straight into $OUT when set: rewritten after every model, it comes back even if the call's
+# limit cuts the 7B short)
+timeout 150 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b qwen2.5-7b --budget-s 60 \
+    --out "${OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
+[ -n "${OUT:-}" ] && [ -e "$OUT/e2e_gpu.json" ] && cp "$OUT/e2e_gpu.json" "$RESULTS"/
 
 step "results"
-if [ -n "${OUT:-}" ]; then
-    files=("$RESULTS/gpu_pytest.log" "$RESULTS/gpu_pytest.xml")
-    for json in "$RESULTS"/*gpu*.json; do [ -e "$json" ] && files+=("$json"); done
-    if [ ${#files[@]} -le 8 ]; then
-        cp "${files[@]}" "$OUT"/ 2>/dev/null
-    else
-        cp "${files[@]:0:7}" "$OUT"/
-        tar czf "$OUT/more_results.tgz" "${files[@]:7}"
-    fi
-    ls -l "$OUT"
-fi
+[ -n "${OUT:-}" ] && ls -l "$OUT"
 echo "done in $((SECONDS - START)) s; pytest exit status $pytest_status"
 exit "$pytest_status"

@@ -21,11 +21,12 @@ once the format tables are on the device (the first call uploads them).
 
 Choice (``choose_kernel``): decode is at most ``VEC_MAX_QUERIES`` queries and ``VEC_MAX_ROWS`` rows per KV
 head (rows = queries x GQA group: one block holds them all, so the KV is read once per group). It runs on
-FA-VEC (f32 arithmetic) when K and V are float formats, and on MMA's decode layout (one 16-row tile, warps
-splitting the keys, products on the tensor cores) for the block and rotated formats, whose dequantizing
-would leave FA-VEC compute-bound. Everything else is prefill: MMA with 64-row tiles. Both kernels run for
+MMA's decode layout (one 16-row tile, warps splitting the keys, products on the tensor cores) for an f16 K
+and V (fa_mma's f16 path: cache rows copied straight into the tiles) and for the block and rotated formats,
+whose dequantizing would leave FA-VEC compute-bound; on FA-VEC (f32 arithmetic) for f32 and bf16 caches.
+Everything else is prefill: MMA with 64-row tiles. Both kernels run for
 every head dim in ``HEAD_DIMS`` and every pair of KV formats. The split over the keys (``plan_attention``)
-fills the device: decode aims at ``VEC_BLOCKS_PER_SM`` blocks per SM with at least ``VEC_MIN_KEYS_PER_SPLIT``
+fills the device: decode aims at ``DECODE_BLOCKS_PER_SM`` blocks per SM with at least ``DECODE_MIN_KEYS_PER_SPLIT``
 keys each (flash-decoding); prefill splits only when its row tiles leave SMs idle.
 """
 from __future__ import annotations
@@ -42,9 +43,12 @@ from . import gpu_kernels as fk
 
 VEC_MAX_QUERIES = 8
 VEC_MAX_ROWS = 16
-VEC_FORMATS = ("f32", "f16", "bf16")  # decode of these stays on fa_vec (see choose_kernel)
-VEC_BLOCKS_PER_SM = 8          # several waves of fa_vec blocks: the last, partial wave costs little
-VEC_MIN_KEYS_PER_SPLIT = 256   # below this the per-block setup and the combine traffic dominate
+VEC_FORMATS = ("f32", "bf16")  # decode of these stays on fa_vec (see choose_kernel)
+# Decode blocks stream long key ranges through a cp.async pipeline: one wave of about two blocks per SM was
+# fastest on an H200 for every shape swept (tools/attention_probe.py; 4k-64k keys, 1-8 KV heads); a second,
+# partial wave and the combine's extra splits cost more than the idle SM slots.
+DECODE_BLOCKS_PER_SM = 2
+DECODE_MIN_KEYS_PER_SPLIT = 128   # below this the per-block setup and the combine traffic dominate
 MMA_MIN_KEYS_PER_SPLIT = 1024
 MMA_BLOCKS_PER_SM = 2
 
@@ -65,13 +69,15 @@ def choose_kernel(n_q: int, n_head: int, n_kv: int, head_dim: int, k_format: str
     rows = n_q * (n_head // n_kv)
     if n_q > VEC_MAX_QUERIES or rows > VEC_MAX_ROWS:
         return "mma"
-    # Decode. fa_vec computes in f32 from the exact values and keeps up with HBM when dequantizing is
-    # cheap (float formats: a conversion per value); for the block/rotated formats its per-value work
-    # (dequantize + one f32 FMA per row, twice) outgrows the bytes, and fa_mma's decode layout moves the
-    # products to the tensor cores. bench/attention_gpu.py times both.
-    # An f32 cache asks for exact values (fa_mma rounds K and V to f16), and its rows would overflow the
-    # shared memory of fa_mma's decode tiles on an A100 at head dim 256/512.
-    if (k_format in VEC_FORMATS and v_format in VEC_FORMATS) or "f32" in (k_format, v_format):
+    # Decode. An f32 cache asks for exact values (fa_mma rounds K and V to f16), and its rows would overflow
+    # the shared memory of fa_mma's decode tiles on an A100 at head dim 256/512: fa_vec.
+    if "f32" in (k_format, v_format):
+        return "vec"
+    # fa_vec computes in f32 from the exact values; its per-value work (dequantize + one f32 FMA per row,
+    # twice) left it instruction-bound on an H200 even for f16 (about 20% of HBM bandwidth). fa_mma's decode
+    # layout moves the products to the tensor cores, and its f16 path copies f16 rows straight into the
+    # tiles; bf16 stays on fa_vec (its range exceeds f16's).
+    if k_format in VEC_FORMATS and v_format in VEC_FORMATS:
         return "vec"
     return "mma"
 
@@ -89,8 +95,8 @@ def plan_attention(n_q: int, n_head: int, n_kv: int, head_dim: int, n_keys: int,
         tile = geometry.tile
         base_blocks = -(-rows // geometry.rows) * n_kv
     if decode:
-        want = max(1, -(-VEC_BLOCKS_PER_SM * n_sm // base_blocks))
-        cap = max(1, n_keys // VEC_MIN_KEYS_PER_SPLIT)
+        want = max(1, -(-DECODE_BLOCKS_PER_SM * n_sm // base_blocks))
+        cap = max(1, n_keys // DECODE_MIN_KEYS_PER_SPLIT)
     else:
         want = max(1, -(-MMA_BLOCKS_PER_SM * n_sm // base_blocks))
         cap = max(1, n_keys // MMA_MIN_KEYS_PER_SPLIT)

@@ -120,6 +120,16 @@ def vec_smem_bytes(head_dim: int, rows: int, k_row_bytes: int, v_row_bytes: int,
     return k_table + _table_bytes(k_table_len) + _table_bytes(v_table_len)
 
 
+def mma_f16_smem_bytes(head_dim: int) -> int:
+    """MmaF16Layout::kBytes of fa_mma<head_dim, true, false, true>."""
+    g = MmaGeometry(head_dim, True)
+    stride = head_dim + 8
+    stages = 2 if head_dim <= 128 else 1
+    stage = 2 * g.tile * stride * 2 + g.tile * 4
+    merge = g.key_parts * 16 * head_dim * 4 if g.key_parts > 1 else 0
+    return max(g.rows * stride * 2 + stages * stage, merge)
+
+
 def mma_smem_bytes(head_dim: int, decode: bool, k_row_bytes: int, v_row_bytes: int, k_table_len: int,
                    v_table_len: int) -> int:
     """MmaLayout::bytes of fa_mma<head_dim, decode>."""
@@ -140,8 +150,15 @@ def vec_kernel_name(head_dim: int, rows: int, dca: bool = False) -> str:
     return f"fa_vec<{head_dim}, {rows}, true>" if dca else f"fa_vec<{head_dim}, {rows}>"
 
 
-def mma_kernel_name(head_dim: int, decode: bool, dca: bool = False) -> str:
+def mma_kernel_name(head_dim: int, decode: bool, dca: bool = False, f16: bool = False) -> str:
+    if f16:  # K and V f16, decode: copied straight into the tiles (fa_mma.cuh, MmaF16Layout)
+        return f"fa_mma<{head_dim}, true, {'true' if dca else 'false'}, true>"
     return f"fa_mma<{head_dim}, {'true' if decode else 'false'}{', true' if dca else ''}>"
+
+
+def mma_f16_direct(decode: bool, k_fmt: KVFormat, v_fmt: KVFormat) -> bool:
+    """Whether fa_mma takes its f16 path: decode (plain or DCA) over an f16 K and V."""
+    return decode and k_fmt.name == "f16" and v_fmt.name == "f16"
 
 
 def prep_kernel_name(rot_group: int, q_dtype: str, out_dtype: str) -> str:
@@ -161,10 +178,13 @@ def kernel_sets() -> list[KernelSet]:
     sets = [KernelSet(VEC_FILE, (vec_kernel_name(d, r),), label=f"d{d} r{r}") for d in HEAD_DIMS for r in VEC_ROW_OPTIONS]
     sets += [KernelSet(MMA_FILE, (mma_kernel_name(d, dec),), label=f"d{d}{' decode' if dec else ''}")
              for d in HEAD_DIMS for dec in (False, True)]
+    sets += [KernelSet(MMA_FILE, (mma_kernel_name(d, True, f16=True),), label=f"d{d} decode f16") for d in HEAD_DIMS]
     sets += [KernelSet(DCA_FILE, (vec_kernel_name(d, DCA_VEC_ROWS, dca=True),), label=f"d{d} r{DCA_VEC_ROWS} dca")
              for d in HEAD_DIMS]
     sets += [KernelSet(DCA_FILE, (mma_kernel_name(d, dec, dca=True),), label=f"d{d}{' decode' if dec else ''} dca")
              for d in HEAD_DIMS for dec in (False, True)]
+    sets += [KernelSet(DCA_FILE, (mma_kernel_name(d, True, dca=True, f16=True),), label=f"d{d} decode f16 dca")
+             for d in HEAD_DIMS]
     aux = []
     for g in (0, *GROUP_SIZES):
         for q_dtype in Q_TYPES:
@@ -283,9 +303,10 @@ def mma_is_decode(rows: int) -> bool:
 def launch_mma(registry: KernelRegistry, a: AttentionLaunch) -> None:
     group = a.n_head // a.n_kv
     decode = mma_is_decode(a.n_q * group)
-    smem = mma_smem_bytes(a.head_dim, decode, a.k_cache.shape[2], a.v_cache.shape[2], table_len(a.k_fmt),
-                          table_len(a.v_fmt))
-    kernel = _with_smem(registry.function(mma_kernel_name(a.head_dim, decode, a.dca)), smem)
+    f16 = mma_f16_direct(decode, a.k_fmt, a.v_fmt)
+    smem = mma_f16_smem_bytes(a.head_dim) if f16 else mma_smem_bytes(
+        a.head_dim, decode, a.k_cache.shape[2], a.v_cache.shape[2], table_len(a.k_fmt), table_len(a.v_fmt))
+    kernel = _with_smem(registry.function(mma_kernel_name(a.head_dim, decode, a.dca, f16)), smem)
     grid = (-(-(a.n_q * group) // MmaGeometry(a.head_dim, decode).rows), a.n_split, a.n_kv)
     kernel(grid, (THREADS,), _args(a), shared_mem=smem)
 
@@ -311,7 +332,5 @@ def launch_combine(registry: KernelRegistry, o_part, lse_part, out, lse_out, rot
     n_rows = o_part.shape[1] * o_part.shape[2]
     d = o_part.shape[3]
     kernel = registry.function(combine_kernel_name(rot_group, np.dtype(out.dtype).name))
-    group = rot_group or 32
-    n_items = n_rows * (d // group)
-    kernel((-(-n_items // (THREADS // 32)),), (THREADS,),
+    kernel((n_rows,), (THREADS,),  # one block per row (fa_combine.cu)
            (o_part, lse_part, out, lse_out, np.int32(n_split), np.int32(n_rows), np.int32(d)))

@@ -4,11 +4,14 @@ sliding-window mask from the slot positions, optional soft-cap, empty slots mask
 
 This is the GPU engine's fallback and check: the production path reads the quantized cache in-register
 (cupyllm.attention.dispatch.gpu_attention, FA-VEC / FA-MMA). It launches a fixed sequence of kernels for
-a given `layer_kv.n_used`, with no device-to-host copy, so it can be captured in a CUDA graph.
+a given `layer_kv.n_used`, with no device-to-host copy, so it can be captured in a CUDA graph (its products then avoid cuBLAS, which
+CuPy does not let a capture call: gpu_blas.batched_matmul).
 """
 from __future__ import annotations
 
 import numpy as np
+
+from .gpu_blas import batched_matmul
 
 KEY_CHUNK = 4096  # cache slots decoded at a time
 
@@ -40,11 +43,11 @@ def attend_decoded(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap
         k, v, k_pos = layer_kv.decode(start, min(start + key_chunk, layer_kv.n_used))
         k_t = cp.ascontiguousarray(k.transpose(1, 2, 0))
         k_pos = k_pos.reshape(1, -1)
-        scores = cp.matmul(qgs[-1], k_t)  # [n_kv, rows, nk]; DCA: the inter rotation, then the nearer regimes
+        scores = batched_matmul(cp, qgs[-1], k_t)  # [n_kv, rows, nk]; DCA: the inter rotation, then the nearer regimes
         if dca is not None:
             regime = by_rows(cp.minimum(q_pos // np.int32(dca.chunk_len) - k_pos // np.int32(dca.chunk_len), 2))
-            scores = cp.where(regime == 1, cp.matmul(qgs[1], k_t), scores)
-            scores = cp.where(regime == 0, cp.matmul(qgs[0], k_t), scores)
+            scores = cp.where(regime == 1, batched_matmul(cp, qgs[1], k_t), scores)
+            scores = cp.where(regime == 0, batched_matmul(cp, qgs[0], k_t), scores)
         scores = scores * scale
         if softcap > 0.0:
             scores = np.float32(softcap) * cp.tanh(scores / np.float32(softcap))
@@ -57,7 +60,7 @@ def attend_decoded(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap
         probs = cp.exp(scores - safe_max[..., None])  # masked keys: exp(-inf) = 0
         correction = cp.exp(row_max - safe_max)  # nothing accumulated yet: exp(-inf) = 0
         row_sum = row_sum * correction + probs.sum(axis=-1)
-        acc = acc * correction[..., None] + cp.matmul(probs, cp.ascontiguousarray(v.transpose(1, 0, 2)))
+        acc = acc * correction[..., None] + batched_matmul(cp, probs, cp.ascontiguousarray(v.transpose(1, 0, 2)))
         row_max = new_max
     out = cp.where(row_sum[..., None] > 0, acc / cp.maximum(row_sum, np.float32(1e-30))[..., None], np.float32(0.0))
     return cp.ascontiguousarray(out.reshape(n_kv, group, n_q, dv).transpose(2, 0, 1, 3)).reshape(n_q, n_head, dv)

@@ -48,3 +48,21 @@ def matmul_f16_f32(cp, x16, w16, out=None):
     finally:
         cublas.setPointerMode(handle, mode)
     return out
+
+
+def _capturing(cp) -> bool:
+    if getattr(cp, "__cupyllm_emulated__", False):
+        return False
+    return bool(cp.cuda.runtime.streamIsCapturing(cp.cuda.get_current_stream().ptr))
+
+
+def batched_matmul(cp, a, b, few_rows: int = 16):
+    """a [..., m, k] @ b [..., k, n] in float32; also inside a CUDA-graph capture.
+
+    CuPy refuses every cuBLAS call while its stream is capturing (cupy_backends' cublas.setStream), so with
+    at most `few_rows` rows (a decode step) the products are a broadcast multiply and a CuPy reduction, whose
+    [..., m, k, n] temporary stays small. The eager steps take the same path, so a capture finds its kernels
+    compiled and loaded."""
+    if a.shape[-2] > few_rows and not _capturing(cp):
+        return cp.matmul(a, b)
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(axis=-2)

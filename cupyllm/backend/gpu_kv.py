@@ -139,7 +139,7 @@ def encode_geometry(fmt: KVFormat) -> LaunchGeometry:
         return LaunchGeometry(fmt.block_values, 32, 8)
     if family == "turbo":
         return LaunchGeometry(fmt.block_values, 32, 4)
-    return LaunchGeometry(fmt.block_values, 1 << fmt.L, 1)  # tcq: one thread per trellis state
+    return LaunchGeometry(fmt.block_values, 1 << (fmt.L - fmt.k), 1)  # tcq: one thread per predecessor set
 
 
 def decode_geometry(fmt: KVFormat) -> LaunchGeometry:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Development probe on the GPU machine (not the check script): the attention GPU tests, a split-count sweep of
+# the decode kernels (tools/attention_probe.py) and an Nsight Compute profile of one fa_mma f16 decode launch.
+# Output into $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/probe_out}; mkdir -p "$OUT"
+python3 -c "import gguf" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl && export PYTHONPATH=/tmp/site:$PWD; }
+timeout 60 python3 - <<'PY'
+import time
+from concurrent.futures import ThreadPoolExecutor
+from cupyllm.cuda.registry import KernelRegistry
+registry, start = KernelRegistry(), time.perf_counter()
+def compile_set(s):
+    try:
+        registry.function(s.name_expressions[0])
+    except Exception as exc:
+        print(f"FAILED {s.description}: {str(exc)[:2000]}")
+with ThreadPoolExecutor(max_workers=16) as pool:
+    list(pool.map(compile_set, registry.sets))
+print(f"{len(registry.sets)} kernel sets in {time.perf_counter() - start:.0f} s")
+PY
+NUMBA_NUM_THREADS=2 timeout 100 python3 -m pytest -q -n 8 --timeout=60 -p no:cacheprovider --tb=short \
+    tests/test_gpu_attention.py tests/test_gpu_backend.py tests/test_gpu_dca.py -m gpu 2>&1 | tail -25 | tee "$OUT/pytest.txt"
+timeout 80 python3 tools/attention_probe.py --sweep 2>&1 | tee "$OUT/sweep.txt" | grep -v "^$"
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+timeout 40 "$NCU" --clock-control none -k regex:fa_mma --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section InstructionStats --section LaunchStats \
+    python3 tools/attention_probe.py --once hd128_32q8kv f16 mma 65536 > "$OUT/ncu_mma_f16.txt" 2>&1
+grep -E "Duration|Memory Throughput|Achieved Occupancy|Registers Per|Executed Instructions  " "$OUT/ncu_mma_f16.txt"
