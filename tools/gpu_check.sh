@@ -2,14 +2,15 @@
 # The one prepared script for the GPU machine (an H200 with cupy-cuda13x, numba, torch, transformers; no
 # network, no gguf). Run it from the repository root there, with .whl/ carried (tools/fetch_gpu_wheels.sh):
 #
-#   run(command="bash tools/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=420)
+#   run(command="bash tools/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=400)
 #
 # 1. installs the carried wheels whose module is missing into /tmp/site
 # 2. prints nvidia-smi and the CUDA stack CuPy sees
 # 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
 #    pytest -m gpu (junit XML + log into bench/results/)
 # 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dca_gpu.py, bench/kv_encode.py --device gpu, then
-#    bench/e2e_gpu.py on the real-shape models (Gemma 3 270M, Qwen2.5-0.5B, then Qwen2.5-7B while time is left)
+#    tools/profile_decode_gpu.py (kernels of a decode step), bench/e2e_gpu.py on the real-shape models (Gemma 3
+#    270M, Qwen2.5-0.5B, then Qwen2.5-7B while time is left)
 # 5. copies the results into $OUT (when set) after every step, so a run cut short keeps what it measured
 #
 # Finishes in under 7 minutes: each step has its own time limit.
@@ -109,12 +110,14 @@ publish
 echo "--- bench/kv_encode.py --device gpu"
 timeout 40 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
 publish
+echo "--- tools/profile_decode_gpu.py (where a Gemma 3 270M decode step's device time goes; JSON into \$OUT)"
+timeout 40 "$PY" tools/profile_decode_gpu.py --model gemma3-270m || echo "decode profile failed or timed out ($?)"
 # Small models first (~50 s with transformers beside them); the 7B (~4.7 GB GGUF written here, transformers
 # from the same weights) starts only inside --budget-s and writes its row when done.
 echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b, qwen2.5-7b)"
 # (its JSON goes straight into $OUT when set: rewritten after every model, it comes back even if the call's
 # limit cuts the 7B short)
-timeout 150 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b qwen2.5-7b --budget-s 60 \
+timeout 140 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b qwen2.5-7b --budget-s 60 \
     --out "${OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
 [ -n "${OUT:-}" ] && [ -e "$OUT/e2e_gpu.json" ] && cp "$OUT/e2e_gpu.json" "$RESULTS"/
 
