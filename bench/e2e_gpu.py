@@ -6,8 +6,8 @@ to carry), beside HF transformers (torch, float16) on the very same weights in t
                             [--budget-s 600] [--work-dir DIR] [--out bench/results/e2e_gpu.json]
 
 Per model: prefill tok/s of a 512-token prompt through both prefill paths (cuBLAS on an f16 copy of each
-matrix dequantized on the fly, and our tensor-core kernel dequantizing tile by tile: `prefill_paths`, the
-comparison that picks backend/gpu.py DEFAULT_PREFILL), decode tok/s of 64 greedy tokens eagerly and with
+matrix dequantized on the fly, our tensor-core kernel dequantizing tile by tile, and the engine's default
+"auto" that picks one per matrix size: `prefill_paths`, the comparison behind backend/gpu.py's rule), decode tok/s of 64 greedy tokens eagerly and with
 CUDA-graph replay (the difference is the Python/launch overhead per token), the decode roofline (weight + KV
 bytes read per token / PEAK_BANDWIDTH), GEMV bandwidth per matrix shape, and HF's prefill/decode tok/s plus
 the largest logit difference between the two engines on the prompt's last token (a correctness check at
@@ -117,7 +117,7 @@ def bench_cupyllm(path: Path, ids: np.ndarray) -> tuple[dict, np.ndarray]:
         return prefill(forward, ids, cache, PROMPT_TOKENS)
 
     paths, last_logits = {}, None
-    for path_name in ("cublas", "mma"):
+    for path_name in ("cublas", "mma", "auto"):  # auto: the engine's default, by matrix size
         ops.prefill = path_name
         run_prefill()  # compile and warm up
         seconds, logits = _timed(run_prefill, repeats=3)

@@ -104,3 +104,14 @@ def test_rotation_groups_follow_the_head_dim():
     assert fk.rotation_group(get_format("turbo3_tcq", head_dim=512), 512) == 128
     with pytest.raises(Exception, match="head_dim"):
         fk.rotation_group(get_format("turbo3", head_dim=64), 128)
+
+
+def test_auto_prefill_path_picks_by_matrix_size():
+    """backend/gpu.py prefill="auto": tensor-core tiles for the small models' matrices, cuBLAS for a 7B's large
+    ones (the measured winners); a forced path stays forced."""
+    from cupyllm.backend.gpu import prefill_path
+    assert prefill_path("auto", 4864, 896) == "mma"      # Qwen2.5-0.5B gate/up
+    assert prefill_path("auto", 2048, 640) == "mma"      # Gemma 3 270M gate/up
+    assert prefill_path("auto", 3584, 3584) == "cublas"  # Qwen2.5-7B q / o
+    assert prefill_path("auto", 18944, 3584) == "cublas"
+    assert prefill_path("mma", 18944, 3584) == "mma" and prefill_path("cublas", 64, 64) == "cublas"

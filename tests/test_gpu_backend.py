@@ -134,7 +134,7 @@ def test_mma_matmul(backend, cp, type_name):
                       x.astype(np.float16).astype(np.float32), bias)
 
 
-@pytest.mark.parametrize("path", ["cublas", "mma"])
+@pytest.mark.parametrize("path", ["cublas", "mma", "auto"])
 def test_linear_dispatch(cp, path):
     """backend.linear: GEMV up to 8 tokens, the chosen prefill path above; rows of 64 floats (not a multiple
     of the MMA depth) take the cuBLAS path either way."""

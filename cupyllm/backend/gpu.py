@@ -5,7 +5,8 @@ Same operations and semantics as backend/cpu.py, so the model code (models/*.py)
 - linear: up to GEMV_MAX_TOKENS tokens, a GEMV that dequantizes the blocks in registers (weight_gemv.cu);
   more tokens (prefill), either cuBLAS on an f16 copy of the matrix dequantized on the fly
   (prefill="cublas", weight_dequant.cu + GemmEx) or our tensor-core kernel dequantizing tile by tile
-  (prefill="mma", weight_mma.cu). Both round W and x to f16 and accumulate in float32.
+  (prefill="mma", weight_mma.cu); prefill="auto" (the default) picks by matrix size (prefill_path). Both
+  round W and x to f16 and accumulate in float32.
 - embed: the token rows dequantized from their blocks (weight_dequant.cu with row ids).
 - rms_norm, silu, gelu_tanh, rope, softcap: elementwise.cu (RoPE angles from rope.inverse_frequencies,
   computed in float64 on the device exactly like rope.rope_tables on the host).
@@ -33,11 +34,20 @@ from .gpu_cache import device_layer_factory
 from .gpu_inputs import DeviceInputs
 from .gpu_kernels import GEMV_MAX_TOKENS, GpuKernels, kernel_format_fits, mma_fits
 
-PREFILL_PATHS = ("cublas", "mma")
-# The faster prefill path on an H200 for both small real-shape models (bench/results/e2e_gpu.json
-# "prefill_paths", 512-token prompt): our tensor-core tiles 17.4k / 24.6k tok/s, cuBLAS on f16 copies
-# made per layer 12.2k / 15.9k (the copies cost more than cuBLAS gains).
-DEFAULT_PREFILL = "mma"
+PREFILL_PATHS = ("auto", "cublas", "mma")
+DEFAULT_PREFILL = "auto"
+# "auto": our tensor-core tiles for matrices below this many elements, cuBLAS on an f16 copy above. On an H200
+# (bench/results/e2e_gpu.json "prefill_paths", 512-token prompt) the tiles won for Gemma 3 270M and
+# Qwen2.5-0.5B (36.3k vs 25.4k and 30.0k vs 19.4k tok/s; matrices up to 4.4M elements), cuBLAS for the
+# Qwen2.5-7B shape (9.1k vs 5.2k tok/s; its large matrices hold 12.8M-68M elements).
+MMA_PREFILL_MAX_ELEMENTS = 8 << 20
+
+
+def prefill_path(prefill: str, n_out: int, n_in: int) -> str:
+    """"mma" or "cublas" for a prefill product with an [n_out, n_in] weight under the backend's setting."""
+    if prefill != "auto":
+        return prefill
+    return "mma" if n_out * n_in < MMA_PREFILL_MAX_ELEMENTS else "cublas"
 
 
 def _dispatch_attention():
@@ -118,7 +128,7 @@ class GPUBackend:
         if n <= GEMV_MAX_TOKENS:
             return self.kernels.gemv(weight, x2, bias)
         x16 = x2.astype(cp.float16)
-        if self.prefill == "mma" and mma_fits(weight.fmt.name, n_in):
+        if prefill_path(self.prefill, weight.shape[0], n_in) == "mma" and mma_fits(weight.fmt.name, n_in):
             return self.kernels.mma_matmul(weight, x16, bias)
         w16 = self.kernels.dequantize(weight, dtype="float16")
         y = matmul_f16_f32(cp, x16, w16)
