@@ -187,9 +187,11 @@ def format_for(name: str, head_dim: int, codebooks: dict[str, np.ndarray], norm_
 
 
 def new_cache(model, config: KVConfig, ctx: int, codebooks: dict[str, np.ndarray] | None = None,
-              norm_mode: str | None = None) -> KVCache:
-    """An empty cache like ``cupyllm.load(kv_type_k=config.k, kv_type_v=config.v)`` gives, with the overrides."""
-    spec = KVSpec(ctx=ctx, kv_type_k=config.k, kv_type_v=config.v, max_chunk=model.kv_spec.max_chunk)
+              norm_mode: str | None = None, center_k: bool = False) -> KVCache:
+    """An empty cache like ``cupyllm.load(kv_type_k=config.k, kv_type_v=config.v)`` gives, with the overrides
+    (center_k: KVSpec.center_k, K stored minus a per-head offset)."""
+    spec = KVSpec(ctx=ctx, kv_type_k=config.k, kv_type_v=config.v, max_chunk=model.kv_spec.max_chunk,
+                  center_k=center_k)
     cache = KVCache.for_model(model.cfg, spec, mirror=model.transformer.ops.kv_mirror)
     codebooks = codebooks or {}
     if codebooks or norm_mode:
@@ -202,13 +204,13 @@ def new_cache(model, config: KVConfig, ctx: int, codebooks: dict[str, np.ndarray
 
 def evaluate_config(model, ids: np.ndarray, config: KVConfig, base_logits: np.ndarray | None,
                     store_logits: np.ndarray | None = None, codebooks=None, norm_mode=None,
-                    progress: bool = True) -> np.ndarray:
+                    progress: bool = True, center_k: bool = False) -> np.ndarray:
     """Per-position [n, 3] (kld vs base_logits, nll, top1_same) of ``config`` over ``ids``.
     ``store_logits``: an [n, V] array to receive the raw logits (the baseline run)."""
     ids = np.asarray(ids, dtype=np.int64)
     n = len(ids)
     targets = np.append(ids[1:], -1)
-    cache = new_cache(model, config, n, codebooks, norm_mode)
+    cache = new_cache(model, config, n, codebooks, norm_mode, center_k)
     transformer = model.transformer
 
     def forward_stats(tokens, positions, cache, all_logits=True):
@@ -244,7 +246,7 @@ def result_tag(config: KVConfig, codebooks: dict[str, np.ndarray], norm_mode: st
 
 
 def run_model(name: str, path: Path, text: str, configs: list[KVConfig], max_tokens: int, work_dir: Path,
-              codebooks: dict[str, np.ndarray], norm_mode: str | None, log) -> dict:
+              codebooks: dict[str, np.ndarray], norm_mode: str | None, log, center_k: bool = False) -> dict:
     model = cupyllm.load(path, device="cpu", ctx=8, progress=False)  # the caches are built per configuration
     ids = np.asarray(model.tokenize(text), dtype=np.int64)
     if max_tokens:
@@ -276,12 +278,14 @@ def run_model(name: str, path: Path, text: str, configs: list[KVConfig], max_tok
         if config == base_cfg:
             results[config.label] = _entry(model, config, summarize(base_stats, base_stats[:, 1]), 0.0)
             continue
-        out = mdir / f"{config.label.replace('/', '__')}{result_tag(config, codebooks, norm_mode)}.npy"
+        centred = "-centk" if center_k else ""
+        out = mdir / f"{config.label.replace('/', '__')}{result_tag(config, codebooks, norm_mode)}{centred}.npy"
         t0 = time.time()
         if out.exists():
             stats = np.load(out)
         else:
-            stats = evaluate_config(model, ids, config, base_logits, codebooks=codebooks, norm_mode=norm_mode)
+            stats = evaluate_config(model, ids, config, base_logits, codebooks=codebooks, norm_mode=norm_mode,
+                                    center_k=center_k)
             np.save(out, stats)
         summary = summarize(stats, base_stats[:, 1])
         results[config.label] = _entry(model, config, summary, time.time() - t0)
@@ -432,7 +436,10 @@ def markdown(report: dict) -> str:
              f"`{report['text']}` (sha256 {report['text_sha256'][:12]}). Baseline: f16 cache. KLD = KL(P_f16 || Q) "
              "of the next-token distributions at every position, chunked prefill (each chunk is written to the "
              "quantized cache before it attends). 95% intervals: bootstrap over positions (1000 resamples). "
-             "f32 vs f16 is the noise floor (what f16's own rounding costs).", ""]
+             "f32 vs f16 is the noise floor (what f16's own rounding costs)."
+             + (" **K centred** (`--center-k`): every quantized cache stores K minus a per-head offset, the mean "
+                "of the first prefill chunk's keys past position 0, added back on decode (KVSpec.center_k)."
+                if report.get("center_k") else ""), ""]
     for name, m in report["models"].items():
         lines += [f"## {m['model']} (head_dim {m['head_dim']}, {m['n_layer']} layers, {m['n_kv_head']} KV heads, "
                   f"{m['tokens']} tokens, chunk {m['max_chunk']})", "",
@@ -539,6 +546,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--notes", type=Path, default=ROOT / "bench" / "results" / "kv_quality.notes.md",
                     help="hand-written findings appended to the Markdown report (if the file exists)")
     ap.add_argument("--render", type=Path, help="only rewrite the Markdown from this JSON report (no runs)")
+    ap.add_argument("--center-k", action="store_true",
+                    help="caches store K minus a per-head offset (KVSpec.center_k); the f16 baseline stays as is")
     args = ap.parse_args(argv)
 
     notes = args.notes.read_text(encoding="utf-8") if args.notes and args.notes.exists() else ""
@@ -569,10 +578,10 @@ def main(argv: list[str] | None = None) -> None:
               "tcq_codebooks_sha256": {name: hashlib.sha256(np.ascontiguousarray(
                   codebooks.get(name, tcq.load_codebook(name)), np.float32).tobytes()).hexdigest()[:8]
                   for name in tcq.TCQ_PARAMS},
-              "git_commit": _git_commit(), "models": {}}
+              "git_commit": _git_commit(), "center_k": args.center_k, "models": {}}
     for name in args.models:
         report["models"][name] = run_model(name, model_path(name), text, configs, args.tokens, args.work_dir,
-                                           codebooks, args.norm_mode, log)
+                                           codebooks, args.norm_mode, log, center_k=args.center_k)
     report["targets"] = check_targets(report["models"])
     report["gaussian_rows"] = args.gaussian_rows
     report["gaussian_mse"] = gaussian_mse(args.gaussian_rows, codebooks=codebooks, norm_mode=args.norm_mode,

@@ -110,6 +110,10 @@ class GPUBackend:
     def new_cache(self, cfg, spec: KVSpec) -> KVCache:
         """A KV cache whose layers live on this device (encoded with kv_encode.cu)."""
         from .gpu_kv import GpuKVCodec
+        if spec.center_k:
+            raise CupyllmError("centred K (KVSpec.center_k) runs on the CPU engine only for now: the GPU attention "
+                               "kernels read the cache in registers and do not add the offset back yet; use "
+                               "device='cpu' or leave center_k off")
 
         def codec(fmt, head_dim, n_kv):
             return GpuKVCodec(fmt, head_dim, n_kv, registry=self.registry)

@@ -27,6 +27,7 @@ class KVSpec:
     kv_type_k: str = "f16"
     kv_type_v: str = "f16"
     max_chunk: int = 512  # largest prefill chunk written at once (sizes the sliding-window rings)
+    center_k: bool = False  # store K minus a per-head offset (LayerKV.k_offset); CPU engine only for now
 
 
 @dataclass
@@ -40,6 +41,12 @@ class LayerKV:
     ring: bool  # slot = position % capacity (sliding window) instead of slot = position
     window: int = 0
     mirror: bool = False  # also keep decode(encode(k, v)) as float32, so attention on the CPU skips decoding
+    # Centred K: the first write sets k_offset [n_kv, head_dim] to the mean of its keys (past position 0, the
+    # attention sink), every write encodes K - k_offset, and decode adds it back. Some models' K carries large
+    # per-channel offsets (Qwen2.5), which eat a block format's range; the quantization error then falls on
+    # K - offset only (bench/results/kv_quality.md).
+    center_k: bool = False
+    k_offset: np.ndarray | None = field(init=False, default=None, repr=False)
     k_data: np.ndarray = field(init=False, repr=False)
     v_data: np.ndarray = field(init=False, repr=False)
     slot_pos: np.ndarray = field(init=False, repr=False)
@@ -66,12 +73,16 @@ class LayerKV:
         """Encode k [n, n_kv, head_dim] and v [n, n_kv, v_head_dim] into the slots of `positions`."""
         n = len(positions)
         slots = self.slots_for(np.asarray(positions))
+        if self.center_k:
+            if self.k_offset is None:
+                self.k_offset = _key_offset(k, np.asarray(positions))
+            k = k - self.k_offset
         k_bytes = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim))
         v_bytes = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim))
         self.k_data[slots] = k_bytes.reshape(n, self.n_kv, -1)
         self.v_data[slots] = v_bytes.reshape(n, self.n_kv, -1)
         if self.mirror:  # exactly what decoding the stored bytes gives, computed once per token
-            self.k_f32[slots] = self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim)
+            self.k_f32[slots] = self._uncentred(self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim))
             self.v_f32[slots] = self.v_format.decode(v_bytes, self.v_head_dim).reshape(n, self.n_kv, self.v_head_dim)
         self.slot_pos[slots] = positions
         self.n_used = max(self.n_used, int(slots.max()) + 1)
@@ -83,8 +94,11 @@ class LayerKV:
         n = stop - start
         k = self.k_format.decode(self.k_data[start:stop].reshape(n * self.n_kv, -1), self.head_dim)
         v = self.v_format.decode(self.v_data[start:stop].reshape(n * self.n_kv, -1), self.v_head_dim)
-        return (k.reshape(n, self.n_kv, self.head_dim), v.reshape(n, self.n_kv, self.v_head_dim),
+        return (self._uncentred(k.reshape(n, self.n_kv, self.head_dim)), v.reshape(n, self.n_kv, self.v_head_dim),
                 self.slot_pos[start:stop])
+
+    def _uncentred(self, k: np.ndarray) -> np.ndarray:
+        return k + self.k_offset if self.k_offset is not None else k
 
     def chunks(self, chunk_slots: int):
         """Yield (k, v, positions) over the used slots, `chunk_slots` at a time, decoded."""
@@ -94,6 +108,14 @@ class LayerKV:
     def clear(self) -> None:
         self.slot_pos[:] = EMPTY
         self.n_used = 0
+        self.k_offset = None
+
+
+def _key_offset(k: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """float32 [n_kv, head_dim]: the mean of the keys k [n, n_kv, head_dim], leaving out position 0 (the
+    attention sink's key is an outlier) unless it is the only one."""
+    rows = k[positions > 0] if np.any(positions > 0) else k
+    return rows.astype(np.float64).mean(axis=0).astype(np.float32)
 
 
 @dataclass
@@ -120,7 +142,8 @@ class KVCache:
                 capacity = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if sliding else spec.ctx
                 layers.append(make_layer(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
                                          capacity=capacity, ring=sliding,
-                                         window=cfg.sliding_window if sliding else 0, mirror=mirror))
+                                         window=cfg.sliding_window if sliding else 0, mirror=mirror,
+                                         **({"center_k": True} if spec.center_k else {})))
         except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
             raise BudgetError(_no_room(spec, need, "the allocation failed", mirror)) from None
         return cls(spec, layers)
