@@ -84,3 +84,19 @@ def test_the_gpu_refuses_centred_keys_clearly():
     from cupyllm.errors import CupyllmError
     with pytest.raises(CupyllmError, match="CPU engine only"):
         GPUBackend().new_cache(None, KVSpec(ctx=8, center_k=True))
+
+
+def test_api_and_cli_take_centred_keys(tiny_model):
+    import subprocess
+    import sys
+    path, _, _ = tiny_model("qwen2")
+    ids = list(range(4, 24))
+    exact = cupyllm.load(path, device="cpu", ctx=32, kv_type_k="f32", kv_type_v="f32", progress=False).logits(ids)
+    centred = cupyllm.load(path, device="cpu", ctx=32, kv_type_k="q8_0", kv_type_v="f32", kv_center_k=True,
+                           progress=False)
+    assert centred.kv_spec.center_k
+    assert np.abs(centred.logits(ids) - exact).max() <= 5e-2 * np.abs(exact).max()
+    out = subprocess.run([sys.executable, "-m", "cupyllm.cli", "generate", "hello", "-m", str(path), "--device", "cpu",
+                          "-n", "4", "--temp", "0", "-ctk", "q4_0", "--cache-center-k"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
