@@ -5,8 +5,9 @@ Kernels (fa_common.cuh has the shared semantics and layouts):
 * ``fa_vec<D, R>`` (fa_vec.cu): few query rows per KV head (decode), R = 4 or 8 rows per block; split over
   the keys, raw K/V rows staged in shared memory with cp.async, dequantized in registers.
 * ``fa_mma<D, kDecode>`` (fa_mma.cu): tensor cores (mma.sync m16n8k16, f16 in, f32 accumulate); warps split
-  64 rows per block (prefill) or the keys of one 16-row tile (decode of quantized formats, where the f32
-  arithmetic of fa_vec, not the memory, would be the limit).
+  64 rows per block (prefill) or the keys of one 16-row tile (decode of f16 and quantized formats, where the f32
+  arithmetic of fa_vec, not the memory, would be the limit). ``fa_mma<D, true, kDca, true>``: the decode
+  layout's f16 path (K and V f16: rows copied by cp.async straight into double-buffered tiles).
 * ``fa_prep_q<G, QT, OT>``: Q * scale, WHT-rotated per group when the K format is rotated.
 * ``fa_combine<G, OT>``: merge split results by LSE, unrotate O when the V format is rotated.
 * ``fa_chunk_check<G>``: test aid, the kernels' chunk reader next to kv_formats.cuh's per-value one.
@@ -16,7 +17,7 @@ Kernels (fa_common.cuh has the shared semantics and layouts):
 
 The K and V formats are runtime ids (``FORMAT_IDS``), so one kernel per head dim serves every (K, V)
 pair; this module mirrors the kernels' shared-memory layouts (``vec_smem_bytes``, ``mma_smem_bytes``;
-the kernels trap when given less). It imports CuPy only when a launcher runs.
+``mma_f16_smem_bytes``; the kernels trap when given less). It imports CuPy only when a launcher runs.
 """
 from __future__ import annotations
 
