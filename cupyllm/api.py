@@ -120,7 +120,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
     kv_center_k: store K minus a per-head offset (KVSpec.center_k): much better quantized K for models whose K
-         carries large offsets (Qwen2.5: bench/results/kv_quality_centred.md). CPU engine only for now.
+         carries large offsets (Qwen2.5: bench/results/kv_quality_centred.md).
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
@@ -133,9 +133,6 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     get_format(kv_type_v, head_dim=cfg.v_head_dim)
     spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk, center_k=kv_center_k)
     backend = select_backend(device)
-    if kv_center_k and backend.name != "cpu":
-        raise CupyllmError("kv_center_k (centred K) runs on the CPU engine only for now: the GPU attention kernels "
-                           "do not add the offset back yet; use device='cpu' or leave it off")
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)

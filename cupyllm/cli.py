@@ -14,7 +14,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV-cache type of K (f16, q8_0, q4_0, turbo3, ...)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV-cache type of V")
     p.add_argument("--cache-center-k", action="store_true",
-                   help="store K minus a per-head offset: better quantized K where K has large offsets (Qwen2.5); CPU only")
+                   help="store K minus a per-head offset: better quantized K where K has large offsets (Qwen2.5)")
     p.add_argument("--dca", action="store_true", help="Dual Chunk Attention: contexts past the trained length")
     p.add_argument("--dca-chunk-size", type=int, help="DCA chunk size S (default: the trained context length)")
     p.add_argument("--dca-local-size", type=int, help="DCA local size W (default: S / 32)")

@@ -110,10 +110,6 @@ class GPUBackend:
     def new_cache(self, cfg, spec: KVSpec) -> KVCache:
         """A KV cache whose layers live on this device (encoded with kv_encode.cu)."""
         from .gpu_kv import GpuKVCodec
-        if spec.center_k:
-            raise CupyllmError("centred K (KVSpec.center_k) runs on the CPU engine only for now: the GPU attention "
-                               "kernels read the cache in registers and do not add the offset back yet; use "
-                               "device='cpu' or leave center_k off")
 
         def codec(fmt, head_dim, n_kv):
             return GpuKVCodec(fmt, head_dim, n_kv, registry=self.registry)
@@ -198,7 +194,11 @@ class GPUBackend:
         """The in-register flash kernels, or, for caches they have no kernels for (e.g. head dims outside their
         list) or with attention="decode", the decoding fallback (backend/gpu_attention.py)."""
         shape = (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name)
-        if self._gpu_attention is not None and shape not in self._no_dispatch:
+        # Centred K (gpu_cache.py): the flash kernels' plain softmax does not see the offset, a soft-capped or DCA
+        # score would; those take the decoding path, which adds it back.
+        centred = getattr(layer_kv, "k_offset", None) is not None
+        offset_matters = centred and (options.get("softcap", 0.0) > 0.0 or options.get("dca") is not None)
+        if self._gpu_attention is not None and shape not in self._no_dispatch and not offset_matters:
             try:
                 return self._gpu_attention(q, q_pos, layer_kv, **options)
             except self._dispatch_refusal as exc:  # checked before any launch

@@ -5,7 +5,11 @@
     slot_pos        int32 [capacity]                    the position each slot holds, -1 when empty
 
 Same layout and semantics as the CPU cache (cupyllm/kv/cache.py): global layers hold slot = position,
-sliding-window layers a ring of slot = position % capacity; attention masks by slot_pos. `n_used` is
+sliding-window layers a ring of slot = position % capacity; attention masks by slot_pos. Centred K
+(center_k): the rows hold K - k_offset (a device array); decode adds it back, and the flash kernels read the
+centred rows as they are, which leaves softmax attention unchanged (q . k_offset is one constant per query
+row; their LSE is shifted by it) but not a soft-capped or DCA score, so GPUBackend sends those to the
+decoding path. `n_used` is
 kept on the host (every slot at or past it is empty), so attention kernels know how far to read
 without a device-to-host copy. Positions may arrive as host arrays (the model code) or as device arrays.
 """
@@ -43,10 +47,16 @@ class DeviceLayerKV(LayerKV):
         pos = self.inputs.int32(positions)
         slots = pos % np.int32(self.capacity) if self.ring else pos
         k_codec, v_codec = self.codecs
-        k_codec.encode(cp.ascontiguousarray(k.reshape(n, self.n_kv, self.head_dim)), slots, self.k_data)
+        k = k.reshape(n, self.n_kv, self.head_dim)
+        host = self.inputs.host_values(positions)
+        if self.center_k:
+            if self.k_offset is None:  # the mean key past position 0 (all keys when positions are on the device)
+                rows = k[np.asarray(host) > 0] if host is not None and np.any(np.asarray(host) > 0) else k
+                self.k_offset = rows.astype(cp.float32).mean(axis=0)
+            k = k.astype(cp.float32) - self.k_offset
+        k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
         v_codec.encode(cp.ascontiguousarray(v.reshape(n, self.n_kv, self.v_head_dim)), slots, self.v_data)
         self.slot_pos[slots] = pos
-        host = self.inputs.host_values(positions)
         if host is None:  # device positions: their largest slot is unknown without a copy, so read every slot
             self.n_used = self.capacity  # (empty ones hold -1 and are masked)
         elif len(host):
@@ -59,7 +69,7 @@ class DeviceLayerKV(LayerKV):
         k_codec, v_codec = self.codecs
         k = k_codec.decode(self.k_data, start, n).astype(np.float32)
         v = v_codec.decode(self.v_data, start, n).astype(np.float32)
-        return k, v, self.slot_pos[start:stop]
+        return self._uncentred(k), v, self.slot_pos[start:stop]
 
     def pad_used(self, n_slots: int) -> None:
         """Read at least `n_slots` slots from now on (empty ones are masked): fixes the kernel arguments

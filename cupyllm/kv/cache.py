@@ -27,7 +27,7 @@ class KVSpec:
     kv_type_k: str = "f16"
     kv_type_v: str = "f16"
     max_chunk: int = 512  # largest prefill chunk written at once (sizes the sliding-window rings)
-    center_k: bool = False  # store K minus a per-head offset (LayerKV.k_offset); CPU engine only for now
+    center_k: bool = False  # store K minus a per-head offset (LayerKV.k_offset)
 
 
 @dataclass
