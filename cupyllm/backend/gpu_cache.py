@@ -51,7 +51,8 @@ class DeviceLayerKV(LayerKV):
         host = self.inputs.host_values(positions)
         if self.center_k:
             if self.k_offset is None:  # the mean key past position 0 (all keys when positions are on the device)
-                rows = k[np.asarray(host) > 0] if host is not None and np.any(np.asarray(host) > 0) else k
+                later = np.flatnonzero(np.asarray(host) > 0) if host is not None else np.arange(0)
+                rows = k[cp.asarray(later)] if len(later) else k  # CuPy indexes with device arrays only
                 self.k_offset = rows.astype(cp.float32).mean(axis=0)
             k = k.astype(cp.float32) - self.k_offset
         k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
