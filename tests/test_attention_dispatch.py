@@ -24,6 +24,9 @@ def test_decode_of_f32_and_bf16_caches_uses_vec_and_the_rest_mma():
         assert dispatch.choose_kernel(1, n_head, n_kv, d, "f16", "bf16") == "mma"
         assert dispatch.choose_kernel(1, n_head, n_kv, d, "f32", "q4_0") == "vec"  # f32: exact values
         assert dispatch.choose_kernel(1, n_head, n_kv, d, "q8_0", "turbo3") == "mma"  # decode tiles
+        assert dispatch.choose_kernel(1, n_head, n_kv, d, "q4_0", "q4_0") == "mma"
+        # measured faster on fa_vec (VEC_DECODE_FORMATS): turbo3 at head dim 128 only
+        assert dispatch.choose_kernel(1, n_head, n_kv, d, "turbo3", "turbo3") == ("vec" if d == 128 else "mma")
         assert dispatch.choose_kernel(64, n_head, n_kv, d, "f16", "f16") == "mma"  # prefill
     assert dispatch.choose_kernel(4, 32, 8, 128, "bf16", "bf16") == "vec"  # 16 rows per KV head
     assert dispatch.choose_kernel(5, 32, 8, 128, "bf16", "bf16") == "mma"  # 20 rows

@@ -23,7 +23,8 @@ Choice (``choose_kernel``): decode is at most ``VEC_MAX_QUERIES`` queries and ``
 head (rows = queries x GQA group: one block holds them all, so the KV is read once per group). It runs on
 MMA's decode layout (one 16-row tile, warps splitting the keys, products on the tensor cores) for an f16 K
 and V (fa_mma's f16 path: cache rows copied straight into the tiles) and for the block and rotated formats,
-whose dequantizing would leave FA-VEC compute-bound; on FA-VEC (f32 arithmetic) for f32 and bf16 caches.
+whose dequantizing would leave FA-VEC compute-bound; on FA-VEC (f32 arithmetic) for f32 and bf16 caches and
+for the few block/rotated formats measured faster there (``VEC_DECODE_FORMATS``).
 Everything else is prefill: MMA with 64-row tiles. Both kernels run for
 every head dim in ``HEAD_DIMS`` and every pair of KV formats. The split over the keys (``plan_attention``)
 fills the device: decode aims at ``DECODE_BLOCKS_PER_SM`` blocks per SM with at least ``DECODE_MIN_KEYS_PER_SPLIT``
@@ -44,6 +45,10 @@ from . import gpu_kernels as fk
 VEC_MAX_QUERIES = 8
 VEC_MAX_ROWS = 16
 VEC_FORMATS = ("f32", "bf16")  # decode of these stays on fa_vec (see choose_kernel)
+# Block/rotated formats whose decode was faster on fa_vec than on fa_mma at both 4k and 64k keys on an H200
+# (bench/results/attention_gpu.json: 0.73-0.95x fa_mma's time at head dim 128, 0.67-0.97x for q5_1 at 256);
+# the rest decode faster on fa_mma. A K / V pair takes fa_vec when both are listed for its head dim.
+VEC_DECODE_FORMATS = {128: ("q5_0", "q5_1", "turbo3", "turbo3_tcq"), 256: ("q5_1",)}
 # Decode blocks stream long key ranges through a cp.async pipeline: one wave of about two blocks per SM was
 # fastest on an H200 for every shape swept (tools/attention_probe.py; 4k-64k keys, 1-8 KV heads); a second,
 # partial wave and the combine's extra splits cost more than the idle SM slots.
@@ -79,7 +84,8 @@ def choose_kernel(n_q: int, n_head: int, n_kv: int, head_dim: int, k_format: str
     # tiles; bf16 stays on fa_vec (its range exceeds f16's).
     if k_format in VEC_FORMATS and v_format in VEC_FORMATS:
         return "vec"
-    return "mma"
+    measured = VEC_DECODE_FORMATS.get(head_dim, ())
+    return "vec" if k_format in measured and v_format in measured else "mma"
 
 
 def plan_attention(n_q: int, n_head: int, n_kv: int, head_dim: int, n_keys: int, n_sm: int, kernel: str,
