@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-from ..kv.cache import EMPTY, LayerKV
+from ..kv.cache import EMPTY, LayerKV, key_offset
 from ..kv.formats import KVFormat
 
 
@@ -50,10 +50,8 @@ class DeviceLayerKV(LayerKV):
         k = k.reshape(n, self.n_kv, self.head_dim)
         host = self.inputs.host_values(positions)
         if self.center_k:
-            if self.k_offset is None:  # the mean key past position 0 (all keys when positions are on the device)
-                later = np.flatnonzero(np.asarray(host) > 0) if host is not None else np.arange(0)
-                rows = k[cp.asarray(later)] if len(later) else k  # CuPy indexes with device arrays only
-                self.k_offset = rows.astype(cp.float32).mean(axis=0)
+            if self.k_offset is None:  # device positions (host None): every key counts
+                self.k_offset = key_offset(k, host, xp=cp)
             k = k.astype(cp.float32) - self.k_offset
         k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
         v_codec.encode(cp.ascontiguousarray(v.reshape(n, self.n_kv, self.v_head_dim)), slots, self.v_data)

@@ -75,7 +75,7 @@ class LayerKV:
         slots = self.slots_for(np.asarray(positions))
         if self.center_k:
             if self.k_offset is None:
-                self.k_offset = _key_offset(k, np.asarray(positions))
+                self.k_offset = key_offset(k, positions)
             k = k - self.k_offset
         k_bytes = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim))
         v_bytes = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim))
@@ -111,11 +111,13 @@ class LayerKV:
         self.k_offset = None
 
 
-def _key_offset(k: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """float32 [n_kv, head_dim]: the mean of the keys k [n, n_kv, head_dim], leaving out position 0 (the
-    attention sink's key is an outlier) unless it is the only one."""
-    rows = k[positions > 0] if np.any(positions > 0) else k
-    return rows.astype(np.float64).mean(axis=0).astype(np.float32)
+def key_offset(k, positions, xp=np):
+    """float32 [n_kv, head_dim]: the mean of the keys k [n, n_kv, head_dim] (an `xp` array: NumPy, or CuPy for
+    the device cache), leaving out position 0 (the attention sink's key is an outlier) unless it is the only
+    one. `positions`: the host positions of the rows, or None (unknown: every row counts)."""
+    later = np.flatnonzero(np.asarray(positions) > 0) if positions is not None else np.arange(0)
+    rows = k[xp.asarray(later)] if len(later) else k  # CuPy indexes with device arrays only
+    return rows.astype(xp.float64).mean(axis=0).astype(xp.float32)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class KVCache:
                 layers.append(make_layer(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
                                          capacity=capacity, ring=sliding,
                                          window=cfg.sliding_window if sliding else 0, mirror=mirror,
-                                         **({"center_k": True} if spec.center_k else {})))
+                                         center_k=spec.center_k))
         except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
             raise BudgetError(_no_room(spec, need, "the allocation failed", mirror)) from None
         return cls(spec, layers)
