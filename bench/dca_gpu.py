@@ -36,7 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-
 RESULTS = REPO / "bench" / "results"
 SHAPES = {  # name: (head_dim, n_head, n_kv)
     "hd128_28q4kv_qwen2.5_7b": (128, 28, 4),
@@ -54,18 +53,16 @@ L2_MULTIPLE = 2.0
 MEMORY_FRACTION = 0.6
 
 
-def kernel_names(head_dim: int, rows: int, kernels: tuple[str, str], decode: bool, f16: bool) -> list[str]:
-    """The instantiations one plain and one DCA call of this shape launch (compiled up front); kernels =
-    (plain, DCA) choices; f16: K and V f16 (fa_mma's f16 path for the plain call)."""
+def kernel_names(head_dim: int, rows: int, kernel: str, decode: bool, f16: bool) -> list[str]:
+    """The instantiations one plain and one DCA call of this shape launch (compiled up front); f16: K and V
+    f16 (fa_mma's f16 path)."""
     from cupyllm.attention import gpu_kernels as fk
     names = []
-    for dca, kernel in zip((False, True), kernels):
-        if kernel == "mma" and f16 and decode:
-            names.append(fk.mma_kernel_name(head_dim, True, dca=dca, f16=True))
-        elif kernel == "vec":
+    for dca in (False, True):
+        if kernel == "vec":
             names.append(fk.vec_kernel_name(head_dim, fk.vec_rows_for(rows, dca), dca))
         else:
-            names.append(fk.mma_kernel_name(head_dim, decode, dca))
+            names.append(fk.mma_kernel_name(head_dim, decode, dca, f16=f16 and decode))
     return names
 
 
@@ -88,10 +85,8 @@ def precompile(runner, names: set[str]) -> float:
     return time.perf_counter() - start
 
 
-def bench_pair(cp, runner, layers, n_head, head_dim, n_q, dca, kernels, repeats) -> dict:
-    """Plain and DCA attention of n_q queries at the last positions, timed back to back; kernels = the
-    dispatcher's (plain, DCA) choices."""
-    kernel, dca_kernel = kernels
+def bench_pair(cp, runner, layers, n_head, head_dim, n_q, dca, kernel, repeats) -> dict:
+    """Plain and DCA attention of n_q queries at the last positions, timed back to back."""
     from attention_gpu import time_calls
     from cupyllm.attention.gpu_dca import gpu_dca_attention
     rng = np.random.default_rng(1)
@@ -104,13 +99,13 @@ def bench_pair(cp, runner, layers, n_head, head_dim, n_q, dca, kernels, repeats)
         plain, how = time_calls(cp, lambda i: runner.attention(q3[0], q_pos, layers[i % len(layers)], scale=scale,
                                                                kernel=kernel), len(layers), repeats)
         fused, _ = time_calls(cp, lambda i: gpu_dca_attention(*q3, q_pos, layers[i % len(layers)], dca, scale=scale,
-                                                              kernel=dca_kernel, runner=runner), len(layers), repeats)
+                                                              kernel=kernel, runner=runner), len(layers), repeats)
         plain2, _ = time_calls(cp, lambda i: runner.attention(q3[0], q_pos, layers[i % len(layers)], scale=scale,
                                                               kernel=kernel), len(layers), repeats)
     except Exception as exc:  # noqa: BLE001 - e.g. shared memory limits: recorded, not fatal
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     plain = min(plain, plain2)  # the faster of the runs around the DCA one (clock/thermal drift)
-    out.update(kernel=kernel, dca_kernel=dca_kernel, timing=how, plain_seconds=plain, dca_seconds=fused, dca_over_plain=fused / plain,
+    out.update(kernel=kernel, timing=how, plain_seconds=plain, dca_seconds=fused, dca_over_plain=fused / plain,
                meets_target=fused / plain <= TARGET_RATIO, kv_bandwidth_bytes_per_s_dca=layers[0].bytes / fused)
     return out
 
@@ -145,9 +140,9 @@ def main(argv=None) -> int:
     names = set()
     for shape, fmt, _, mode, n_q in jobs:
         head_dim, n_head, n_kv = SHAPES[shape]
-        kernels = (dispatch.choose_kernel(n_q, n_head, n_kv, head_dim, fmt, fmt),) * 2
+        kernel = dispatch.choose_kernel(n_q, n_head, n_kv, head_dim, fmt, fmt)
         rows = n_q * (n_head // n_kv)
-        names.update(kernel_names(head_dim, rows, kernels, rows <= 16, fmt == "f16"))
+        names.update(kernel_names(head_dim, rows, kernel, rows <= 16, fmt == "f16"))
     compile_s = precompile(runner, names)
     report = {
         "benchmark": "dca_gpu",
@@ -179,9 +174,9 @@ def main(argv=None) -> int:
             row["skipped"] = "does not fit in device memory"
         else:
             layers = make_layers(cp, fmt, fmt, head_dim, n_kv, n_keys, n_layers, rng)
-            kernels = (dispatch.choose_kernel(n_q, n_head, n_kv, head_dim, fmt, fmt),) * 2
+            kernel = dispatch.choose_kernel(n_q, n_head, n_kv, head_dim, fmt, fmt)
             row.update(layers_cycled=n_layers, kv_bytes_read=layer_bytes)
-            row.update(bench_pair(cp, runner, layers, n_head, head_dim, n_q, dca, kernels, args.repeats))
+            row.update(bench_pair(cp, runner, layers, n_head, head_dim, n_q, dca, kernel, args.repeats))
             del layers
             cp.get_default_memory_pool().free_all_blocks()
         report["results"].append(row)
