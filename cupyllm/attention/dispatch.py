@@ -198,11 +198,12 @@ class GpuAttention:
 
     def _check_shared_memory(self, kernel: str, rows: int, d: int, layer_kv, dca: bool = False) -> None:
         k_fmt, v_fmt = layer_kv.k_format, layer_kv.v_format
-        sizes = (layer_kv.k_data.shape[2], layer_kv.v_data.shape[2], fk.table_len(k_fmt), fk.table_len(v_fmt))
+        row_bytes = (layer_kv.k_data.shape[2], layer_kv.v_data.shape[2])
         if kernel == "vec":
-            need = fk.vec_smem_bytes(d, fk.vec_rows_for(rows, dca=dca), *sizes)
-        else:
-            need = fk.mma_smem_bytes(d, fk.mma_is_decode(rows), *sizes)
+            need = fk.vec_smem_bytes(d, fk.vec_rows_for(rows, dca=dca), *row_bytes, fk.table_len(k_fmt),
+                                     fk.table_len(v_fmt))
+        else:  # what launch_mma will ask for
+            need = fk.mma_launch_smem_bytes(d, fk.mma_is_decode(rows), k_fmt, v_fmt, *row_bytes)
         if self.smem_optin is not None and need > self.smem_optin:
             raise AttentionArgumentError(
                 f"the {kernel} {'DCA' if dca else 'attention'} kernel needs {need} bytes of shared memory for K "

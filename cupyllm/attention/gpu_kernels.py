@@ -151,6 +151,14 @@ def vec_kernel_name(head_dim: int, rows: int, dca: bool = False) -> str:
     return f"fa_vec<{head_dim}, {rows}, true>" if dca else f"fa_vec<{head_dim}, {rows}>"
 
 
+def mma_launch_smem_bytes(head_dim: int, decode: bool, k_fmt: KVFormat, v_fmt: KVFormat, k_row_bytes: int,
+                          v_row_bytes: int) -> int:
+    """The dynamic shared memory launch_mma gives fa_mma: its f16 path's layout or the staged one."""
+    if mma_f16_direct(decode, k_fmt, v_fmt):
+        return mma_f16_smem_bytes(head_dim)
+    return mma_smem_bytes(head_dim, decode, k_row_bytes, v_row_bytes, table_len(k_fmt), table_len(v_fmt))
+
+
 def mma_kernel_name(head_dim: int, decode: bool, dca: bool = False, f16: bool = False) -> str:
     if f16:  # K and V f16, decode: copied straight into the tiles (fa_mma.cuh, MmaF16Layout)
         return f"fa_mma<{head_dim}, true, {'true' if dca else 'false'}, true>"
@@ -305,8 +313,7 @@ def launch_mma(registry: KernelRegistry, a: AttentionLaunch) -> None:
     group = a.n_head // a.n_kv
     decode = mma_is_decode(a.n_q * group)
     f16 = mma_f16_direct(decode, a.k_fmt, a.v_fmt)
-    smem = mma_f16_smem_bytes(a.head_dim) if f16 else mma_smem_bytes(
-        a.head_dim, decode, a.k_cache.shape[2], a.v_cache.shape[2], table_len(a.k_fmt), table_len(a.v_fmt))
+    smem = mma_launch_smem_bytes(a.head_dim, decode, a.k_fmt, a.v_fmt, a.k_cache.shape[2], a.v_cache.shape[2])
     kernel = _with_smem(registry.function(mma_kernel_name(a.head_dim, decode, a.dca, f16)), smem)
     grid = (-(-(a.n_q * group) // MmaGeometry(a.head_dim, decode).rows), a.n_split, a.n_kv)
     kernel(grid, (THREADS,), _args(a), shared_mem=smem)
