@@ -62,20 +62,7 @@ print("kernels:", kernel_source_dir(), "CUDA headers:", cuda_include_dirs())
 EOF
 
 step "compile every kernel set (parallel NVRTC; fills CuPy's kernel cache for the test processes)"
-timeout 75 "$PY" - <<'EOF'
-import os, time
-from concurrent.futures import ThreadPoolExecutor
-from cupyllm.cuda.registry import KernelRegistry
-registry, start = KernelRegistry(), time.perf_counter()
-def compile_set(kernel_set):
-    try:
-        registry.function(kernel_set.name_expressions[0])  # compiles the whole set
-    except Exception as exc:  # reported here, and again by the tests that use it
-        print(f"FAILED {kernel_set.description}: {str(exc)[:300]}")
-with ThreadPoolExecutor(max_workers=os.cpu_count() or 8) as pool:
-    list(pool.map(compile_set, registry.sets))
-print(f"{len(registry.sets)} kernel sets in {time.perf_counter() - start:.0f} s")
-EOF
+timeout 75 "$PY" tools/compile_kernels.py
 
 step "pytest -m gpu"
 # pytest-xdist and pytest-timeout are in the device image: 12 workers (2 numba threads each, for the CPU

@@ -7,20 +7,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/probe_out}; mkdir -p "$OUT"
 python3 -c "import gguf" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl && export PYTHONPATH=/tmp/site:$PWD; }
-timeout 60 python3 - <<'PY'
-import time
-from concurrent.futures import ThreadPoolExecutor
-from cupyllm.cuda.registry import KernelRegistry
-registry, start = KernelRegistry(), time.perf_counter()
-def compile_set(s):
-    try:
-        registry.function(s.name_expressions[0])
-    except Exception as exc:
-        print(f"FAILED {s.description}: {str(exc)[:2000]}")
-with ThreadPoolExecutor(max_workers=16) as pool:
-    list(pool.map(compile_set, registry.sets))
-print(f"{len(registry.sets)} kernel sets in {time.perf_counter() - start:.0f} s")
-PY
+timeout 60 python3 tools/compile_kernels.py
 NUMBA_NUM_THREADS=2 timeout 100 python3 -m pytest -q -n 8 --timeout=60 -p no:cacheprovider --tb=short \
     tests/test_gpu_attention.py tests/test_gpu_backend.py tests/test_gpu_dca.py -m gpu 2>&1 | tail -25 | tee "$OUT/pytest.txt"
 timeout 80 python3 tools/attention_probe.py --sweep 2>&1 | tee "$OUT/sweep.txt" | grep -v "^$"

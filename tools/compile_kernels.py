@@ -1,0 +1,33 @@
+"""Compile every kernel set on this GPU in parallel threads (NVRTC releases the GIL), filling CuPy's kernel
+cache for the processes that follow; a set that fails is reported here (and again by the tests using it).
+
+    python tools/compile_kernels.py        # used by tools/gpu_check.sh and tools/gpu_probe.sh
+"""
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cupyllm.cuda.registry import KernelRegistry  # noqa: E402
+
+
+def main() -> int:
+    registry, start = KernelRegistry(), time.perf_counter()
+
+    def compile_set(kernel_set):
+        try:
+            registry.function(kernel_set.name_expressions[0])  # compiles the whole set
+        except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+            print(f"FAILED {kernel_set.description}: {str(exc)[:2000]}")
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 8) as pool:
+        list(pool.map(compile_set, registry.sets))
+    print(f"{len(registry.sets)} kernel sets in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
