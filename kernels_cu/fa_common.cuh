@@ -407,6 +407,36 @@ __device__ __forceinline__ u32 dca_key_regimes(int key_pos, const DcaRows& rows)
     return hi < lo ? 0u : ((2u << hi) - 1u) & ~((1u << lo) - 1u);
 }
 
+// The regimes of every key in chunks [c_lo, c_hi] with the rows of `rows` (the union over those chunks: the
+// regime falls as the key chunk rises, so it is one run of bits).
+__device__ __forceinline__ u32 dca_chunk_span_regimes(int c_lo, int c_hi, const DcaRows& rows) {
+    if (rows.chunk_hi < 0 || c_lo > rows.chunk_hi) return 0u;  // no row, or keys past every row's chunk
+    c_hi = min(c_hi, rows.chunk_hi);
+    const int lo = min(max(rows.chunk_lo - c_hi, 0), 2), hi = min(rows.chunk_hi - c_lo, 2);
+    return ((2u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+
+// The regimes of consecutive key tiles when slot j holds position j (or is empty): a tile of slots
+// [first, last] can only hold keys of chunks chunk(first) .. chunk(last). Walks the chunk boundaries along
+// the split's tiles (first never decreases), so a tile costs a few uniform integer ops instead of a
+// division and a warp reduction over its positions (dca_tile_regimes): DCA's per-tile overhead.
+struct DcaChunkWalk {
+    int chunk_len, chunk, boundary;  // chunk of the current tile's first slot, the first slot of the next chunk
+
+    __device__ __forceinline__ static DcaChunkWalk at(int first, int chunk_len) {
+        const int c = max(first, 0) / chunk_len;
+        return DcaChunkWalk{chunk_len, c, (c + 1) * chunk_len};
+    }
+    __device__ __forceinline__ u32 regimes(int first, int last, const DcaRows& rows) {
+        while (first >= boundary) {  // one step per chunk boundary passed (more only for chunks under a tile)
+            ++chunk;
+            boundary += chunk_len;
+        }
+        const int c_hi = last < boundary ? chunk : (last < boundary + chunk_len ? chunk + 1 : last / chunk_len);
+        return dca_chunk_span_regimes(chunk, c_hi, rows);
+    }
+};
+
 // The regimes of the first n_valid keys of a tile (positions `pos`), the same in every warp.
 __device__ __forceinline__ u32 dca_tile_regimes(const int* pos, int n_valid, const DcaRows& rows, int lane) {
     u32 bits = 0u;

@@ -332,8 +332,10 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     // DCA: the regimes the tile at positions `pos` can hold (the same set in every warp); when it holds one
     // regime only and q_s holds another, that regime's Q is loaded into q_s (returns true: the caller makes
     // the new Q visible before multiplying).
-    auto dca_tile = [&](const int* pos, int n_valid, u32& regimes) -> bool {
-        regimes = dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
+    DcaChunkWalk dca_walk = DcaChunkWalk::at(keys.begin, kDca ? dca_chunk_len : 1);
+    auto dca_tile = [&](const int* pos, int first, int n_valid, u32& regimes) -> bool {
+        regimes = slots_are_positions ? dca_walk.regimes(first, first + n_valid - 1, dca_rows_s)
+                                      : dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
         const int regime = __ffs(static_cast<int>(regimes)) - 1;
         if (regimes != 0u && regimes == (1u << regime) && regime != q_loaded) {
             load_q_tile<D, kRows, kQStride>(q_s, q + regime * q_regime_stride, rows_here, row0, group, kh, n_head, tid);
@@ -400,7 +402,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
             const int n_valid = min(kTile, keys.end - first);
             u32 regimes = 1u;
             if constexpr (kDca) {
-                if (dca_tile(pos, n_valid, regimes)) __syncthreads();  // the new Q tile, before any warp multiplies
+                if (dca_tile(pos, first, n_valid, regimes)) __syncthreads();  // the new Q tile, before any warp multiplies
             }
             float s_acc[kWarpKeys / 8][4] = {};
             qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_tile + key0 * kQStride, g, t);
@@ -419,7 +421,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
             cp_async_wait<0>();
             __syncthreads();  // the staged tile has landed, and the previous tile's f16 tiles are no longer read
             u32 regimes = 1u;  // DCA: the regimes this tile can hold (the barrier below publishes a new Q tile)
-            if constexpr (kDca) dca_tile(raw_pos_s, n_valid, regimes);
+            if constexpr (kDca) dca_tile(raw_pos_s, first, n_valid, regimes);
 
             // ---- dequantize the staged rows: K as f16 rows, V transposed, positions ----
 #pragma unroll 1  // one copy of the format switch

@@ -209,6 +209,7 @@ fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, con
     const KeyRange keys = split_key_range(split, keys_per_split, n_keys, slots_are_positions != 0, qpos_range[0],
                                           qpos_range[1], window);
     const int n_tiles = (keys.end - keys.begin + kTile - 1) / kTile;
+    DcaChunkWalk dca_walk = DcaChunkWalk::at(keys.begin, kDca ? dca_chunk_len : 1);  // DCA: tile regimes
 
     float acc[kRows][8];  // this thread's 8 output dims of every row, summed over its key slot
 #pragma unroll
@@ -239,7 +240,9 @@ fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, con
         // values costs about as many shuffles per key as one over all keys at once.
         // One pass; DCA: one per regime the tile can hold, each keeping the scores of its own regime.
         u32 todo = 1u;
-        if constexpr (kDca) todo = dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
+        if constexpr (kDca)
+            todo = slots_are_positions ? dca_walk.regimes(static_cast<int>(first), static_cast<int>(first) + n_valid - 1, dca_rows_s)
+                                       : dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
         const bool select = kDca && (todo & (todo - 1u)) != 0u;  // several regimes: keep scores per (row, key)
         while (todo != 0u) {
             const int regime = kDca ? dca_next_regime(todo, q_loaded) : 0;
