@@ -112,15 +112,16 @@ class Model:
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int = DEFAULT_CTX,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
-         kv_center_k: bool = False, progress: bool = True, **options) -> Model:
+         kv_normalize_k: bool | None = None, progress: bool = True, **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold.
     kv_type_k / kv_type_v: KV-cache formats (f16, q8_0, ..., turbo3, turbo3_tcq; see cupyllm.kv.list_formats()).
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
-    kv_center_k: store K minus a per-head offset (KVSpec.center_k): much better quantized K for models whose K
-         carries large offsets (Qwen2.5: bench/results/kv_quality_centred.md).
+    kv_normalize_k: store K normalised per channel, (K - mean) / RMS of the first prompt chunk's keys
+         (KVSpec.normalize_k). None (default): on for quantized K formats, off for f16/bf16/f32. Much better
+         quantized K where some channels of K have large offsets or spreads (bench/results/kv_quality.md).
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
@@ -131,7 +132,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     cfg = config_from_gguf(gguf)
     get_format(kv_type_k, head_dim=cfg.head_dim)  # an unknown or unfit KV type fails before weights load
     get_format(kv_type_v, head_dim=cfg.v_head_dim)
-    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk, center_k=kv_center_k)
+    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk,
+                   normalize_k=kv_normalize_k)
     backend = select_backend(device)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)

@@ -13,8 +13,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV-cache type of K (f16, q8_0, q4_0, turbo3, ...)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV-cache type of V")
-    p.add_argument("--cache-center-k", action="store_true",
-                   help="store K minus a per-head offset: better quantized K where K has large offsets (Qwen2.5)")
+    p.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None,
+                   help="store K as (K - mean) / RMS per channel (default: on for quantized -ctk types); much "
+                        "better quantized K where some channels of K are large (Qwen2.5)")
     p.add_argument("--dca", action="store_true", help="Dual Chunk Attention: contexts past the trained length")
     p.add_argument("--dca-chunk-size", type=int, help="DCA chunk size S (default: the trained context length)")
     p.add_argument("--dca-local-size", type=int, help="DCA local size W (default: S / 32)")
@@ -74,7 +75,7 @@ def cmd_generate(args) -> int:
         dca = {"chunk_size": args.dca_chunk_size, "local_size": args.dca_local_size,
                "yarn_factor": args.dca_yarn_factor}
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
-                 kv_type_v=args.cache_type_v, dca=dca, kv_center_k=args.cache_center_k)
+                 kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]

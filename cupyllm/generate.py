@@ -3,7 +3,7 @@ streaming UTF-8-safe text pieces and holding back any text that could still beco
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numpy as np

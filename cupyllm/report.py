@@ -29,7 +29,7 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         f"name            {cfg.name}",
         f"architecture    {cfg.arch}",
         f"parameters      {n_params / 1e6:,.1f} M in {len(gguf.tensors)} tensors ({_gib(weight_bytes)})",
-        f"tensor types    " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
+        "tensor types    " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
         f"layers          {cfg.n_layer}" + (f" ({n_sliding} sliding-window of {cfg.sliding_window}, "
                                               f"{cfg.n_layer - n_sliding} global)" if n_sliding else ""),
         f"d_model         {cfg.d_model}   ffn {cfg.ffn_dim}   vocab {cfg.n_vocab}",

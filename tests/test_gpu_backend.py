@@ -286,24 +286,29 @@ def test_decode_attention_matches_reference(backend, cp, window, softcap):
 
 
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
-def test_centred_cache_attention(backend, cp, softcap):
-    """KVSpec.center_k on the device: keys with large per-channel offsets, stored minus the offset. Plain
-    softmax reads the centred rows in the flash kernels; a soft-capped score goes to the decoding path, which
-    adds the offset back. Both against the CPU's centred layer and the reference attention."""
+def test_normalized_cache_attention(backend, cp, softcap):
+    """KVSpec.normalize_k on the device: keys with large per-channel offsets and spreads, stored as
+    (K - offset) / scale. Plain softmax reads the normalised rows in the flash kernels with Q scaled; a
+    soft-capped score goes to the decoding path, which undoes the normalisation. Both against the CPU's
+    normalised layer and the reference attention."""
     from cupyllm.attention.reference import attend, causal_mask
     cpu, gpu = _layer_pair(backend, "q8_0", capacity=64)
-    cpu.center_k = gpu.center_k = True
+    cpu.normalize_k = gpu.normalize_k = True
     rng = np.random.default_rng(13)
     offset = rng.standard_normal((2, 64)).astype(np.float32) * 20.0
-    k = rng.standard_normal((40, 2, 64)).astype(np.float32) + offset
+    k = rng.standard_normal((40, 2, 64)).astype(np.float32)
+    k[..., ::16] *= 30.0  # loud channels
+    k += offset
     v = rng.standard_normal((40, 2, 64)).astype(np.float32)
     for lo, hi in ((0, 24), (24, 40)):
         cpu.write(k[lo:hi], v[lo:hi], np.arange(lo, hi))
         gpu.write(cp.asarray(k[lo:hi]), cp.asarray(v[lo:hi]), np.arange(lo, hi))
     np.testing.assert_allclose(cp.asnumpy(gpu.k_offset), cpu.k_offset, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(gpu.k_scale), cpu.k_scale, rtol=1e-5)
     k_gpu, _, _ = gpu.decode(0, 40)
     k_cpu, _, _ = cpu.decode(0, 40)
-    np.testing.assert_allclose(cp.asnumpy(k_gpu), k_cpu, atol=2e-3)  # the offset added back after the f16 decode
+    # normalisation undone after the f16 decode: f16's relative rounding times the loud channels' scale
+    np.testing.assert_allclose(cp.asnumpy(k_gpu), k_cpu, atol=2e-3 * float(cpu.k_scale.max()))
     q_pos = np.array([39])
     q = rng.standard_normal((1, 6, 64)).astype(np.float32)
     want, _ = attend(q, k_cpu, cpu.decode(0, 40)[1], causal_mask(q_pos, cpu.slot_pos[:40], 0), scale=0.125,
@@ -320,14 +325,14 @@ def _numpy_forward(ops, transformer):
     return forward
 
 
-def _run(ops, path, ids, chunk: int, kv_type: str = "f16", decode_steps=(), center_k: bool = False):
+def _run(ops, path, ids, chunk: int, kv_type: str = "f16", decode_steps=(), normalize_k: bool | None = None):
     """All-position logits of `ids` prefilled in chunks of `chunk`, then the logits of one-token steps."""
     from cupyllm.generate import prefill
     from cupyllm.gguf_io import read_gguf
     from cupyllm.kv.cache import KVCache, KVSpec
     from cupyllm.models.build import Transformer
     transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
-    spec = KVSpec(ctx=128, kv_type_k=kv_type, kv_type_v=kv_type, max_chunk=max(chunk, 1), center_k=center_k)
+    spec = KVSpec(ctx=128, kv_type_k=kv_type, kv_type_v=kv_type, max_chunk=max(chunk, 1), normalize_k=normalize_k)
     if ops.name == "gpu":
         cache = ops.new_cache(transformer.cfg, spec)
     else:
@@ -391,19 +396,22 @@ def test_tiny_model_with_flash_attention(flash_sized_models, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
-def test_centred_keys_match_the_cpu_engine(flash_sized_models, arch):
-    """KVSpec.center_k on the GPU: the flash kernels read the centred rows (softmax does not see the offset),
-    the decoding path adds it back; both against the CPU engine's centred cache."""
+def test_normalized_keys_match_the_cpu_engine(flash_sized_models, arch):
+    """KVSpec.normalize_k on the GPU: the flash kernels read the normalised rows with Q scaled (softmax does not
+    see the offset), the decoding path undoes the normalisation; both against the CPU engine's normalised
+    cache, and against the raw q8_0 cache (which the switch must change)."""
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.backend.gpu import GPUBackend
     path = flash_sized_models[arch]
     ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
     steps = [9, 120, 4]
-    want = _run(CPUBackend(), path, ids, chunk=4, kv_type="q8_0", decode_steps=steps, center_k=True)
+    want = _run(CPUBackend(), path, ids, chunk=4, kv_type="q8_0", decode_steps=steps, normalize_k=True)
+    raw = _run(CPUBackend(), path, ids, chunk=4, kv_type="q8_0", decode_steps=steps, normalize_k=False)
+    assert np.abs(raw - want).max() > 0
     scale = np.abs(want).max()
     for attention in ("dispatch", "decode"):
         got = _run(GPUBackend(attention=attention), path, ids, chunk=4, kv_type="q8_0", decode_steps=steps,
-                   center_k=True)
+                   normalize_k=True)
         # q8_0 K and V decode to f16 on the GPU paths (about 1e-3 relative), which a q8_0 cache without
         # centring shows against the CPU as well
         assert np.abs(got - want).max() <= 1e-2 * scale, attention

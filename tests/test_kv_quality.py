@@ -96,6 +96,8 @@ def test_harness_end_to_end_on_a_tiny_model(tiny_model, tmp_path):
     assert mse["turbo2"]["head_dim_256"]["mse"] > mse["turbo4"]["head_dim_256"]["mse"]
     noise = report["models"][str(path)]["k_logit_noise"]["per_layer"]
     assert len(noise["q8_0"]) == 3 and np.mean(noise["q8_0"]) < np.mean(noise["turbo2"])
-    assert len(noise["turbo3" + kv_quality.CENTRED]) == 3  # the diagnostic on mean-centred K is there too
+    assert len(noise["turbo3" + kv_quality.NORMALIZED]) == 3  # the diagnostic on normalised K is there too
     text_md = out.with_suffix(".md").read_text()
-    assert "turbo2_tcq" in text_md and "K error on the attention logits" in text_md and "(K - mean)" in text_md
+    assert "turbo2_tcq" in text_md and "K error on the attention logits" in text_md and "(K normalised)" in text_md
+    assert "**K normalised** (the engine's default" in text_md
+    assert report["targets"][str(path)]["q8_0 within noise of f16"]["f16_ppl_ci95"][0] < configs["f16"]["ppl"]

@@ -194,18 +194,24 @@ class GPUBackend:
         """The in-register flash kernels, or, for caches they have no kernels for (e.g. head dims outside their
         list) or with attention="decode", the decoding fallback (backend/gpu_attention.py)."""
         shape = (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name)
-        # Centred K (gpu_cache.py): the flash kernels' plain softmax does not see the offset, a soft-capped or DCA
-        # score would; those take the decoding path, which adds it back.
-        centred = getattr(layer_kv, "k_offset", None) is not None
-        offset_matters = centred and (options.get("softcap", 0.0) > 0.0 or options.get("dca") is not None)
+        # Normalised K (gpu_cache.py): the flash kernels read (K - offset) / scale, so Q is scaled by `scale`; their
+        # plain softmax does not see the offset, a soft-capped or DCA score would: those take the decoding path,
+        # which undoes the normalisation.
+        normalized = getattr(layer_kv, "k_scale", None) is not None
+        offset_matters = normalized and (options.get("softcap", 0.0) > 0.0 or options.get("dca") is not None)
         if self._gpu_attention is not None and shape not in self._no_dispatch and not offset_matters:
             try:
-                return self._gpu_attention(q, q_pos, layer_kv, **options)
+                q_read = q * self._per_query_head(layer_kv.k_scale, q.shape[1]) if normalized else q
+                return self._gpu_attention(q_read, q_pos, layer_kv, **options)
             except self._dispatch_refusal as exc:  # checked before any launch
                 if self._attention_mode == "dispatch":
                     raise
                 self._no_dispatch[shape] = str(exc)
         return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, **options)
+
+    def _per_query_head(self, per_kv_head, n_head: int):
+        """[n_kv, d] -> [n_head, d]: each query head takes its KV head's row (grouped-query attention)."""
+        return self.cp.repeat(per_kv_head, n_head // per_kv_head.shape[0], axis=0).astype(self.cp.float32)
 
     # --- decode loop ------------------------------------------------------------------------------
     def decode_forward(self, forward, min_bucket: int = 256):

@@ -5,11 +5,11 @@
     slot_pos        int32 [capacity]                    the position each slot holds, -1 when empty
 
 Same layout and semantics as the CPU cache (cupyllm/kv/cache.py): global layers hold slot = position,
-sliding-window layers a ring of slot = position % capacity; attention masks by slot_pos. Centred K
-(center_k): the rows hold K - k_offset (a device array); decode adds it back, and the flash kernels read the
-centred rows as they are, which leaves softmax attention unchanged (q . k_offset is one constant per query
-row; their LSE is shifted by it) but not a soft-capped or DCA score, so GPUBackend sends those to the
-decoding path. `n_used` is
+sliding-window layers a ring of slot = position % capacity; attention masks by slot_pos. Normalised K
+(normalize_k): the rows hold (K - k_offset) / k_scale (device arrays); decode undoes it, and the flash kernels
+read the normalised rows with Q scaled by k_scale (GPUBackend), which leaves softmax attention unchanged
+(q . k_offset is one constant per query row; only their LSE is shifted by it) but not a soft-capped or DCA
+score, so GPUBackend sends those to the decoding path. `n_used` is
 kept on the host (every slot at or past it is empty), so attention kernels know how far to read
 without a device-to-host copy. Positions may arrive as host arrays (the model code) or as device arrays.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-from ..kv.cache import EMPTY, LayerKV, key_offset
+from ..kv.cache import EMPTY, LayerKV, key_normalization
 from ..kv.formats import KVFormat
 
 
@@ -49,10 +49,10 @@ class DeviceLayerKV(LayerKV):
         k_codec, v_codec = self.codecs
         k = k.reshape(n, self.n_kv, self.head_dim)
         host = self.inputs.host_values(positions)
-        if self.center_k:
+        if self.normalize_k:
             if self.k_offset is None:  # device positions (host None): every key counts
-                self.k_offset = key_offset(k, host, xp=cp)
-            k = k.astype(cp.float32) - self.k_offset
+                self.k_offset, self.k_scale = key_normalization(k, host, xp=cp)
+            k = (k.astype(cp.float32) - self.k_offset) / self.k_scale
         k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
         v_codec.encode(cp.ascontiguousarray(v.reshape(n, self.n_kv, self.v_head_dim)), slots, self.v_data)
         self.slot_pos[slots] = pos
@@ -68,7 +68,7 @@ class DeviceLayerKV(LayerKV):
         k_codec, v_codec = self.codecs
         k = k_codec.decode(self.k_data, start, n).astype(np.float32)
         v = v_codec.decode(self.v_data, start, n).astype(np.float32)
-        return self._uncentred(k), v, self.slot_pos[start:stop]
+        return self._denormalized(k), v, self.slot_pos[start:stop]
 
     def pad_used(self, n_slots: int) -> None:
         """Read at least `n_slots` slots from now on (empty ones are masked): fixes the kernel arguments

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import BudgetError, ContextOverflowError
-from .formats import KVFormat, get_format
+from .formats import KVFormat, get_format, is_float
 
 EMPTY = -1
 
@@ -27,7 +27,11 @@ class KVSpec:
     kv_type_k: str = "f16"
     kv_type_v: str = "f16"
     max_chunk: int = 512  # largest prefill chunk written at once (sizes the sliding-window rings)
-    center_k: bool = False  # store K minus a per-head offset (LayerKV.k_offset)
+    normalize_k: bool | None = None  # K channel normalisation (LayerKV); None: on for quantized K formats
+
+    @property
+    def k_normalized(self) -> bool:
+        return (not is_float(self.kv_type_k)) if self.normalize_k is None else bool(self.normalize_k)
 
 
 @dataclass
@@ -41,12 +45,15 @@ class LayerKV:
     ring: bool  # slot = position % capacity (sliding window) instead of slot = position
     window: int = 0
     mirror: bool = False  # also keep decode(encode(k, v)) as float32, so attention on the CPU skips decoding
-    # Centred K: the first write sets k_offset [n_kv, head_dim] to the mean of its keys (past position 0, the
-    # attention sink), every write encodes K - k_offset, and decode adds it back. Some models' K carries large
-    # per-channel offsets (Qwen2.5), which eat a block format's range; the quantization error then falls on
-    # K - offset only (bench/results/kv_quality.md).
-    center_k: bool = False
+    # K channel normalisation: the first write sets k_offset and k_scale [n_kv, head_dim] to the mean and RMS
+    # of each channel of its keys (past position 0, the attention sink); every write encodes
+    # (K - k_offset) / k_scale and decode undoes it. Some models' K has channels with large offsets and spreads
+    # (Qwen2.5's layer 0), which eat a block format's range or a rotated group's norm, so the error of the
+    # quiet channels swamps the attention logits; normalised, every channel gets its share of the bits
+    # (bench/results/kv_quality.md).
+    normalize_k: bool = False
     k_offset: np.ndarray | None = field(init=False, default=None, repr=False)
+    k_scale: np.ndarray | None = field(init=False, default=None, repr=False)
     k_data: np.ndarray = field(init=False, repr=False)
     v_data: np.ndarray = field(init=False, repr=False)
     slot_pos: np.ndarray = field(init=False, repr=False)
@@ -73,16 +80,16 @@ class LayerKV:
         """Encode k [n, n_kv, head_dim] and v [n, n_kv, v_head_dim] into the slots of `positions`."""
         n = len(positions)
         slots = self.slots_for(np.asarray(positions))
-        if self.center_k:
+        if self.normalize_k:
             if self.k_offset is None:
-                self.k_offset = key_offset(k, positions)
-            k = k - self.k_offset
+                self.k_offset, self.k_scale = key_normalization(k, positions)
+            k = (k - self.k_offset) / self.k_scale
         k_bytes = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim))
         v_bytes = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim))
         self.k_data[slots] = k_bytes.reshape(n, self.n_kv, -1)
         self.v_data[slots] = v_bytes.reshape(n, self.n_kv, -1)
         if self.mirror:  # exactly what decoding the stored bytes gives, computed once per token
-            self.k_f32[slots] = self._uncentred(self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim))
+            self.k_f32[slots] = self._denormalized(self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim))
             self.v_f32[slots] = self.v_format.decode(v_bytes, self.v_head_dim).reshape(n, self.n_kv, self.v_head_dim)
         self.slot_pos[slots] = positions
         self.n_used = max(self.n_used, int(slots.max()) + 1)
@@ -94,11 +101,11 @@ class LayerKV:
         n = stop - start
         k = self.k_format.decode(self.k_data[start:stop].reshape(n * self.n_kv, -1), self.head_dim)
         v = self.v_format.decode(self.v_data[start:stop].reshape(n * self.n_kv, -1), self.v_head_dim)
-        return (self._uncentred(k.reshape(n, self.n_kv, self.head_dim)), v.reshape(n, self.n_kv, self.v_head_dim),
+        return (self._denormalized(k.reshape(n, self.n_kv, self.head_dim)), v.reshape(n, self.n_kv, self.v_head_dim),
                 self.slot_pos[start:stop])
 
-    def _uncentred(self, k: np.ndarray) -> np.ndarray:
-        return k + self.k_offset if self.k_offset is not None else k
+    def _denormalized(self, k: np.ndarray) -> np.ndarray:
+        return k * self.k_scale + self.k_offset if self.k_offset is not None else k
 
     def chunks(self, chunk_slots: int):
         """Yield (k, v, positions) over the used slots, `chunk_slots` at a time, decoded."""
@@ -109,15 +116,25 @@ class LayerKV:
         self.slot_pos[:] = EMPTY
         self.n_used = 0
         self.k_offset = None
+        self.k_scale = None
 
 
-def key_offset(k, positions, xp=np):
-    """float32 [n_kv, head_dim]: the mean of the keys k [n, n_kv, head_dim] (an `xp` array: NumPy, or CuPy for
-    the device cache), leaving out position 0 (the attention sink's key is an outlier) unless it is the only
-    one. `positions`: the host positions of the rows, or None (unknown: every row counts)."""
+def key_normalization(k, positions, xp=np):
+    """(offset, scale), float32 [n_kv, head_dim] each: per channel, the mean and the RMS about it of the keys
+    k [n, n_kv, head_dim] (an `xp` array: NumPy, or CuPy for the device cache), leaving out position 0 (the
+    attention sink's key is an outlier) unless it is the only one. `positions`: the host positions of the
+    rows, or None (unknown: every row counts). A scale is at least 10% of its head's mean RMS, so a channel
+    that was (nearly) constant here magnifies later keys at most tenfold; from one key alone the scale is 1."""
     later = np.flatnonzero(np.asarray(positions) > 0) if positions is not None else np.arange(0)
-    rows = k[xp.asarray(later)] if len(later) else k  # CuPy indexes with device arrays only
-    return rows.astype(xp.float64).mean(axis=0).astype(xp.float32)
+    rows = (k[xp.asarray(later)] if len(later) else k).astype(xp.float64)  # CuPy indexes with device arrays only
+    offset = rows.mean(axis=0)
+    rms = xp.sqrt(((rows - offset) ** 2).mean(axis=0))
+    floor = 0.1 * rms.mean(axis=-1, keepdims=True)
+    scale = xp.maximum(rms, floor)
+    if len(rows) < 2:
+        scale = xp.ones_like(rms)
+    scale = xp.where(scale > 0, scale, xp.ones_like(scale))  # an all-constant head
+    return offset.astype(xp.float32), scale.astype(xp.float32)
 
 
 @dataclass
@@ -145,7 +162,7 @@ class KVCache:
                 layers.append(make_layer(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
                                          capacity=capacity, ring=sliding,
                                          window=cfg.sliding_window if sliding else 0, mirror=mirror,
-                                         center_k=spec.center_k))
+                                         normalize_k=spec.k_normalized))
         except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
             raise BudgetError(_no_room(spec, need, "the allocation failed", mirror)) from None
         return cls(spec, layers)

@@ -108,12 +108,18 @@ def _scalar_formats() -> dict[str, KVFormat]:
 
 
 _ROTATED_NAMES = ("turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")
-_SCALAR_NAMES = ("f32", "f16", "bf16", "q8_0", "q6_0", "q5_1", "q5_0", "q4_1", "q4_0")
+_FLOAT_NAMES = ("f32", "f16", "bf16")
+_SCALAR_NAMES = _FLOAT_NAMES + ("q8_0", "q6_0", "q5_1", "q5_0", "q4_1", "q4_0")
 
 
 def list_formats() -> list[str]:
     """Every format name, scalar ones first, from most to fewest bits."""
     return list(_SCALAR_NAMES + _ROTATED_NAMES)
+
+
+def is_float(name: str) -> bool:
+    """True for the unquantized formats (f32, f16, bf16)."""
+    return name in _FLOAT_NAMES
 
 
 def is_rotated(name: str) -> bool:
