@@ -25,28 +25,7 @@ export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($((SECONDS - START)) s)"; }
 
 step "carried wheels"
-export PYTHONPATH=$PWD
-if ls .whl/*.whl >/dev/null 2>&1; then
-    missing=()
-    for wheel in .whl/*.whl; do
-        dist=$(basename "$wheel" | sed 's/-[0-9].*//' | tr 'A-Z' 'a-z')
-        case "$dist" in
-            pyyaml) module=yaml ;;
-            *) module=${dist//-/_} ;;
-        esac
-        if ! "$PY" -c "import $module" 2>/dev/null; then missing+=("$wheel"); fi
-    done
-    if [ ${#missing[@]} -gt 0 ]; then
-        echo "installing: ${missing[*]}"
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-            "${missing[@]}" || exit 1
-        export PYTHONPATH=/tmp/site:$PWD
-    else
-        echo "every carried package is already there"
-    fi
-else
-    echo "no .whl/ carried (run tools/fetch_gpu_wheels.sh and carry .whl); tests that need gguf will fail to import"
-fi
+source tools/gpu_wheels.sh || exit 1
 
 step "device"
 nvidia-smi || echo "nvidia-smi failed"

@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/probe_out}; mkdir -p "$OUT"
-python3 -c "import gguf" 2>/dev/null || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl && export PYTHONPATH=/tmp/site:$PWD; }
+source tools/gpu_wheels.sh || exit 1
 timeout 60 python3 tools/compile_kernels.py
 NUMBA_NUM_THREADS=2 timeout 100 python3 -m pytest -q -n 8 --timeout=60 -p no:cacheprovider --tb=short \
     tests/test_gpu_attention.py tests/test_gpu_backend.py tests/test_gpu_dca.py -m gpu 2>&1 | tail -25 | tee "$OUT/pytest.txt"
