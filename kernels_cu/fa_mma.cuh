@@ -226,8 +226,10 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     // ---- setup: tables, Q tile (f16, zero rows past the end), row positions ----
     for (int i = tid; i < k_table_len; i += kFaThreads) ktab_s[i] = k_table[i];
     for (int i = tid; i < v_table_len; i += kFaThreads) vtab_s[i] = v_table[i];
-    load_q_tile<D, kRows, kQStride>(q_s, q, rows_here, row0, group, kh, n_head, tid);  // DCA: the intra rotation
-    int q_loaded = 0;  // DCA: the rotation in q_s
+    // DCA loads the rotation its first tile needs there (dca_tile): most splits of a long context hold inter
+    // keys only, so loading the intra rotation first would only be replaced at once
+    if constexpr (!kDca) load_q_tile<D, kRows, kQStride>(q_s, q, rows_here, row0, group, kh, n_head, tid);
+    int q_loaded = kDca ? -1 : 0;  // DCA: the rotation in q_s (-1: none yet)
     const long long q_regime_stride = static_cast<long long>(n_q) * n_head * D;  // DCA: Q [3][n_q][n_head][D]
     for (int r = tid; r < kRows; r += kFaThreads) {
         const int query = r < rows_here ? row_index(row0 + r, group, kh).query : 0;
@@ -330,19 +332,19 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     };
 
     // DCA: the regimes the tile at positions `pos` can hold (the same set in every warp); when it holds one
-    // regime only and q_s holds another, that regime's Q is loaded into q_s (returns true: the caller makes
-    // the new Q visible before multiplying).
+    // regime only and q_s holds another, or q_s holds none yet, a regime's Q is loaded into q_s (returns true:
+    // the caller makes the new Q visible before multiplying).
     DcaChunkWalk dca_walk = DcaChunkWalk::at(keys.begin, kDca ? dca_chunk_len : 1);
     auto dca_tile = [&](const int* pos, int first, int n_valid, u32& regimes) -> bool {
         regimes = slots_are_positions ? dca_walk.regimes(first, first + n_valid - 1, dca_rows_s)
                                       : dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
-        const int regime = __ffs(static_cast<int>(regimes)) - 1;
-        if (regimes != 0u && regimes == (1u << regime) && regime != q_loaded) {
-            load_q_tile<D, kRows, kQStride>(q_s, q + regime * q_regime_stride, rows_here, row0, group, kh, n_head, tid);
-            q_loaded = regime;
-            return true;
-        }
-        return false;
+        const int lowest = regimes != 0u ? __ffs(static_cast<int>(regimes)) - 1 : 0;
+        const bool single = regimes != 0u && (regimes & (regimes - 1u)) == 0u;
+        const int want = single || q_loaded < 0 ? lowest : q_loaded;  // several: keep q_s, the rest pair by pair
+        if (want == q_loaded) return false;
+        load_q_tile<D, kRows, kQStride>(q_s, q + want * q_regime_stride, rows_here, row0, group, kh, n_head, tid);
+        q_loaded = want;
+        return true;
     };
     // DCA, a tile with several regimes (across a chunk boundary: at most ~2 per row block): the scores of the
     // visible pairs whose regime is not the one in q_s, one by one from Q in global memory and the f16 K rows.
