@@ -119,9 +119,10 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     kv_type_k / kv_type_v: KV-cache formats (f16, q8_0, ..., turbo3, turbo3_tcq; see cupyllm.kv.list_formats()).
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
-    kv_normalize_k: store K normalised per channel, (K - mean) / RMS of the first prompt chunk's keys
-         (KVSpec.normalize_k). None (default): on for quantized K formats, off for f16/bf16/f32. Much better
-         quantized K where some channels of K have large offsets or spreads (bench/results/kv_quality.md).
+    kv_normalize_k: store K normalised per channel, (K - mean) / sqrt(RMS of K / RMS of Q) from the first
+         prompt chunk (KVSpec.normalize_k, kv.cache.key_normalization). None (default): on for quantized K
+         formats, off for f16/bf16/f32. Much better quantized K where some channels of K have large offsets
+         or spreads (bench/results/kv_quality.md).
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")

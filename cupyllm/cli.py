@@ -14,8 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV-cache type of K (f16, q8_0, q4_0, turbo3, ...)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV-cache type of V")
     p.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None,
-                   help="store K as (K - mean) / RMS per channel (default: on for quantized -ctk types); much "
-                        "better quantized K where some channels of K are large (Qwen2.5)")
+                   help="store K as (K - mean) / scale per channel, balanced against the queries (default: on for "
+                        "quantized -ctk types); much better quantized K where some channels of K are large (Qwen2.5)")
     p.add_argument("--dca", action="store_true", help="Dual Chunk Attention: contexts past the trained length")
     p.add_argument("--dca-chunk-size", type=int, help="DCA chunk size S (default: the trained context length)")
     p.add_argument("--dca-local-size", type=int, help="DCA local size W (default: S / 32)")

@@ -311,7 +311,7 @@ def _entry(model, config: KVConfig, summary: dict, seconds: float) -> dict:
 # -- why K is the sensitive half: attention-logit noise ----------------------------------------------------
 
 NOISE_FORMATS = ("q8_0", "q4_0", "turbo4", "turbo3", "turbo3_tcq", "turbo2", "turbo2_tcq")
-NORMALIZED = " (K normalised)"  # the same format on (K - mean) / RMS per channel, as the cache stores it
+NORMALIZED = " (K normalised)"  # the same format on K as the cache stores it: (K - mean) / scale
 
 
 def attention_logit_noise(model, ids: np.ndarray, formats=NOISE_FORMATS, queries: int = 64) -> dict[str, list[float]]:
@@ -335,9 +335,9 @@ def attention_logit_noise(model, ids: np.ndarray, formats=NOISE_FORMATS, queries
             signal = np.einsum("qhd,khd->qhk", qq, np.repeat(k, group, axis=1)) * scale
             signal[np.broadcast_to(future[:, None, :], signal.shape)] = np.nan
             spread = np.nanstd(signal, axis=-1)
-            # the cache's normalisation over these keys (they are all one first write): the format's error
-            # falls on (K - offset) / scale and is scaled back
-            offset, k_scale = key_normalization(k, k_pos)
+            # the cache's normalisation over these keys and queries (one first write, as long as the text fits
+            # one prefill chunk): the format's error falls on (K - offset) / scale and is scaled back
+            offset, k_scale = key_normalization(k, k_pos, queries=q if len(q) == len(k_pos) else None)
             for name in formats:
                 fmt = get_format(name, head_dim=cfg.head_dim)
                 for key, rows, back in ((name, k, 1.0), (name + NORMALIZED, (k - offset) / k_scale, k_scale)):
@@ -488,10 +488,10 @@ def markdown(report: dict) -> str:
 
 K_STORAGE = {  # what the report's caches did to K before quantizing it (reports before the switch: "off")
     "auto": "**K normalised** (the engine's default, KVSpec.normalize_k): every quantized K is stored as "
-            "(K - mean) / RMS per channel, both taken over the first prefill chunk's keys past position 0, and "
-            "restored on decode; f16/f32 K as is.",
-    "on": "**K normalised** in every cache (`--normalize-k`; KVSpec.normalize_k=True): (K - mean) / RMS per "
-          "channel over the first prefill chunk's keys past position 0, restored on decode.",
+            "(K - mean) / scale per channel, scale = sqrt(RMS of K / RMS of Q), both from the first prefill "
+            "chunk past position 0 (`key_normalization`), and restored on decode; f16/f32 K as is.",
+    "on": "**K normalised** in every cache (`--normalize-k`; KVSpec.normalize_k=True): (K - mean) / scale per "
+          "channel, scale = sqrt(RMS of K / RMS of Q) from the first prefill chunk past position 0.",
     "off": "**K raw** (`--no-normalize-k`; KVSpec.normalize_k=False): every format quantizes K as the model "
            "computes it.",
 }
@@ -502,8 +502,8 @@ def k_noise_section(report: dict) -> list[str]:
               "Per layer: `std_keys(q.(k_hat - k)) / std_keys(q.k)` (scaled logits, causal keys after BOS, median "
               "over heads and the last 64 queries of the first 256 tokens, f32 cache): the K format's error on the "
               "attention logits relative to how much the logits differ between keys. Mean over layers, and the "
-              "worst layer. Rows marked `(K normalised)`: the same format on (K - mean) / RMS per channel "
-              "(`key_normalization`, over the cached keys past position 0: what the cache stores by default), "
+              "worst layer. Rows marked `(K normalised)`: the same format on (K - mean) / scale per channel "
+              "(`key_normalization` of the cached keys and their queries: what the cache stores by default), "
               "the error mapped back to K.", "",
               "| format | " + " | ".join(f"{m['model'].split('-q4')[0]} mean | worst (layer)" for m in
                                       report["models"].values()) + " |",

@@ -39,9 +39,9 @@ class DeviceLayerKV(LayerKV):
     def xp(self):
         return self.codecs[0]._cp
 
-    def write(self, k, v, positions) -> None:
+    def write(self, k, v, positions, queries=None) -> None:
         """Encode k [n, n_kv, head_dim] and v [n, n_kv, v_head_dim] (device, f32/f16) into the slots of
-        `positions` (host or device ints)."""
+        `positions` (host or device ints); `queries` as for LayerKV.write."""
         cp = self.xp
         n = int(k.shape[0])
         pos = self.inputs.int32(positions)
@@ -51,7 +51,7 @@ class DeviceLayerKV(LayerKV):
         host = self.inputs.host_values(positions)
         if self.normalize_k:
             if self.k_offset is None:  # device positions (host None): every key counts
-                self.k_offset, self.k_scale = key_normalization(k, host, xp=cp)
+                self.k_offset, self.k_scale = key_normalization(k, host, xp=cp, queries=queries)
             k = (k.astype(cp.float32) - self.k_offset) / self.k_scale
         k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
         v_codec.encode(cp.ascontiguousarray(v.reshape(n, self.n_kv, self.v_head_dim)), slots, self.v_data)

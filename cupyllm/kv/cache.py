@@ -45,12 +45,12 @@ class LayerKV:
     ring: bool  # slot = position % capacity (sliding window) instead of slot = position
     window: int = 0
     mirror: bool = False  # also keep decode(encode(k, v)) as float32, so attention on the CPU skips decoding
-    # K channel normalisation: the first write sets k_offset and k_scale [n_kv, head_dim] to the mean and RMS
-    # of each channel of its keys (past position 0, the attention sink); every write encodes
-    # (K - k_offset) / k_scale and decode undoes it. Some models' K has channels with large offsets and spreads
-    # (Qwen2.5's layer 0), which eat a block format's range or a rotated group's norm, so the error of the
-    # quiet channels swamps the attention logits; normalised, every channel gets its share of the bits
-    # (bench/results/kv_quality.md).
+    # K channel normalisation: the first write sets k_offset and k_scale [n_kv, head_dim] from its keys and
+    # queries (key_normalization); every write encodes (K - k_offset) / k_scale and decode undoes it. Some
+    # models' K has channels with large offsets and spreads that the queries barely read (Qwen2.5's layer 0):
+    # they eat a block format's range or a rotated group's norm, and the error of the channels the queries do
+    # read swamps the attention logits. Normalised, each channel's share of the error follows its weight in
+    # q . k (bench/results/kv_quality.md).
     normalize_k: bool = False
     k_offset: np.ndarray | None = field(init=False, default=None, repr=False)
     k_scale: np.ndarray | None = field(init=False, default=None, repr=False)
@@ -76,13 +76,15 @@ class LayerKV:
     def slots_for(self, positions: np.ndarray) -> np.ndarray:
         return positions % self.capacity if self.ring else positions
 
-    def write(self, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
-        """Encode k [n, n_kv, head_dim] and v [n, n_kv, v_head_dim] into the slots of `positions`."""
+    def write(self, k: np.ndarray, v: np.ndarray, positions: np.ndarray, queries: np.ndarray | None = None) -> None:
+        """Encode k [n, n_kv, head_dim] and v [n, n_kv, v_head_dim] into the slots of `positions`. `queries`
+        [n, n_head, head_dim] (the same positions' queries, as attention will read them): what K's
+        normalisation balances against on the first write (key_normalization)."""
         n = len(positions)
         slots = self.slots_for(np.asarray(positions))
         if self.normalize_k:
             if self.k_offset is None:
-                self.k_offset, self.k_scale = key_normalization(k, positions)
+                self.k_offset, self.k_scale = key_normalization(k, positions, queries=queries)
             k = (k - self.k_offset) / self.k_scale
         k_bytes = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim))
         v_bytes = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim))
@@ -119,22 +121,39 @@ class LayerKV:
         self.k_scale = None
 
 
-def key_normalization(k, positions, xp=np):
-    """(offset, scale), float32 [n_kv, head_dim] each: per channel, the mean and the RMS about it of the keys
-    k [n, n_kv, head_dim] (an `xp` array: NumPy, or CuPy for the device cache), leaving out position 0 (the
-    attention sink's key is an outlier) unless it is the only one. `positions`: the host positions of the
-    rows, or None (unknown: every row counts). A scale is at least 10% of its head's mean RMS, so a channel
-    that was (nearly) constant here magnifies later keys at most tenfold; from one key alone the scale is 1."""
+def key_normalization(k, positions, xp=np, queries=None):
+    """(offset, scale), float32 [n_kv, head_dim] each, from the keys k [n, n_kv, head_dim] (an `xp` array: NumPy,
+    or CuPy for the device cache) and their queries [n, n_head, head_dim] (None: unknown, taken as alike in
+    every channel), leaving out position 0 (the attention sink's key is an outlier) unless it is the only one.
+    `positions`: the host positions of the rows, or None (unknown: every row counts).
+
+    offset: per channel, the mean key. scale: per channel sqrt(rms_k / rms_q), rms_k the keys' RMS about the
+    offset and rms_q the RMS of the queries of that KV head's group. The cache stores (K - offset) / scale and
+    attention reads it with q * scale, so both sides of every channel have the spread sqrt(rms_k * rms_q):
+    the format spends its range on channels by what they add to q . k, not by how loud K alone is (a channel
+    loud in K but quiet in Q shrinks, a quiet one that Q reads grows). Each RMS is at least 10% of its head's
+    mean RMS, so no channel that was (nearly) constant here is magnified without bound later; from one key
+    alone the scale is 1.
+    """
     later = np.flatnonzero(np.asarray(positions) > 0) if positions is not None else np.arange(0)
-    rows = (k[xp.asarray(later)] if len(later) else k).astype(xp.float64)  # CuPy indexes with device arrays only
+    take = (lambda a: a[xp.asarray(later)]) if len(later) else (lambda a: a)  # CuPy indexes with device arrays only
+    rows = take(k).astype(xp.float64)
     offset = rows.mean(axis=0)
-    rms = xp.sqrt(((rows - offset) ** 2).mean(axis=0))
-    floor = 0.1 * rms.mean(axis=-1, keepdims=True)
-    scale = xp.maximum(rms, floor)
     if len(rows) < 2:
-        scale = xp.ones_like(rms)
-    scale = xp.where(scale > 0, scale, xp.ones_like(scale))  # an all-constant head
-    return offset.astype(xp.float32), scale.astype(xp.float32)
+        return offset.astype(xp.float32), xp.ones_like(offset, dtype=xp.float32)
+
+    def floored_rms(x, axes):
+        rms = xp.sqrt((x ** 2).mean(axis=axes))
+        floor = 0.1 * rms.mean(axis=-1, keepdims=True)
+        return xp.where(floor > 0, xp.maximum(rms, floor), xp.ones_like(rms))  # an all-constant head: 1
+
+    k_rms = floored_rms(rows - offset, 0)
+    if queries is None:
+        q_rms = xp.ones_like(k_rms)
+    else:
+        q = take(queries).astype(xp.float64)
+        q_rms = floored_rms(q.reshape(q.shape[0], k.shape[1], -1, k.shape[2]), (0, 2))
+    return offset.astype(xp.float32), xp.sqrt(k_rms / q_rms).astype(xp.float32)
 
 
 @dataclass

@@ -74,7 +74,7 @@ def default_attention(ops, cfg: ModelConfig, layer: int, q, k, v, positions: np.
     q = ops.rope(q, rope, positions)
     k = ops.rope(k, rope, positions)
     layer_kv = cache.layers[layer]
-    layer_kv.write(k, v, positions)
+    layer_kv.write(k, v, positions, queries=q)
     window = cfg.sliding_window if cfg.is_sliding(layer) else 0
     return ops.attention(q, positions, layer_kv, scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
 
@@ -89,8 +89,8 @@ def dca_attention(dca):
             return default_attention(ops, cfg, layer, q, k, v, positions, cache)
         rope = cfg.rope_for(layer)
         layer_kv = cache.layers[layer]
-        layer_kv.write(ops.rope(k, rope, key_positions(positions, dca)), v, positions)
         q_intra, q_successive, q_inter = (ops.rope(q, rope, p) for p in query_positions(positions, dca))
+        layer_kv.write(ops.rope(k, rope, key_positions(positions, dca)), v, positions, queries=q_intra)
         return ops.dca_attention(q_intra, q_successive, q_inter, positions, layer_kv, dca, scale=cfg.attn_scale,
                                  softcap=cfg.attn_logit_softcap)
 
