@@ -201,17 +201,13 @@ class GPUBackend:
         offset_matters = normalized and (options.get("softcap", 0.0) > 0.0 or options.get("dca") is not None)
         if self._gpu_attention is not None and shape not in self._no_dispatch and not offset_matters:
             try:
-                q_read = q * self._per_query_head(layer_kv.k_scale, q.shape[1]) if normalized else q
+                q_read = q * layer_kv.query_scale(q.shape[1]) if normalized else q
                 return self._gpu_attention(q_read, q_pos, layer_kv, **options)
             except self._dispatch_refusal as exc:  # checked before any launch
                 if self._attention_mode == "dispatch":
                     raise
                 self._no_dispatch[shape] = str(exc)
         return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, **options)
-
-    def _per_query_head(self, per_kv_head, n_head: int):
-        """[n_kv, d] -> [n_head, d]: each query head takes its KV head's row (grouped-query attention)."""
-        return self.cp.repeat(per_kv_head, n_head // per_kv_head.shape[0], axis=0).astype(self.cp.float32)
 
     # --- decode loop ------------------------------------------------------------------------------
     def decode_forward(self, forward, min_bucket: int = 256):

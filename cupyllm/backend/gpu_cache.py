@@ -26,6 +26,7 @@ from ..kv.formats import KVFormat
 class DeviceLayerKV(LayerKV):
     codecs: tuple = field(default=(), repr=False)  # (k GpuKVCodec, v GpuKVCodec)
     inputs: object = field(default=None, repr=False)  # DeviceInputs: host positions -> int32 device arrays
+    _query_scale: object = field(init=False, default=None, repr=False)  # query_scale(), per normalisation
 
     def __post_init__(self):
         k_codec, v_codec = self.codecs
@@ -52,6 +53,7 @@ class DeviceLayerKV(LayerKV):
         if self.normalize_k:
             if self.k_offset is None:  # device positions (host None): every key counts
                 self.k_offset, self.k_scale = key_normalization(k, host, xp=cp, queries=queries)
+                self._query_scale = None
             k = (k.astype(cp.float32) - self.k_offset) / self.k_scale
         k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
         v_codec.encode(cp.ascontiguousarray(v.reshape(n, self.n_kv, self.v_head_dim)), slots, self.v_data)
@@ -69,6 +71,14 @@ class DeviceLayerKV(LayerKV):
         k = k_codec.decode(self.k_data, start, n).astype(np.float32)
         v = v_codec.decode(self.v_data, start, n).astype(np.float32)
         return self._denormalized(k), v, self.slot_pos[start:stop]
+
+    def query_scale(self, n_head: int):
+        """k_scale per query head, float32 [n_head, head_dim] (each head takes its KV head's row): the flash
+        kernels read the normalised rows with Q times this. Built once per normalisation."""
+        if self._query_scale is None or self._query_scale.shape[0] != n_head:
+            cp = self.xp
+            self._query_scale = cp.repeat(self.k_scale, n_head // self.n_kv, axis=0).astype(cp.float32)
+        return self._query_scale
 
     def pad_used(self, n_slots: int) -> None:
         """Read at least `n_slots` slots from now on (empty ones are masked): fixes the kernel arguments
