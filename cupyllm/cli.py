@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("-c", "--ctx", type=int, default=4096, help="context length to size the KV cache for")
     info.add_argument("-ctk", "--cache-type-k", default="f16")
     info.add_argument("-ctv", "--cache-type-v", default="f16")
+    info.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None)
     return parser
 
 
@@ -98,7 +99,8 @@ def cmd_generate(args) -> int:
 def cmd_info(args) -> int:
     from .report import model_report
 
-    print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v))
+    print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v,
+                       normalize_k=args.cache_normalize_k))
     return 0
 
 

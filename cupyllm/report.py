@@ -14,14 +14,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
-def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16") -> str:
+def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",
+                 normalize_k: bool | None = None) -> str:
     path = Path(model) if model else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
     weight_bytes = sum(t.data.nbytes for t in gguf.tensors.values())
     n_params = sum(t.n_elements for t in gguf.tensors.values())
     types = Counter(t.type.name for t in gguf.tensors.values())
-    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v)
+    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, normalize_k=normalize_k)
     cache = kv_bytes(cfg, spec)
     n_sliding = sum(cfg.sliding_layers) if cfg.sliding_layers else 0
     lines = [
@@ -38,7 +39,8 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         + (f" x{cfg.rope.factor:g}" if cfg.rope.scaling != "none" else "")
         + (f"; sliding layers base {cfg.rope_local.base:g}" if cfg.rope_local else ""),
         f"trained context {cfg.ctx_train}",
-        f"KV cache        {_gib(cache)} at ctx {ctx} (K {kv_type_k}, V {kv_type_v})",
+        f"KV cache        {_gib(cache)} at ctx {ctx} (K {kv_type_k}{', normalised' if spec.k_normalized else ''}, "
+        f"V {kv_type_v})",
         f"memory needed   {_gib(weight_bytes + cache)} (weights + KV cache)",
     ]
     return "\n".join(lines)

@@ -108,6 +108,10 @@ def test_cli_generate_and_info(tiny_model):
     assert "prefill" in out.stderr and "decode" in out.stderr and "tok/s" in out.stderr
     info = run_cli("info", str(path), "-c", "1024")
     assert info.returncode == 0 and "gemma3" in info.stdout and "KV cache" in info.stdout
+    assert "normalised" not in info.stdout  # f16 K is stored as computed
+    for flags, normalised in ((["-ctk", "q8_0"], True), (["-ctk", "q8_0", "--no-cache-normalize-k"], False)):
+        info = run_cli("info", str(path), "-c", "1024", *flags)
+        assert info.returncode == 0 and ("K q8_0, normalised" in info.stdout) == normalised, info.stdout
 
 
 @pytest.mark.parametrize("args,message", [
