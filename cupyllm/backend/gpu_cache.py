@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import numpy as np
 
-from ..kv.cache import EMPTY, LayerKV, key_normalization
+from ..kv.cache import EMPTY, LayerKV
 from ..kv.formats import KVFormat
 
 
@@ -26,7 +26,7 @@ from ..kv.formats import KVFormat
 class DeviceLayerKV(LayerKV):
     codecs: tuple = field(default=(), repr=False)  # (k GpuKVCodec, v GpuKVCodec)
     inputs: object = field(default=None, repr=False)  # DeviceInputs: host positions -> int32 device arrays
-    _query_scale: object = field(init=False, default=None, repr=False)  # query_scale(), per normalisation
+    _query_scale: object = field(init=False, default=None, repr=False)  # query_scale(), until clear()
 
     def __post_init__(self):
         k_codec, v_codec = self.codecs
@@ -50,11 +50,8 @@ class DeviceLayerKV(LayerKV):
         k_codec, v_codec = self.codecs
         k = k.reshape(n, self.n_kv, self.head_dim)
         host = self.inputs.host_values(positions)
-        if self.normalize_k:
-            if self.k_offset is None:  # device positions (host None): every key counts
-                self.k_offset, self.k_scale = key_normalization(k, host, xp=cp, queries=queries)
-                self._query_scale = None
-            k = (k.astype(cp.float32) - self.k_offset) / self.k_scale
+        if self.normalize_k:  # device positions (host None): every key counts for the first write's statistics
+            k = self._normalized(k.astype(cp.float32), host, queries, xp=cp)
         k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
         v_codec.encode(cp.ascontiguousarray(v.reshape(n, self.n_kv, self.v_head_dim)), slots, self.v_data)
         self.slot_pos[slots] = pos
@@ -79,6 +76,10 @@ class DeviceLayerKV(LayerKV):
             cp = self.xp
             self._query_scale = cp.repeat(self.k_scale, n_head // self.n_kv, axis=0).astype(cp.float32)
         return self._query_scale
+
+    def clear(self) -> None:
+        super().clear()
+        self._query_scale = None  # the next write normalises afresh
 
     def pad_used(self, n_slots: int) -> None:
         """Read at least `n_slots` slots from now on (empty ones are masked): fixes the kernel arguments

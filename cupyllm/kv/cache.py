@@ -83,9 +83,7 @@ class LayerKV:
         n = len(positions)
         slots = self.slots_for(np.asarray(positions))
         if self.normalize_k:
-            if self.k_offset is None:
-                self.k_offset, self.k_scale = key_normalization(k, positions, queries=queries)
-            k = (k - self.k_offset) / self.k_scale
+            k = self._normalized(k, positions, queries)
         k_bytes = self.k_format.encode(k.reshape(n * self.n_kv, self.head_dim))
         v_bytes = self.v_format.encode(v.reshape(n * self.n_kv, self.v_head_dim))
         self.k_data[slots] = k_bytes.reshape(n, self.n_kv, -1)
@@ -105,6 +103,12 @@ class LayerKV:
         v = self.v_format.decode(self.v_data[start:stop].reshape(n * self.n_kv, -1), self.v_head_dim)
         return (self._denormalized(k.reshape(n, self.n_kv, self.head_dim)), v.reshape(n, self.n_kv, self.v_head_dim),
                 self.slot_pos[start:stop])
+
+    def _normalized(self, k, positions, queries, xp=np):
+        """K as stored, (K - k_offset) / k_scale; the first write sets both (key_normalization)."""
+        if self.k_offset is None:
+            self.k_offset, self.k_scale = key_normalization(k, positions, xp=xp, queries=queries)
+        return (k - self.k_offset) / self.k_scale
 
     def _denormalized(self, k: np.ndarray) -> np.ndarray:
         return k * self.k_scale + self.k_offset if self.k_offset is not None else k
