@@ -400,13 +400,6 @@ __device__ __forceinline__ int dca_regime(int query_chunk, int key_chunk) {
 
 // The regimes (bit r: regime r) key `key_pos` can take with the rows of `rows`: a superset of those of its
 // visible (row, key) pairs, exact when the rows share one chunk (decode).
-__device__ __forceinline__ u32 dca_key_regimes(int key_pos, const DcaRows& rows) {
-    if (key_pos < 0 || key_pos > rows.pos_hi) return 0u;  // no row sees it
-    const int key_chunk = key_pos / rows.chunk_len;
-    const int lo = min(max(rows.chunk_lo - key_chunk, 0), 2), hi = min(rows.chunk_hi - key_chunk, 2);
-    return hi < lo ? 0u : ((2u << hi) - 1u) & ~((1u << lo) - 1u);
-}
-
 // The regimes of every key in chunks [c_lo, c_hi] with the rows of `rows` (the union over those chunks: the
 // regime falls as the key chunk rises, so it is one run of bits).
 __device__ __forceinline__ u32 dca_chunk_span_regimes(int c_lo, int c_hi, const DcaRows& rows) {
@@ -414,6 +407,19 @@ __device__ __forceinline__ u32 dca_chunk_span_regimes(int c_lo, int c_hi, const 
     c_hi = min(c_hi, rows.chunk_hi);
     const int lo = min(max(rows.chunk_lo - c_hi, 0), 2), hi = min(rows.chunk_hi - c_lo, 2);
     return ((2u << hi) - 1u) & ~((1u << lo) - 1u);
+}
+
+__device__ __forceinline__ u32 dca_key_regimes(int key_pos, const DcaRows& rows) {
+    if (key_pos < 0 || key_pos > rows.pos_hi) return 0u;  // no row sees it
+    const int key_chunk = key_pos / rows.chunk_len;
+    return dca_chunk_span_regimes(key_chunk, key_chunk, rows);
+}
+
+// The regimes of the first n_valid keys of a tile (positions `pos`), the same in every warp.
+__device__ __forceinline__ u32 dca_tile_regimes(const int* pos, int n_valid, const DcaRows& rows, int lane) {
+    u32 bits = 0u;
+    for (int j = lane; j < n_valid; j += 32) bits |= dca_key_regimes(pos[j], rows);
+    return warp_or(bits);
 }
 
 // The regimes of consecutive key tiles when slot j holds position j (or is empty): a tile of slots
@@ -435,14 +441,14 @@ struct DcaChunkWalk {
         const int c_hi = last < boundary ? chunk : (last < boundary + chunk_len ? chunk + 1 : last / chunk_len);
         return dca_chunk_span_regimes(chunk, c_hi, rows);
     }
+    // The regimes of the tile at slot `first` (n_valid keys, positions `pos`): from its slot range when slots
+    // hold their positions, else from the positions themselves (rings).
+    __device__ __forceinline__ u32 tile(bool slots_are_positions, const int* pos, int first, int n_valid,
+                                        const DcaRows& rows, int lane) {
+        return slots_are_positions ? regimes(first, first + n_valid - 1, rows)
+                                   : dca_tile_regimes(pos, n_valid, rows, lane);
+    }
 };
-
-// The regimes of the first n_valid keys of a tile (positions `pos`), the same in every warp.
-__device__ __forceinline__ u32 dca_tile_regimes(const int* pos, int n_valid, const DcaRows& rows, int lane) {
-    u32 bits = 0u;
-    for (int j = lane; j < n_valid; j += 32) bits |= dca_key_regimes(pos[j], rows);
-    return warp_or(bits);
-}
 
 // The next regime to run of the (nonzero) set `todo`: `loaded` when present (its Q is in place), else the lowest.
 __device__ __forceinline__ int dca_next_regime(u32 todo, int loaded) {

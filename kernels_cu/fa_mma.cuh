@@ -336,8 +336,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     // the caller makes the new Q visible before multiplying).
     DcaChunkWalk dca_walk = DcaChunkWalk::at(keys.begin, kDca ? dca_chunk_len : 1);
     auto dca_tile = [&](const int* pos, int first, int n_valid, u32& regimes) -> bool {
-        regimes = slots_are_positions ? dca_walk.regimes(first, first + n_valid - 1, dca_rows_s)
-                                      : dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
+        regimes = dca_walk.tile(slots_are_positions != 0, pos, first, n_valid, dca_rows_s, lane);
         const int lowest = regimes != 0u ? __ffs(static_cast<int>(regimes)) - 1 : 0;
         const bool single = regimes != 0u && (regimes & (regimes - 1u)) == 0u;
         const int want = single || q_loaded < 0 ? lowest : q_loaded;  // several: keep q_s, the rest pair by pair

@@ -241,8 +241,7 @@ fa_vec(const float* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, con
         // One pass; DCA: one per regime the tile can hold, each keeping the scores of its own regime.
         u32 todo = 1u;
         if constexpr (kDca)
-            todo = slots_are_positions ? dca_walk.regimes(static_cast<int>(first), static_cast<int>(first) + n_valid - 1, dca_rows_s)
-                                       : dca_tile_regimes(pos, n_valid, dca_rows_s, lane);
+            todo = dca_walk.tile(slots_are_positions != 0, pos, static_cast<int>(first), n_valid, dca_rows_s, lane);
         const bool select = kDca && (todo & (todo - 1u)) != 0u;  // several regimes: keep scores per (row, key)
         while (todo != 0u) {
             const int regime = kDca ? dca_next_regime(todo, q_loaded) : 0;
