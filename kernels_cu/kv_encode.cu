@@ -274,37 +274,39 @@ struct Encoder<FmtTurbo<kBits, G>> {
 // ---- *_tcq: Viterbi over the bitshift trellis, one CTA per group, one thread per predecessor set ----
 //
 // state_{t+1} = (state_t >> k) | new_bits << (L - k); the predecessors of s' are (m << k) | r with
-// m = s' & (2^(L-k) - 1), r = 0 .. 2^k - 1, so the 2^k states s' = (b << (L - k)) | m, b = 0 .. 2^k - 1,
-// share them. Thread m takes the minimum over its predecessor set once per step,
-//   best_t[m] = min_r cost_{t-1}[(m << k) | r]
+// m = s' & (2^(L-k) - 1), r = 0 .. 2^k - 1. Thread `me` holds the 2^k states (me << k) | r: exactly the
+// predecessor set of m = me, so its minimum is taken in registers,
+//   best_t[me] = min_r cost_{t-1}[(me << k) | r]
 // scanning r upwards and replacing only on a strictly smaller cost (a tie keeps the smaller predecessor),
-// exactly as tcq._viterbi_numba, then writes the 2^k costs cost_t[s'] = best_t[m] + (z[t] - CODEBOOK[s'])^2
-// with its 2^k centroids in registers: 2^k times less work per step than one thread per state, which
-// recomputed the shared minimum in every thread (the encode cost 2.7 prefill layer steps on an H200).
+// exactly as tcq._viterbi_numba. The next costs of its states need the minima of the sets
+// ((me << k) | r) & (2^(L-k) - 1): 2^k consecutive entries of best_t, read as one or two 16-byte words that
+// a warp's lanes share. So a step moves one float per predecessor set through shared memory instead of one
+// per state: the previous layout (a thread per set writing its 2^k successors' costs for their sets'
+// threads to read) spent the step on shared-memory traffic (the encode cost 75% of a prefill layer step).
 // The final state is the smallest argmin; thread 0 backtracks.
 
 template <int kK, int kL, int G>
 struct Encoder<FmtTcq<kK, kL, G>> {
     using Fmt = FmtTcq<kK, kL, G>;
     static constexpr int kStates = 1 << kL;
-    static constexpr int kLowStates = 1 << (kL - kK);  // values of m: one thread each
+    static constexpr int kLowStates = 1 << (kL - kK);  // predecessor sets: one thread each
     static constexpr int kPreds = 1 << kK;
     static constexpr int kUnitThreads = kLowStates, kUnitsPerCta = 1, kCtaThreads = kLowStates;
     static constexpr int kWarps = kLowStates / 32;
     static_assert(kLowStates >= 32 && kLowStates <= 1024 && kLowStates % 32 == 0, "whole warps of predecessor sets");
     static_assert(Fmt::kBlockBytes - 2 <= kLowStates, "one thread per stream byte");
+    static_assert(kL >= 2 * kK && kPreds % 4 == 0, "a thread's sets are whole 16-byte words of best_t");
 
-    // Costs are stored transposed, cost of state (m << k) | r at r * kRowStride + m: thread m's 2^k
-    // predecessors sit in 2^k rows at column m, so a warp reading one r hits consecutive words; the
-    // padding spreads the writes of a warp (consecutive m, one b) over all banks.
-    static constexpr int kRowStride = kLowStates + 32 / kPreds;
-    __device__ static int cost_index(int state) { return (state & (kPreds - 1)) * kRowStride + (state >> kK); }
+    // best_t of set m at m + 4 * (m / 32): the 8 distinct 32-byte runs a warp reads at k = 3 then start in
+    // distinct banks (unpadded, runs 0 and 4 would collide); a run never crosses the padding.
+    __device__ static int best_index(int m) { return m + ((m >> 5) << 2); }
+    static constexpr int kBestStride = kLowStates + 4 * (kLowStates / 32);
 
     template <class Src, int kNormMode>
     __device__ static void encode(const Src* x, u8* out, const float* table, int thread) {
         __shared__ float z_smem[G];
-        __shared__ float cost_smem[2][kPreds * kRowStride];
-        __shared__ u8 choice[G][kLowStates];  // best r of step t for each m
+        __shared__ __align__(16) float best_smem[2][kBestStride];  // best_t, double-buffered: one barrier a step
+        __shared__ u8 choice[G][kLowStates];  // best r of step t for each set
         __shared__ short states[G];
         __shared__ float best_cost[kWarps];
         __shared__ int best_state[kWarps];
@@ -321,44 +323,45 @@ struct Encoder<FmtTcq<kK, kL, G>> {
         }
         __syncthreads();
 
-        const int m = thread;
-        float centroid[kPreds], cost[kPreds];  // of the states (b << (L - k)) | m
+        const int me = thread;
+        const int sets = best_index((me << kK) & (kLowStates - 1));  // the sets of this thread's states: sets + r
+        float centroid[kPreds], cost[kPreds];  // of the states (me << k) | r
 #pragma unroll
-        for (int b = 0; b < kPreds; ++b) {
-            const int state = (b << (kL - kK)) | m;
-            centroid[b] = table[state];
-            const float d = __fsub_rn(z_smem[0], centroid[b]);
-            cost[b] = __fmul_rn(d, d);
-            cost_smem[0][cost_index(state)] = cost[b];
+        for (int r = 0; r < kPreds; ++r) {
+            centroid[r] = table[(me << kK) | r];
+            const float d = __fsub_rn(z_smem[0], centroid[r]);
+            cost[r] = __fmul_rn(d, d);
         }
-        __syncthreads();
         for (int t = 1; t < G; ++t) {
-            const float* prev = cost_smem[(t - 1) & 1];
-            float best = prev[m];  // r = 0: row 0, column m
+            float best = cost[0];
             int best_r = 0;
 #pragma unroll
-            for (int r = 1; r < kPreds; ++r) {
-                const float c = prev[r * kRowStride + m];
-                if (c < best) { best = c; best_r = r; }
-            }
-            choice[t][m] = static_cast<u8>(best_r);
-            const float z = z_smem[t];
-            float* next = cost_smem[t & 1];
-#pragma unroll
-            for (int b = 0; b < kPreds; ++b) {
-                const float d = __fsub_rn(z, centroid[b]);
-                cost[b] = __fadd_rn(best, __fmul_rn(d, d));
-                next[cost_index((b << (kL - kK)) | m)] = cost[b];
-            }
+            for (int r = 1; r < kPreds; ++r)
+                if (cost[r] < best) { best = cost[r]; best_r = r; }
+            float* const best_t = best_smem[t & 1];
+            best_t[best_index(me)] = best;
+            choice[t][me] = static_cast<u8>(best_r);
             __syncthreads();
+            float set_best[kPreds];
+#pragma unroll
+            for (int w = 0; w < kPreds / 4; ++w) {
+                const float4 b4 = *reinterpret_cast<const float4*>(best_t + sets + 4 * w);
+                set_best[4 * w] = b4.x, set_best[4 * w + 1] = b4.y, set_best[4 * w + 2] = b4.z, set_best[4 * w + 3] = b4.w;
+            }
+            const float z = z_smem[t];
+#pragma unroll
+            for (int r = 0; r < kPreds; ++r) {
+                const float d = __fsub_rn(z, centroid[r]);
+                cost[r] = __fadd_rn(set_best[r], __fmul_rn(d, d));
+            }
         }
 
-        // argmin over the final costs, the smallest state on ties: this thread's states grow with b
+        // argmin over the final costs, the smallest state on ties: this thread's states grow with r
         float c = cost[0];
-        int s = m;
+        int s = me << kK;
 #pragma unroll
-        for (int b = 1; b < kPreds; ++b)
-            if (cost[b] < c) { c = cost[b]; s = (b << (kL - kK)) | m; }
+        for (int r = 1; r < kPreds; ++r)
+            if (cost[r] < c) { c = cost[r]; s = (me << kK) | r; }
 #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) {
             const float oc = __shfl_xor_sync(kFullMask, c, offset);

@@ -40,7 +40,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))  // GCC takes it anywhere in the decl-specifiers, as nvcc does
 // Static __shared__ variables are block-scope statics: shared by every thread of the block (blocks
 // run one at a time). `extern __shared__` (dynamic shared memory) is rewritten by the build script to
 // a plain `extern` array that the generated wrapper defines (see emulator.py).
