@@ -364,8 +364,7 @@ def test_tcq_codebooks_are_package_data():
         assert np.isfinite(cb).all() and abs(float(np.mean(cb))) < 0.1 and 0.7 < float(np.std(cb)) < 1.3
 
 
-def test_training_step_lowers_distortion():
-    """One Lloyd step of tools/train_tcq_codebook.py on a fresh start never raises the training MSE."""
+def _trainer():
     import importlib.util
     from pathlib import Path
 
@@ -373,11 +372,31 @@ def test_training_step_lowers_distortion():
     spec = importlib.util.spec_from_file_location("train_tcq_codebook", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_training_step_lowers_distortion():
+    """One Lloyd step of tools/train_tcq_codebook.py on a fresh start never raises the training MSE."""
+    mod = _trainer()
     z = mod.to_unit_z(mod.gaussian_groups(64, 32, seed=0))
     cb = tcq.initial_codebook(8, seed=0)
     before, states = mod.distortion(z, cb, 2, 8)
     after, _ = mod.distortion(z, mod.centroid_update(z, states, cb), 2, 8)
     assert after <= before + 1e-7
+
+
+def test_training_a_trellis_no_format_has():
+    """train(trellis=(k, L)) (tools/tcq_trellis_sizes.py): a 32-state, 2-bit trellis trained briefly on Gaussian
+    groups beats the scalar 2-bit Lloyd-Max quantizer on held-out groups, as TCQ must."""
+    from cupyllm.kv import lloyd_max
+
+    mod = _trainer()
+    z_train = [mod.to_unit_z(mod.gaussian_groups(512, 64, seed=1))]
+    z_val = [mod.to_unit_z(mod.gaussian_groups(256, 64, seed=2))]
+    cb, val_mse = mod.train("k2_L5", z_train, z_val, iters=6, seeds=[0], relax=2.5, val_every=3, trellis=(2, 5))
+    assert cb.shape == (32,) and "k2_L5" not in tcq.TCQ_PARAMS
+    assert val_mse == pytest.approx(mod.distortion(z_val[0], cb, 2, 5)[0], rel=1e-6)
+    assert val_mse < 0.95 * lloyd_max.gaussian_lloyd_max(2).mse
 
 
 def test_list_formats_all_constructible():

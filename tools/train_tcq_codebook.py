@@ -91,11 +91,12 @@ def centroid_update(zs, states, codebook: np.ndarray) -> np.ndarray:
 
 def train(
     name: str, z_train: list[np.ndarray], z_val: list[np.ndarray], iters: int, seeds: list[int], relax: float,
-    val_every: int, init: np.ndarray | None = None,
+    val_every: int, init: np.ndarray | None = None, trellis: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, float]:
     """Lloyd iterations from each seed's random Gaussian codebook (or from ``init``); the codebook with the
-    lowest held-out MSE (checked every ``val_every`` iterations, the start included) and that MSE."""
-    k, L = tcq.TCQ_PARAMS[name]
+    lowest held-out MSE (checked every ``val_every`` iterations, the start included) and that MSE.
+    ``trellis`` = (k, L) for a trellis no format has (tools/tcq_trellis_sizes.py); else the format's own."""
+    k, L = trellis or tcq.TCQ_PARAMS[name]
     best_cb, best_val = None, np.inf
     for seed in seeds if init is None else ["init"]:
         cb = tcq.initial_codebook(L, seed) if init is None else init.astype(np.float32).copy()
