@@ -398,8 +398,6 @@ __device__ __forceinline__ int dca_regime(int query_chunk, int key_chunk) {
     return min(query_chunk - key_chunk, 2);
 }
 
-// The regimes (bit r: regime r) key `key_pos` can take with the rows of `rows`: a superset of those of its
-// visible (row, key) pairs, exact when the rows share one chunk (decode).
 // The regimes of every key in chunks [c_lo, c_hi] with the rows of `rows` (the union over those chunks: the
 // regime falls as the key chunk rises, so it is one run of bits).
 __device__ __forceinline__ u32 dca_chunk_span_regimes(int c_lo, int c_hi, const DcaRows& rows) {
@@ -409,6 +407,8 @@ __device__ __forceinline__ u32 dca_chunk_span_regimes(int c_lo, int c_hi, const 
     return ((2u << hi) - 1u) & ~((1u << lo) - 1u);
 }
 
+// The regimes (bit r: regime r) key `key_pos` can take with the rows of `rows`: a superset of those of its
+// visible (row, key) pairs, exact when the rows share one chunk (decode).
 __device__ __forceinline__ u32 dca_key_regimes(int key_pos, const DcaRows& rows) {
     if (key_pos < 0 || key_pos > rows.pos_hi) return 0u;  // no row sees it
     const int key_chunk = key_pos / rows.chunk_len;

@@ -288,7 +288,6 @@ struct Encoder<FmtTurbo<kBits, G>> {
 template <int kK, int kL, int G>
 struct Encoder<FmtTcq<kK, kL, G>> {
     using Fmt = FmtTcq<kK, kL, G>;
-    static constexpr int kStates = 1 << kL;
     static constexpr int kLowStates = 1 << (kL - kK);  // predecessor sets: one thread each
     static constexpr int kPreds = 1 << kK;
     static constexpr int kUnitThreads = kLowStates, kUnitsPerCta = 1, kCtaThreads = kLowStates;

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.time()
         _, val_mse = trainer.train(name, z_train, z_val, args.iters, [0], 2.5, 5, trellis=(k, L))
         scalar = lloyd_max.gaussian_lloyd_max(k).mse
-        rows.append({"k": k, "L": L, "states": 1 << L, "format": name if (k, L) in shipped else None,
+        rows.append({"k": k, "L": L, "states": 1 << L, "format": shipped.get((k, L)),
                      "val_mse": val_mse, "scalar_lloyd_max_mse": scalar, "gain_db": 10 * math.log10(scalar / val_mse),
                      "train_seconds": time.time() - t0})
     report = {
