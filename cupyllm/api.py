@@ -102,7 +102,10 @@ class Model:
 
     @functools.cached_property
     def _decode_forward(self):
-        """The forward pass with one-token steps replayed as CUDA graphs on the GPU (unchanged on the CPU)."""
+        """The forward pass with one-token steps replayed as CUDA graphs on the GPU (unchanged on the CPU, and for
+        models whose step reads device values on the host: a mixture of experts routes on the host)."""
+        if any(layer.moe is not None for layer in self.transformer.layers):
+            return self.transformer.forward
         return self.transformer.ops.decode_forward(self.transformer.forward)
 
     def _forward_numpy_graphed(self, tokens, positions, cache, all_logits=False):
@@ -131,8 +134,9 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
-    get_format(kv_type_k, head_dim=cfg.head_dim)  # an unknown or unfit KV type fails before weights load
-    get_format(kv_type_v, head_dim=cfg.v_head_dim)
+    for head_dim in sorted(cfg.head_dims()):  # an unknown or unfit KV type fails before weights load
+        get_format(kv_type_k, head_dim=head_dim)
+        get_format(kv_type_v, head_dim=head_dim)
     spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk,
                    normalize_k=kv_normalize_k)
     backend = select_backend(device)

@@ -99,12 +99,12 @@ def compile_template(template: str) -> jinja2.Template:
 
 
 def template_from_metadata(metadata: Mapping[str, Any]) -> str:
-    """The GGUF's chat template, or the built-in Gemma 3 one for a Gemma GGUF that has none."""
+    """The GGUF's chat template, or the built-in Gemma 3 one for a Gemma 1-3 GGUF that has none."""
     template = metadata.get("tokenizer.chat_template")
     if template:
         return str(template)
     arch = str(metadata.get("general.architecture", ""))
-    if arch.startswith("gemma"):
+    if arch in ("gemma", "gemma2", "gemma3"):  # Gemma 4 marks turns differently: its GGUFs carry the template
         return GEMMA3_TEMPLATE
     raise ModelFileError(f"the GGUF (architecture {arch or 'unknown'}) has no tokenizer.chat_template; "
                          "pass a template string to render_chat")

@@ -8,7 +8,8 @@ from .errors import CupyllmError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="GGUF model path (default: Gemma 3 270M Q4_K_M from its PyPI package)")
+    p.add_argument("-m", "--model", help="GGUF model path: Qwen2/2.5, Qwen3, Gemma 3 or Gemma 4 "
+                                          "(default: Gemma 3 270M Q4_K_M from its PyPI package)")
     p.add_argument("-c", "--ctx", type=int, default=4096, help="context length: KV positions to hold (default 4096)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV-cache type of K (f16, q8_0, q4_0, turbo3, ...)")

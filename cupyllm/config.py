@@ -2,16 +2,20 @@
 
 Where a GGUF omits a hyperparameter, the value is filled exactly as llama.cpp's `llama_model::load_hparams`
 fills it (Gemma 3: every 6th layer global, local rope base 10 000, query scale 1/sqrt(head_dim) except 27B).
+Gemma 4 varies the attention shape by layer (sliding layers: `key_length_swa`, global layers: `key_length` and
+their own KV head count) and lets its last `shared_kv_layers` layers read the cache of an earlier layer.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import ModelFileError
 from .gguf_io import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", "gemma4")
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,8 @@ class ModelConfig:
     n_layer: int
     d_model: int
     n_head: int
-    n_kv_head: int
-    head_dim: int  # key length
+    n_kv_head: int  # of the global layers where they differ (Gemma 4); layer_kv_heads has every layer's
+    head_dim: int  # key length (of the global layers where they differ)
     v_head_dim: int
     ffn_dim: int
     n_vocab: int
@@ -58,10 +62,36 @@ class ModelConfig:
     sandwich_norm: bool = False  # Gemma: post-attention and post-FFN norms
     activation: str = "silu"  # silu (SwiGLU) | gelu_tanh (GeGLU)
     tied_output: bool = False
+    # Gemma 4: per-layer attention shapes, KV sharing, V's RMSNorm, per-layer embeddings, a mixture of experts
+    layer_head_dims: tuple[int, ...] = ()  # per layer K = V head dim; () when every layer has head_dim
+    layer_kv_heads: tuple[int, ...] = ()  # per layer KV head count; () when every layer has n_kv_head
+    kv_sources: tuple[int, ...] = ()  # per layer: the layer whose cache it reads (itself unless shared)
+    v_norm: bool = False  # V is RMS-normalised (no weight) before it is cached
+    per_layer_dim: int = 0  # width of the per-layer embedding fed to every block (0: none)
+    n_expert: int = 0  # experts per MoE layer (0: dense model)
+    n_expert_used: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def v_head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.v_head_dim
+
+    def n_kv_head_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.n_kv_head
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cache `layer` attends over: itself, or for a KV-shared layer the last earlier
+        layer of the same kind (sliding or global) that computes its own K and V."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def head_dims(self) -> set[int]:
+        """Every (K and V) head dim some layer caches."""
+        return {self.head_dim_of(il) for il in range(self.n_layer)} | {self.v_head_dim_of(il) for il in range(self.n_layer)}
 
     def rope_for(self, layer: int) -> RopeConfig:
         return self.rope_local if (self.rope_local is not None and self.is_sliding(layer)) else self.rope
@@ -91,7 +121,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     arch = gguf.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Gemma 3)")
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Gemma 3, Gemma 4)")
 
     def get(key, default=None):
         return gguf.get(key, default)
@@ -105,7 +135,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     n_layer = int(need(f"{arch}.block_count"))
     d_model = int(need(f"{arch}.embedding_length"))
     n_head = int(need(f"{arch}.attention.head_count"))
-    n_kv_head = int(get(f"{arch}.attention.head_count_kv", n_head))
+    n_kv_head = int(_largest(get(f"{arch}.attention.head_count_kv", n_head)))
     head_dim = int(get(f"{arch}.attention.key_length", d_model // n_head))
     v_head_dim = int(get(f"{arch}.attention.value_length", head_dim))
     n_rot = int(get(f"{arch}.rope.dimension_count", head_dim))
@@ -121,7 +151,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     common = dict(
         arch=arch, name=str(get("general.name", arch)), n_layer=n_layer, d_model=d_model, n_head=n_head,
         n_kv_head=n_kv_head, head_dim=head_dim, v_head_dim=v_head_dim,
-        ffn_dim=int(need(f"{arch}.feed_forward_length")), n_vocab=n_vocab,
+        ffn_dim=int(_largest(need(f"{arch}.feed_forward_length"))), n_vocab=n_vocab,
         norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         ctx_train=int(get(f"{arch}.context_length", 4096)), rope=rope,
         tied_output="output.weight" not in gguf.tensors,
@@ -129,6 +159,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if arch in ("qwen2", "qwen3"):
         return ModelConfig(**common, attn_scale=1.0 / math.sqrt(head_dim), qkv_bias=arch == "qwen2",
                            qk_norm=arch == "qwen3", activation="silu")
+    if arch == "gemma4":
+        return _gemma4_config(gguf, get, common)
 
     # gemma3, as llama.cpp: sliding pattern 6 (layers 5, 11, ... global), local rope base 10 000 unscaled
     pattern = 6
@@ -142,4 +174,65 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         final_logit_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
         attn_logit_softcap=float(get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
         qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
+    )
+
+
+def _largest(value):
+    """A per-layer array's largest entry (Gemma 4 writes some hyperparameters per layer), or the scalar."""
+    return max(value) if np.ndim(value) > 0 else value
+
+
+def _per_layer(value, n_layer: int, what: str, path) -> tuple:
+    """A GGUF hyperparameter that is one number for every layer or an array with one per layer."""
+    if np.ndim(value) > 0:
+        if len(value) != n_layer:
+            raise ModelFileError(f"{path}: '{what}' has {len(value)} entries for {n_layer} layers")
+        return tuple(value)
+    return (value,) * n_layer
+
+
+def _gemma4_config(gguf: GGUFFile, get, common: dict) -> ModelConfig:
+    """Gemma 4, as llama.cpp loads it: per-layer sliding pattern, sliding layers with their own head dim and
+    rope (base `freq_base_swa`, no frequency factors), global layers with `key_length` and the proportional
+    rope that `rope_freqs` encodes (factors of 1e30 leave the unrotated pairs still), no query scaling (q and k
+    are RMS-normalised), and the last `shared_kv_layers` layers reading the cache of the last earlier layer of
+    their kind."""
+    arch, path, n_layer = "gemma4", gguf.path, common["n_layer"]
+    sliding = tuple(bool(v) for v in _per_layer(get(f"{arch}.attention.sliding_window_pattern", False), n_layer,
+                                                "attention.sliding_window_pattern", path))
+    head_dim_global = common["head_dim"]
+    head_dim_swa = int(get(f"{arch}.attention.key_length_swa", head_dim_global))
+    if int(get(f"{arch}.attention.value_length_swa", head_dim_swa)) != head_dim_swa or common["v_head_dim"] != head_dim_global:
+        raise ModelFileError(f"{path}: gemma4 with value length != key length is not supported")
+    kv_heads = tuple(int(v) for v in _per_layer(get(f"{arch}.attention.head_count_kv", common["n_head"]), n_layer,
+                                                "attention.head_count_kv", path))
+    n_shared = int(get(f"{arch}.attention.shared_kv_layers", 0) or 0)
+    first_shared = n_layer - n_shared
+    sources = []
+    for il in range(n_layer):
+        if il < first_shared:
+            sources.append(il)
+            continue
+        same_kind = [j for j in range(first_shared) if sliding[j] == sliding[il]]
+        if not same_kind:
+            raise ModelFileError(f"{path}: layer {il} shares the KV cache of an earlier layer of its kind, and there is none")
+        sources.append(same_kind[-1])
+    rope = common["rope"]
+    rope_swa = RopeConfig(base=float(get(f"{arch}.rope.freq_base_swa", rope.base)),
+                          n_rot=int(get(f"{arch}.rope.dimension_count_swa", head_dim_swa)), neox=True)
+    n_expert, n_expert_used = int(get(f"{arch}.expert_count", 0) or 0), int(get(f"{arch}.expert_used_count", 0) or 0)
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise ModelFileError(f"{path}: {n_expert} experts but expert_used_count {n_expert_used}; the file is not a "
+                             "complete gemma4 MoE model")
+    global_layers = [il for il in range(n_layer) if not sliding[il]] or [0]
+    return ModelConfig(
+        **{**common, "n_kv_head": kv_heads[global_layers[0]]},
+        rope_local=rope_swa, sliding_window=int(get(f"{arch}.attention.sliding_window", 512)), sliding_layers=sliding,
+        attn_scale=1.0, embed_scale=math.sqrt(common["d_model"]),
+        final_logit_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+        qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
+        layer_head_dims=tuple(head_dim_swa if s else head_dim_global for s in sliding), layer_kv_heads=kv_heads,
+        kv_sources=tuple(sources), v_norm=True,
+        per_layer_dim=int(get(f"{arch}.embedding_length_per_layer_input", 0) or 0),
+        n_expert=n_expert, n_expert_used=n_expert_used,
     )

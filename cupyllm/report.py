@@ -33,8 +33,10 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         "tensor types    " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
         f"layers          {cfg.n_layer}" + (f" ({n_sliding} sliding-window of {cfg.sliding_window}, "
                                               f"{cfg.n_layer - n_sliding} global)" if n_sliding else ""),
-        f"d_model         {cfg.d_model}   ffn {cfg.ffn_dim}   vocab {cfg.n_vocab}",
-        f"attention       {cfg.n_head} query heads, {cfg.n_kv_head} KV heads, head dim {cfg.head_dim}",
+        f"d_model         {cfg.d_model}   ffn {cfg.ffn_dim}   vocab {cfg.n_vocab}"
+        + (f"   per-layer embedding {cfg.per_layer_dim}" if cfg.per_layer_dim else "")
+        + (f"   experts {cfg.n_expert_used} of {cfg.n_expert}" if cfg.n_expert else ""),
+        _attention_line(cfg),
         f"rope            base {cfg.rope.base:g}, {cfg.rope.n_rot} dims, scaling {cfg.rope.scaling}"
         + (f" x{cfg.rope.factor:g}" if cfg.rope.scaling != "none" else "")
         + (f"; sliding layers base {cfg.rope_local.base:g}" if cfg.rope_local else ""),
@@ -44,3 +46,16 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         f"memory needed   {_gib(weight_bytes + cache)} (weights + KV cache)",
     ]
     return "\n".join(lines)
+
+
+def _attention_line(cfg) -> str:
+    """Query/KV heads and head dims; Gemma 4's sliding and global layers differ, and may share caches."""
+    shapes = sorted({(cfg.is_sliding(il), cfg.n_kv_head_of(il), cfg.head_dim_of(il)) for il in range(cfg.n_layer)})
+    if len(shapes) == 1:
+        text = f"{cfg.n_head} query heads, {cfg.n_kv_head} KV heads, head dim {cfg.head_dim}"
+    else:
+        text = f"{cfg.n_head} query heads; " + "; ".join(
+            f"{'sliding' if sliding else 'global'} layers {n_kv} KV heads, head dim {head_dim}"
+            for sliding, n_kv, head_dim in shapes)
+    shared = sum(cfg.kv_source(il) != il for il in range(cfg.n_layer))
+    return "attention       " + text + (f"; the last {shared} layers reuse earlier layers' caches" if shared else "")

@@ -44,7 +44,7 @@ _SPECIAL_ATTRS = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN  # cut out of t
 _HIDDEN_ATTRS = ATTR_CONTROL | ATTR_UNKNOWN  # not rendered when decoding with skip_special
 
 SPM_SPACE = "\u2581"
-SUPPORTED_MODELS = ("llama", "gpt2")
+SUPPORTED_MODELS = ("llama", "gpt2", "gemma4")
 
 # llama.cpp's whitespace set (the Unicode White_Space property); spelled out because `\s` differs
 # between regex engines (e.g. on U+001C..U+001F).
@@ -66,6 +66,8 @@ _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "llama3": (_llama3_like(r"\p{N}{1,3}"),),
     "gpt2": (_GPT2_PATTERN,),
     "default": (r"[\p{P}$+<=>^~|]+", _GPT2_PATTERN, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    # Gemma 4: BPE over characters of the whole line (spaces already U+2581); only newline runs are cut off
+    "gemma4": (r"[^\n]+|[\n]+",),
 }
 # tokenizer.ggml.pre names llama.cpp maps onto the chains above
 _PRE_ALIASES = {
@@ -348,30 +350,39 @@ class _PreTokenizer:
 
 
 class _ByteLevelBpe:
-    """llama.cpp's llm_tokenizer_bpe_session: regex words, GPT-2 byte mapping, merges by rank."""
+    """llama.cpp's llm_tokenizer_bpe_session: regex words, GPT-2 byte mapping, merges by rank.
 
-    def __init__(self, token_to_id: dict[str, int], merges: list[str], pre: str):
+    Gemma 4 (`byte_encode` False) runs the same merges over the characters themselves: spaces become U+2581
+    first, a word made only of newlines is one token when the vocabulary has it, and a piece no token spells
+    falls back to its UTF-8 bytes as <0xXX> tokens."""
+
+    def __init__(self, token_to_id: dict[str, int], merges: list[str], pre: str, byte_encode: bool = True):
         self._token_to_id = token_to_id
         # Merge "a b" has rank = its line; the first line wins for duplicates (C++ emplace).
         self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1)))
         self._pre = _PreTokenizer(_PRE_TOKENIZERS[pre])
         self._ignore_merges = pre in _IGNORE_MERGES_PRE
+        self._byte_encode = byte_encode
+        self._byte_ids = None if byte_encode else _byte_fallback_ids(token_to_id)
         self._memo = _Memo()
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
         memo = self._memo
+        if not self._byte_encode:
+            text = text.replace(" ", SPM_SPACE)
         for word in self._pre.split(text):
             ids = memo.get(word)
             if ids is None:
-                ids = self._merge(word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_MAPPED))
+                ids = self._merge(word.encode("utf-8").decode("latin-1").translate(_LATIN1_TO_MAPPED)
+                                  if self._byte_encode else word)
                 memo.put(word, ids)
             out.extend(ids)
         return out
 
     def _merge(self, word: str) -> list[int]:
         lookup, ranks = self._token_to_id, self._ranks
-        if self._ignore_merges and word in lookup:
+        if (self._ignore_merges or (not self._byte_encode and not word.strip("\n"))) and word in lookup:
             return [lookup[word]]
         n = len(word)
         length = [1] * n
@@ -405,6 +416,8 @@ class _ByteLevelBpe:
             tid = lookup.get(piece)
             if tid is not None:
                 out.append(tid)
+            elif not self._byte_encode:
+                out.extend(self._byte_ids[b] for b in piece.encode("utf-8") if self._byte_ids[b] is not None)
             else:
                 # llama.cpp looks each UTF-8 byte of the mapped text up as a one-byte token and drops
                 # the misses; only ASCII bytes can hit.
@@ -442,7 +455,7 @@ _SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "eot": "eot_token
                  "eom": "eom_token_id", "unk": "unknown_token_id", "pad": "padding_token_id",
                  "fim_pre": "fim_pre_token_id", "fim_suf": "fim_suf_token_id", "fim_mid": "fim_mid_token_id",
                  "fim_pad": "fim_pad_token_id", "fim_rep": "fim_rep_token_id", "fim_sep": "fim_sep_token_id"}
-_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}}
+_DEFAULT_IDS = {"llama": {"bos": 1, "eos": 2, "unk": 0}, "gpt2": {"bos": 11, "eos": 11}, "gemma4": {}}
 
 
 def _meta_bool(metadata: dict, key: str, default: bool) -> bool:
@@ -555,8 +568,8 @@ class Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         if model not in SUPPORTED_MODELS:
             raise ModelFileError(f"tokenizer model {model!r} is not supported; supported are 'llama' "
-                                 "(SentencePiece, e.g. Gemma) and 'gpt2' (byte-level BPE, e.g. Qwen2, "
-                                 "Llama 3)")
+                                 "(SentencePiece, e.g. Gemma 3), 'gpt2' (byte-level BPE, e.g. Qwen2, "
+                                 "Llama 3) and 'gemma4' (BPE over characters)")
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ModelFileError("the GGUF has no tokenizer.ggml.tokens; it cannot be used for text")
@@ -568,6 +581,9 @@ class Tokenizer:
         pre_name = ""
         if model == "llama":
             add_bos, add_eos, add_space_prefix = True, False, True
+        elif model == "gemma4":  # llama.cpp sets the pre-tokenizer whatever the file says
+            pre_name = "gemma4"
+            add_bos, add_eos, add_space_prefix = True, False, False
         else:
             pre_name = str(metadata.get("tokenizer.ggml.pre", "") or "")
             if pre_name not in _PRE_ALIASES:
@@ -597,9 +613,10 @@ class Tokenizer:
         else:
             merges = metadata.get("tokenizer.ggml.merges")
             if merges is None:
-                raise ModelFileError("the GGUF's gpt2 tokenizer has no tokenizer.ggml.merges; "
+                raise ModelFileError(f"the GGUF's {model} tokenizer has no tokenizer.ggml.merges; "
                                      "re-convert the model with a current convert_hf_to_gguf.py")
-            engine = _ByteLevelBpe(token_to_id, list(merges), _PRE_ALIASES[pre_name])
+            engine = _ByteLevelBpe(token_to_id, list(merges), _PRE_ALIASES.get(pre_name, pre_name),
+                                   byte_encode=model != "gemma4")
 
         return cls(model=model, pre=pre_name, tokens=tokens, attrs=attrs, specials=specials,
                    eog_ids=eog, add_bos=add_bos, add_eos=add_eos,
@@ -707,7 +724,7 @@ class Tokenizer:
         if attr & (_HIDDEN_ATTRS | ATTR_USER_DEFINED):
             return text.encode("utf-8")
         if attr & ATTR_NORMAL:
-            if self.model == "llama":
+            if self.model in ("llama", "gemma4"):
                 return text.replace(SPM_SPACE, " ").encode("utf-8")
             return _unmap_bytes(text)
         if attr & ATTR_BYTE:

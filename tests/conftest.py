@@ -33,7 +33,7 @@ def tiny_model(tiny_dir):
 
     def make(arch: str):
         if arch not in made:
-            spec = make_tiny_models.TinySpec(arch)
+            spec = make_tiny_models.tiny_spec(arch)
             path = tiny_dir / f"tiny-{arch}.gguf"
             made[arch] = (path, spec, make_tiny_models.write_gguf(spec, path))
         return made[arch]

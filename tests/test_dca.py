@@ -106,7 +106,7 @@ def gemma6(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma6"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma6", "gemma4"])
 def test_dca_is_plain_attention_when_the_sequence_fits(arch, tiny_model, gemma6):
     path = gemma6 if arch == "gemma6" else tiny_model(arch)[0]
     ids = list(range(3, 33))  # 30 tokens < S = 32: at most one chunk boundary, distances exact
@@ -116,7 +116,7 @@ def test_dca_is_plain_attention_when_the_sequence_fits(arch, tiny_model, gemma6)
     np.testing.assert_allclose(dca, plain, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma6"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma6", "gemma4"])
 def test_dca_prefill_and_decode_agree_past_the_chunk(arch, tiny_model, gemma6):
     path = gemma6 if arch == "gemma6" else tiny_model(arch)[0]
     ids = list(np.random.default_rng(0).integers(3, 200, 60))

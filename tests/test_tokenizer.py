@@ -244,3 +244,51 @@ def test_template_string_with_hf_helpers():
     assert render_chat(template, messages, add_generation_prompt=False) == '"héllo""x"'
     with pytest.raises(CupyllmError, match="stop: <s>"):
         render_chat(template, messages, bos_token="<s>")
+
+
+# ---- Gemma 4: BPE over characters ------------------------------------------------------------------------
+
+GEMMA4_TEXTS = ["the water in the sea", "  there\n\nwas an  answer\n", "snow\n\n\nthe", "héllo wörld ⛵ 🙂",
+                "the<|turn>user\nhi<turn|>", "", "\n", "rent on the tower a the", "x" * 40]
+
+
+def _hf_gemma4_tokenizer(tokens, merges):
+    """The same vocabulary in HF `tokenizers`, with the components a Gemma 4 tokenizer.json names: spaces
+    replaced by U+2581, lines and newline runs split apart, BPE with byte fallback, specials as added tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import Regex, models, normalizers, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], byte_fallback=True,
+                     unk_token="<unk>", fuse_unk=False)
+    tok = tokenizers.Tokenizer(bpe)
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
+    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in ("<|turn>", "<turn|>", "<bos>", "<eos>")])
+    return tok
+
+
+def test_gemma4_ids_match_hf_tokenizers(tiny_model):
+    import make_tiny_models
+    path, _, _ = tiny_model("gemma4")
+    ours = Tokenizer.from_gguf(path)
+    tokens, _, merges = make_tiny_models.gemma4_vocab()
+    hf = _hf_gemma4_tokenizer(ours.tokens, merges)
+    assert ours.add_bos and ours.bos_id == tokens.index("<bos>")
+    for text in GEMMA4_TEXTS:
+        want = hf.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, add_bos=False) == want, text
+        assert ours.decode(want) == text, text  # U+2581 back to spaces, byte tokens back to bytes
+    assert ours.encode("the", add_bos=True)[0] == ours.bos_id
+    assert ours.is_eog(tokens.index("<turn|>"))
+
+
+def test_gemma4_ids_match_llama_cpp(tiny_model):
+    """llama.cpp's ids for the tiny Gemma 4 vocabulary (stored by tools/make_llama_cpp_reference.py)."""
+    import make_llama_cpp_reference as reference
+    import numpy as np
+    stored = np.load(reference.OUT)
+    ours = Tokenizer.from_gguf(tiny_model("gemma4")[0])
+    ids, offsets = stored["gemma4_text_ids"].tolist(), stored["gemma4_text_offsets"]
+    for i, text in enumerate(reference.TOKENIZER_TEXTS):
+        assert ours.encode(text, add_bos=False) == ids[offsets[i]:offsets[i + 1]], text

@@ -1,7 +1,7 @@
-"""Write tiny random-weight Qwen2, Qwen3 and Gemma 3 models as GGUF (with the `gguf` package's writer), and
+"""Write tiny random-weight Qwen2, Qwen3, Gemma 3 and Gemma 4 models as GGUF (with the `gguf` package's writer), and
 build the matching HF `transformers` models from the very same tensors, for exact parity tests.
 
-    python tools/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, tiny-qwen3.gguf, tiny-gemma3.gguf
+    python tools/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, ..., tiny-gemma4-moe.gguf
     python tools/make_tiny_models.py OUT_DIR --preset qwen2.5-7b   # random weights with a real model's shapes
 
 Presets (PRESETS) give the shapes, vocabulary sizes and Q4_K_M-like tensor types of real models, for speed
@@ -11,7 +11,14 @@ deviation of 1/sqrt(n_in).
 
 Weights are random (seeded); most matrices are stored as F32, some as F16/BF16/Q8_0/Q4_K/... so the quantized
 paths run too: the HF model gets exactly the values the GGUF blocks decode to (gguf's own dequantizer).
-The tokenizers are small but real: byte-level BPE (Qwen) and SentencePiece with byte fallback (Gemma).
+The tokenizers are small but real: byte-level BPE (Qwen), SentencePiece with byte fallback (Gemma 3) and
+character BPE with byte fallback (Gemma 4).
+
+Gemma 4 comes in two tiny variants that between them use every feature the engine implements, written as
+llama.cpp's convert_hf_to_gguf.py writes the real models: `gemma4` (E2B-like: per-layer embeddings, the last
+layers reading earlier layers' caches, double-wide MLPs there, global layers with their own head dim) and
+`gemma4-moe` (26B-A4B-like: a mixture of experts beside the dense MLP, global layers whose V is K's
+projection and with fewer KV heads).
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as T
 
-ARCHES = ("qwen2", "qwen3", "gemma3")
+ARCHES = ("qwen2", "qwen3", "gemma3", "gemma4", "gemma4-moe")
+GEMMA4_LAYER_TYPES = (True, True, False, True, False, True, False)  # sliding? per layer
 
 
 @dataclass
@@ -48,6 +56,21 @@ class TinySpec:
     })
     n_vocab: int | None = None  # pad the tokenizer's vocabulary with unused tokens up to this size
     random_blocks: bool = False  # quantized matrices as random valid blocks, not quantized values (presets)
+    # Gemma 4 (0 / False elsewhere)
+    global_head_dim: int = 0
+    n_global_kv_head: int = 0  # with k_eq_v only, as transformers reads it
+    k_eq_v: bool = False
+    per_layer_dim: int = 0
+    n_kv_shared: int = 0
+    double_wide: bool = False
+    n_expert: int = 0
+    n_expert_used: int = 0
+    expert_ffn_dim: int = 0
+    final_softcap: float = 0.0
+
+    @property
+    def gguf_arch(self) -> str:
+        return "gemma4" if self.arch.startswith("gemma4") else self.arch
 
 
 _Q4_K_M_QWEN = {"token_embd.weight": T.Q4_K, "output.weight": T.Q6_K, "attn_q.weight": T.Q4_K,
@@ -69,6 +92,18 @@ PRESETS: dict[str, TinySpec] = {
                            ctx_train=32768, rope_base=1_000_000.0, n_vocab=152064, random_blocks=True,
                            types=dict(_Q4_K_M_QWEN)),
 }
+
+
+def tiny_spec(arch: str) -> TinySpec:
+    """The test models' shapes: TinySpec's defaults, and for Gemma 4 its two variants."""
+    if arch == "gemma4":  # E2B-like
+        return TinySpec("gemma4", n_layer=7, head_dim=32, global_head_dim=64, per_layer_dim=16, n_kv_shared=2,
+                        double_wide=True, final_softcap=30.0, rope_base=1_000_000.0)
+    if arch == "gemma4-moe":  # 26B-A4B-like
+        return TinySpec("gemma4-moe", n_layer=6, head_dim=32, global_head_dim=64, n_global_kv_head=1, k_eq_v=True,
+                        n_expert=4, n_expert_used=2, expert_ffn_dim=32, final_softcap=30.0, rope_base=1_000_000.0,
+                        types={"attn_q.weight": T.Q8_0, "ffn_down_exps.weight": T.Q8_0, "ffn_up.weight": T.BF16})
+    return TinySpec(arch)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -113,6 +148,30 @@ def gemma_vocab() -> tuple[list[str], list[float], list[int]]:
     types += [3, 3]
     scores = [0.0] * 260 + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
     return tokens, scores, types
+
+
+def gemma4_vocab() -> tuple[list[str], list[int], list[str]]:
+    """Character BPE: control tokens, byte fallback, characters, a few merges, Gemma 4's turn markers."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    types = [3, 3, 3, 2]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    chars = ["▁", "e", "t", "a", "o", "h", "i", "n", "s", "r", "w", "\n"]
+    merges = ["▁ t", "h e", "▁t he", "i n", "▁ a", "e r", "o n", "▁ s", "r e", "a n", "▁ w", "\n \n"]
+    pieces = chars + [m.replace(" ", "") for m in merges]
+    tokens += pieces
+    types += [1] * len(pieces)
+    tokens += ["<|turn>", "<turn|>"]
+    types += [3, 3]
+    return tokens, types, merges
+
+
+def gemma4_layer(spec: TinySpec, il: int) -> tuple[bool, int, int, bool]:
+    """(sliding, head dim, KV heads, has its own K/V) of layer il."""
+    sliding = GEMMA4_LAYER_TYPES[il % len(GEMMA4_LAYER_TYPES)] and il != spec.n_layer - 1
+    head_dim = spec.head_dim if sliding else spec.global_head_dim
+    n_kv = spec.n_kv_head if sliding or not spec.k_eq_v else spec.n_global_kv_head
+    return sliding, head_dim, n_kv, il < spec.n_layer - spec.n_kv_shared
 
 
 def _unused_tokens(n_have: int, n_vocab: int | None) -> list[str]:
@@ -192,13 +251,15 @@ def _store(values: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
 def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict[str, np.ndarray]]:
     """GGUF tensors (name -> (stored array, type)) and the float32 values they decode to."""
     rng = np.random.default_rng(spec.seed)
-    vocab = len(qwen_vocab()[0]) if spec.arch.startswith("qwen") else len(gemma_vocab()[0])
+    vocab = len({"qwen2": qwen_vocab, "qwen3": qwen_vocab, "gemma3": gemma_vocab, "gemma4": gemma4_vocab}[spec.gguf_arch]()[0])
     vocab = max(vocab, spec.n_vocab or 0)
     d, hd, nh, nkv, ffn = spec.d_model, spec.head_dim, spec.n_head, spec.n_kv_head, spec.ffn_dim
     shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
     if spec.arch.startswith("qwen"):
         shapes["output.weight"] = (vocab, d)  # Gemma ties its output head to the embedding
-    for il in range(spec.n_layer):
+    if spec.gguf_arch == "gemma4":
+        shapes.update(_gemma4_shapes(spec, vocab))
+    for il in range(spec.n_layer if spec.gguf_arch != "gemma4" else 0):
         p = f"blk.{il}."
         shapes.update({
             p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_k.weight": (nkv * hd, d),
@@ -221,8 +282,14 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
         if spec.random_blocks and len(shape) == 2:  # presets: no float values, no decoded copy
             stored[name] = (random_blocks(qtype, shape, rng, 1.0 / np.sqrt(shape[-1])), qtype)
             continue
-        if "norm" in name:
+        if name == "rope_freqs.weight":  # not random: the proportional rope of Gemma 4's global layers
+            values = _gemma4_rope_freqs(spec)
+        elif "norm" in name or name.endswith("scale") or name.endswith("scale.weight"):
             values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            if spec.gguf_arch == "gemma4" and name.endswith("attn_q_norm.weight"):
+                # Gemma 4 scores are q . k unscaled: q's norm weight carries 1/sqrt(head_dim) here, so the scores
+                # are as sharp as the other tiny models' (f16 GPU paths are compared at their tolerances)
+                values /= np.float32(np.sqrt(shape[0]))
         else:
             values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
             if name.endswith(".bias"):
@@ -233,24 +300,109 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
     return stored, decoded
 
 
+def _gemma4_shapes(spec: TinySpec, vocab: int) -> dict[str, tuple[int, ...]]:
+    d, nh, ffn = spec.d_model, spec.n_head, spec.ffn_dim
+    shapes: dict[str, tuple[int, ...]] = {"rope_freqs.weight": (spec.global_head_dim // 2,)}
+    if spec.per_layer_dim:
+        width = spec.n_layer * spec.per_layer_dim
+        shapes.update({"per_layer_token_embd.weight": (vocab, width), "per_layer_model_proj.weight": (width, d),
+                       "per_layer_proj_norm.weight": (spec.per_layer_dim,)})
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        sliding, hd, nkv, has_kv = gemma4_layer(spec, il)
+        ff = 2 * ffn if spec.double_wide and not has_kv else ffn
+        shapes.update({
+            p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_q_norm.weight": (hd,),
+            p + "attn_output.weight": (d, nh * hd), p + "post_attention_norm.weight": (d,),
+            p + "ffn_norm.weight": (d,), p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d),
+            p + "ffn_down.weight": (d, ff), p + "post_ffw_norm.weight": (d,), p + "layer_output_scale.weight": (1,),
+        })
+        if has_kv:
+            shapes.update({p + "attn_k.weight": (nkv * hd, d), p + "attn_k_norm.weight": (hd,)})
+            if sliding or not spec.k_eq_v:
+                shapes[p + "attn_v.weight"] = (nkv * hd, d)
+        if spec.per_layer_dim:
+            shapes.update({p + "inp_gate.weight": (spec.per_layer_dim, d), p + "proj.weight": (d, spec.per_layer_dim),
+                           p + "post_norm.weight": (d,)})
+        if spec.n_expert:
+            e, fe = spec.n_expert, spec.expert_ffn_dim
+            shapes.update({p + "ffn_gate_inp.weight": (e, d), p + "ffn_gate_inp.scale": (d,),
+                           p + "ffn_gate_up_exps.weight": (e, 2 * fe, d), p + "ffn_down_exps.weight": (e, d, fe),
+                           p + "ffn_down_exps.scale": (e,), p + "pre_ffw_norm_2.weight": (d,),
+                           p + "post_ffw_norm_1.weight": (d,), p + "post_ffw_norm_2.weight": (d,)})
+    return shapes
+
+
+def _gemma4_rope_freqs(spec: TinySpec) -> np.ndarray:
+    """llama.cpp's encoding of the proportional rope (a quarter of the global head's pairs rotate)."""
+    n_pairs = spec.global_head_dim // 2
+    rotated = int(spec.global_head_dim * 0.25 / 2)
+    return np.array([1.0] * rotated + [1e30] * (n_pairs - rotated), np.float32)
+
+
+def _write_gemma4_metadata(writer, spec: TinySpec) -> None:
+    layers = [gemma4_layer(spec, il) for il in range(spec.n_layer)]
+    writer.add_feed_forward_length([2 * spec.ffn_dim if spec.double_wide and not has_kv else spec.ffn_dim
+                                    for _, _, _, has_kv in layers])
+    writer.add_head_count_kv([nkv for _, _, nkv, _ in layers])
+    writer.add_key_length(spec.global_head_dim)
+    writer.add_value_length(spec.global_head_dim)
+    writer.add_key_length_swa(spec.head_dim)
+    writer.add_value_length_swa(spec.head_dim)
+    writer.add_rope_dimension_count(spec.global_head_dim)
+    writer.add_rope_dimension_count_swa(spec.head_dim)
+    writer.add_rope_freq_base_swa(10000.0)
+    writer.add_sliding_window(spec.sliding_window)
+    writer.add_sliding_window_pattern([sliding for sliding, _, _, _ in layers])
+    writer.add_shared_kv_layers(spec.n_kv_shared)
+    writer.add_embedding_length_per_layer_input(spec.per_layer_dim)
+    if spec.final_softcap:
+        writer.add_final_logit_softcapping(spec.final_softcap)
+    if spec.n_expert:
+        writer.add_expert_count(spec.n_expert)
+        writer.add_expert_used_count(spec.n_expert_used)
+        writer.add_expert_feed_forward_length(spec.expert_ffn_dim)
+    tokens, types, merges = gemma4_vocab()
+    filler = _unused_tokens(len(tokens), spec.n_vocab)
+    writer.add_tokenizer_model("gemma4")
+    writer.add_tokenizer_pre("gemma4")
+    writer.add_token_list(tokens + filler)
+    writer.add_token_types(types + [5] * len(filler))
+    writer.add_token_merges(merges)
+    _add_gemma_specials(writer)
+
+
+def _add_gemma_specials(writer) -> None:
+    """Gemma's special-token ids (both vocabularies start <pad> <eos> <bos> <unk>) and flags."""
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+
+
 def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
                override_types: dict[str, T] | None = None) -> dict[str, np.ndarray]:
     """Write the tiny model; returns the decoded float32 tensors (what the HF twin loads; with
     spec.random_blocks only the vectors: decode the matrices from the file)."""
-    arch = arch_name or spec.arch
+    arch = arch_name or spec.gguf_arch
     stored, decoded = build_tensors(spec)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{spec.arch}")
     writer.add_block_count(spec.n_layer)
     writer.add_context_length(spec.ctx_train)
     writer.add_embedding_length(spec.d_model)
-    writer.add_feed_forward_length(spec.ffn_dim)
     writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_kv_head)
-    writer.add_key_length(spec.head_dim)
-    writer.add_value_length(spec.head_dim)
     writer.add_rope_freq_base(spec.rope_base)
     writer.add_layer_norm_rms_eps(1e-6)
+    if spec.gguf_arch == "gemma4":  # per-layer shapes
+        _write_gemma4_metadata(writer, spec)
+    else:
+        writer.add_feed_forward_length(spec.ffn_dim)
+        writer.add_head_count_kv(spec.n_kv_head)
+        writer.add_key_length(spec.head_dim)
+        writer.add_value_length(spec.head_dim)
     if spec.arch == "gemma3":
         writer.add_sliding_window(spec.sliding_window)
         tokens, scores, types = gemma_vocab()
@@ -261,13 +413,8 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_token_list(tokens)
         writer.add_token_scores(scores)
         writer.add_token_types(types)
-        writer.add_bos_token_id(2)
-        writer.add_eos_token_id(1)
-        writer.add_unk_token_id(3)
-        writer.add_pad_token_id(0)
-        writer.add_add_bos_token(True)
-        writer.add_add_space_prefix(False)
-    else:
+        _add_gemma_specials(writer)
+    elif spec.arch.startswith("qwen"):
         tokens, types, merges = qwen_vocab()
         filler = _unused_tokens(len(tokens), spec.n_vocab)
         tokens, types = tokens + filler, types + [5] * len(filler)
@@ -299,6 +446,23 @@ def hf_config(spec: TinySpec, n_vocab: int):
     common = dict(vocab_size=n_vocab, hidden_size=spec.d_model, intermediate_size=spec.ffn_dim,
                   num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head, num_key_value_heads=spec.n_kv_head,
                   head_dim=spec.head_dim, max_position_embeddings=spec.ctx_train, rms_norm_eps=1e-6)
+    if spec.gguf_arch == "gemma4":
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        layer_types = ["sliding_attention" if gemma4_layer(spec, il)[0] else "full_attention" for il in range(spec.n_layer)]
+        extra = dict(num_global_key_value_heads=spec.n_global_kv_head) if spec.n_global_kv_head else {}
+        moe = dict(enable_moe_block=True, num_experts=spec.n_expert, top_k_experts=spec.n_expert_used,
+                   moe_intermediate_size=spec.expert_ffn_dim) if spec.n_expert else {}
+        config = Gemma4TextConfig(
+            **common, **extra, **moe, global_head_dim=spec.global_head_dim, sliding_window=spec.sliding_window,
+            layer_types=layer_types, hidden_activation="gelu_pytorch_tanh", attention_k_eq_v=spec.k_eq_v,
+            hidden_size_per_layer_input=spec.per_layer_dim, vocab_size_per_layer_input=n_vocab,
+            num_kv_shared_layers=spec.n_kv_shared, use_double_wide_mlp=spec.double_wide,
+            final_logit_softcapping=spec.final_softcap or None, tie_word_embeddings=True,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                "rope_theta": spec.rope_base}})
+        return config, Gemma4ForCausalLM
     if spec.arch == "gemma3":
         layer_types = ["sliding_attention" if (il % 6) < 5 else "full_attention" for il in range(spec.n_layer)]
         config = Gemma3TextConfig(**common, sliding_window=spec.sliding_window, query_pre_attn_scalar=spec.head_dim,
@@ -313,10 +477,19 @@ def hf_config(spec: TinySpec, n_vocab: int):
     return config, cls_model
 
 
+_GEMMA4_NAMES = {"layer_output_scale.weight": "layer_scalar", "inp_gate.weight": "per_layer_input_gate.weight",
+                 "proj.weight": "per_layer_projection.weight", "post_norm.weight": "post_per_layer_input_norm.weight",
+                 "ffn_gate_inp.weight": "router.proj.weight", "ffn_gate_inp.scale": "router.scale",
+                 "ffn_down_exps.scale": "router.per_expert_scale", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+                 "ffn_down_exps.weight": "experts.down_proj", "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+                 "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+                 "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight"}
+
+
 def hf_names(spec: TinySpec) -> tuple[dict[str, str], float]:
-    """GGUF tensor name -> transformers parameter name, and the offset to subtract from norm weights (HF Gemma
-    norms scale by 1 + w; the GGUF stores 1 + w)."""
-    gemma = spec.arch == "gemma3"
+    """GGUF tensor name -> transformers parameter name, and the offset to subtract from norm weights (HF Gemma 3
+    norms scale by 1 + w; the GGUF stores 1 + w; Gemma 4 norms scale by w)."""
+    gemma = spec.arch.startswith("gemma")
     names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
     per_layer = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
@@ -329,10 +502,15 @@ def hf_names(spec: TinySpec) -> tuple[dict[str, str], float]:
                  "ffn_norm.weight": "pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
                  "post_attention_norm.weight": "post_attention_layernorm.weight",
                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+    if spec.gguf_arch == "gemma4":
+        per_layer.update(_GEMMA4_NAMES)
+        names.update({"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+                      "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+                      "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"})
     for il in range(spec.n_layer):
         for g_name, h_name in per_layer.items():
             names[f"blk.{il}.{g_name}"] = f"model.layers.{il}.{h_name}"
-    return names, 1.0 if gemma else 0.0
+    return names, 1.0 if spec.arch == "gemma3" else 0.0
 
 
 def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
@@ -344,10 +522,12 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
     names, norm_offset = hf_names(spec)
     state = {}
     for g_name, values in decoded.items():
+        if g_name == "rope_freqs.weight":
+            continue  # transformers computes the proportional rope itself
         if "norm" in g_name:
             values = values - norm_offset
         state[names[g_name]] = torch.from_numpy(np.ascontiguousarray(values))
-    if spec.arch == "gemma3":
+    if spec.arch.startswith("gemma"):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if "rotary" not in m]
@@ -369,7 +549,7 @@ def main(argv=None) -> int:
         return 0
     for arch in ARCHES:
         path = args.out_dir / f"tiny-{arch}.gguf"
-        write_gguf(TinySpec(arch), path)
+        write_gguf(tiny_spec(arch), path)
         print(path)
     return 0
 

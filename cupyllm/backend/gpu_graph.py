@@ -86,7 +86,7 @@ class DecodeGraphs:
         return self._stream
 
     def _pad(self, cache, bucket: int) -> None:
-        for layer in cache.layers:
+        for layer in cache.own_layers():
             layer.pad_used(bucket)
 
     def _run_and_capture(self, key, tokens, positions, cache, all_logits, bucket):
@@ -136,7 +136,7 @@ class DecodeGraphs:
         stream.synchronize()
         # host-side effects of a forward pass that the replay skipped: slots hold keys up to the position
         position = int(positions[0])
-        for layer in cache.layers:
+        for layer in cache.own_layers():
             slot = position % layer.capacity if layer.ring else position
             layer.n_used = max(layer.n_used, slot + 1)
         self.replays += 1

@@ -171,8 +171,8 @@ class KVCache:
                   make_layer: Callable[..., LayerKV] = LayerKV) -> "KVCache":
         """The cache of `cfg` for `spec`. `make_layer` builds each layer from LayerKV's arguments; a backend
         whose cache lives on its device passes its own (backend/gpu_cache.py: arrays in GPU memory)."""
-        k_format = get_format(spec.kv_type_k, head_dim=cfg.head_dim)
-        v_format = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim)
+        formats = {d: (get_format(spec.kv_type_k, head_dim=d), get_format(spec.kv_type_v, head_dim=d))
+                   for d in cfg.head_dims()}
         need = kv_bytes(cfg, spec, mirror=mirror)
         available = _host_bytes_available() if mirror else float("inf")  # host arrays: check before allocating
         if need > available:
@@ -180,10 +180,13 @@ class KVCache:
         layers = []
         try:
             for layer in range(cfg.n_layer):
+                if cfg.kv_source(layer) != layer:  # a KV-shared layer (Gemma 4) reads an earlier layer's cache
+                    layers.append(layers[cfg.kv_source(layer)])
+                    continue
                 sliding = cfg.is_sliding(layer)
-                capacity = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if sliding else spec.ctx
-                layers.append(make_layer(k_format, v_format, cfg.n_kv_head, cfg.head_dim, cfg.v_head_dim,
-                                         capacity=capacity, ring=sliding,
+                head_dim, v_head_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
+                layers.append(make_layer(formats[head_dim][0], formats[v_head_dim][1], cfg.n_kv_head_of(layer),
+                                         head_dim, v_head_dim, capacity=_slots(cfg, spec, layer), ring=sliding,
                                          window=cfg.sliding_window if sliding else 0, mirror=mirror,
                                          normalize_k=spec.k_normalized))
         except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
@@ -192,7 +195,11 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.own_layers())
+
+    def own_layers(self) -> list[LayerKV]:
+        """Each layer cache once (KV-shared layers alias an earlier layer's)."""
+        return list({id(layer): layer for layer in self.layers}.values())
 
     def check_room(self, n_new: int) -> None:
         if self.n_past + n_new > self.spec.ctx:
@@ -201,22 +208,29 @@ class KVCache:
                 f"raise -c/--ctx (ctx=...) or shorten the prompt / max_tokens")
 
     def clear(self) -> None:
-        for layer in self.layers:
+        for layer in self.own_layers():
             layer.clear()
         self.n_past = 0
 
 
 def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:
     """Bytes a cache for `spec` takes, without allocating it (mirror: plus the CPU's float32 copy)."""
-    k_row = get_format(spec.kv_type_k, head_dim=cfg.head_dim).row_bytes(cfg.head_dim)
-    v_row = get_format(spec.kv_type_v, head_dim=cfg.v_head_dim).row_bytes(cfg.v_head_dim)
-    if mirror:
-        k_row, v_row = k_row + 4 * cfg.head_dim, v_row + 4 * cfg.v_head_dim
     total = 0
     for layer in range(cfg.n_layer):
-        slots = min(spec.ctx, cfg.sliding_window + spec.max_chunk) if cfg.is_sliding(layer) else spec.ctx
-        total += slots * cfg.n_kv_head * (k_row + v_row)
+        if cfg.kv_source(layer) != layer:
+            continue  # reads an earlier layer's cache
+        k_dim, v_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
+        k_row = get_format(spec.kv_type_k, head_dim=k_dim).row_bytes(k_dim)
+        v_row = get_format(spec.kv_type_v, head_dim=v_dim).row_bytes(v_dim)
+        if mirror:
+            k_row, v_row = k_row + 4 * k_dim, v_row + 4 * v_dim
+        total += _slots(cfg, spec, layer) * cfg.n_kv_head_of(layer) * (k_row + v_row)
     return total
+
+
+def _slots(cfg: ModelConfig, spec: KVSpec, layer: int) -> int:
+    """Cache slots of `layer`: every position for global attention, a ring of window + chunk for sliding."""
+    return min(spec.ctx, cfg.sliding_window + spec.max_chunk) if cfg.is_sliding(layer) else spec.ctx
 
 
 def _gib(n_bytes: float) -> str:

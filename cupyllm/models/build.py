@@ -1,7 +1,8 @@
 """Pick the architecture, load its weights, and run the decoder stack.
 
     x = Embed(tokens) * embed_scale
-    x = Block_l(x) for l in layers          (writes each layer's k/v into the cache)
+    e = PerLayerInputs(tokens, x)           (Gemma 4 E2B/E4B only: one small embedding per layer)
+    x = Block_l(x, e_l) for l in layers     (writes each layer's k/v into the cache)
     logits = W_out RMSNorm(x)               (optionally soft-capped)
 """
 from __future__ import annotations
@@ -16,11 +17,12 @@ from ..config import ModelConfig, config_from_gguf
 from ..gguf_io import GGUFFile
 from ..kv.cache import KVCache
 from ..weights import Weight, load_matrix, load_vector
-from .gemma import gemma_block
+from .gemma import gemma_block, per_layer_inputs
 from .layers import LayerWeights
 from .qwen import qwen_block
 
-BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "gemma3": gemma_block}
+BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "gemma3": gemma_block,
+                               "gemma4": gemma_block}
 
 
 @dataclass
@@ -32,17 +34,23 @@ class Transformer:
     output: Weight
     layers: list[LayerWeights]
     attention: Callable | None = None  # replaces default_attention (Dual Chunk Attention)
+    per_layer: tuple | None = None  # Gemma 4 per-layer embeddings: (token table, model projection, norm)
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, ops, progress: bool = True) -> "Transformer":
         cfg = config_from_gguf(gguf)
         token_embd = load_matrix(gguf, "token_embd.weight")
         output = token_embd if cfg.tied_output else load_matrix(gguf, "output.weight")
-        layers = [LayerWeights.from_gguf(gguf, il).on(ops)
+        layers = [LayerWeights.from_gguf(gguf, il, cfg).on(ops)
                   for il in tqdm(range(cfg.n_layer), desc="loading layers", unit="layer", disable=not progress,
                                  leave=False)]
+        per_layer = None
+        if cfg.per_layer_dim:
+            per_layer = (ops.upload(load_matrix(gguf, "per_layer_token_embd.weight")),
+                         ops.upload(load_matrix(gguf, "per_layer_model_proj.weight")),
+                         ops.asarray(load_vector(gguf, "per_layer_proj_norm.weight")))
         return cls(cfg, ops, ops.upload(token_embd), ops.asarray(load_vector(gguf, "output_norm.weight")),
-                   ops.upload(output), layers)
+                   ops.upload(output), layers, per_layer=per_layer)
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache, all_logits: bool = False):
         """Run `tokens` at `positions` (appending to `cache`); logits of every token, or of the last one."""
@@ -51,8 +59,10 @@ class Transformer:
         x = ops.embed(self.token_embd, tokens)
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
+        per_layer = per_layer_inputs(ops, cfg, *self.per_layer, tokens, x) if self.per_layer else None
         for layer, weights in enumerate(self.layers):
-            x = block(ops, cfg, weights, layer, x, positions, cache, self.attention)
+            extra = {} if per_layer is None else {"per_layer_input": per_layer[:, layer]}
+            x = block(ops, cfg, weights, layer, x, positions, cache, self.attention, **extra)
         if not all_logits:
             x = x[-1:]
         logits = ops.linear(ops.rms_norm(x, self.output_norm, cfg.norm_eps), self.output)

@@ -1,17 +1,48 @@
-"""Gemma 3: sandwich-normed blocks (a norm before and after attention and the MLP), GeGLU, q/k RMSNorm,
-five sliding-window layers for every global one, embeddings scaled by sqrt(d_model). The query scale
-(1/sqrt(head_dim)) rides on `cfg.attn_scale`; the GGUF norm weights already include Gemma's +1.
+"""Gemma 3 and Gemma 4: sandwich-normed blocks (a norm before and after attention and the MLP), GeGLU, q/k
+RMSNorm, sliding-window layers between global ones, embeddings scaled by sqrt(d_model). The query scale rides
+on `cfg.attn_scale` (Gemma 3: 1/sqrt(head_dim); Gemma 4: 1, its q and k are RMS-normalised); the GGUF norm
+weights already include Gemma 3's +1.
 
+Gemma 3:
     h = x + PostNorm_attn( Attn(PreNorm_attn(x)) )
     y = h + PostNorm_ffn( W_down( GELU_tanh(W_gate PreNorm_ffn(h)) * W_up PreNorm_ffn(h) ) )
+
+Gemma 4 adds, per block (each where the model has it):
+    V = RMSNorm(V)  (no weight; global layers may take V = K's projection; the last layers may reuse an
+                     earlier layer's cache)
+    FFN(h) = PostNorm_1( MLP(PreNorm_ffn(h)) ) + PostNorm_2( MoE(PreNorm_2(h); router(h)) )   (MoE models)
+    y = y + PostNorm_ple( W_proj( GELU_tanh(W_gate y) * e_l ) )    (e_l: the per-layer embedding, build.py)
+    y = y * layer_output_scale
 """
 from __future__ import annotations
 
-from .layers import gated_mlp, self_attention
+import numpy as np
+
+from .layers import activate, gated_mlp, moe_mlp, self_attention
 
 
-def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None):
+def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None, per_layer_input=None):
     attn = self_attention(ops, cfg, w, layer, ops.rms_norm(x, w.attn_norm, cfg.norm_eps), positions, cache, attention)
     h = x + ops.rms_norm(attn, w.post_attn_norm, cfg.norm_eps)
     mlp = gated_mlp(ops, w, ops.rms_norm(h, w.ffn_norm, cfg.norm_eps), cfg.activation)
-    return h + ops.rms_norm(mlp, w.post_ffn_norm, cfg.norm_eps)
+    if w.moe is not None:
+        experts = moe_mlp(ops, cfg, w.moe, h)
+        mlp = ops.rms_norm(mlp, w.moe.post_norm_dense, cfg.norm_eps) + ops.rms_norm(experts, w.moe.post_norm_experts,
+                                                                                   cfg.norm_eps)
+    y = h + ops.rms_norm(mlp, w.post_ffn_norm, cfg.norm_eps)
+    if per_layer_input is not None:
+        gate = activate(ops, ops.linear(y, w.ple_gate), cfg.activation)
+        y = y + ops.rms_norm(ops.linear(gate * per_layer_input, w.ple_proj), w.ple_post_norm, cfg.norm_eps)
+    if w.out_scale is not None:
+        y = y * w.out_scale
+    return y
+
+
+def per_layer_inputs(ops, cfg, token_embd_per_layer, model_proj, proj_norm, tokens, x):
+    """Gemma 4's per-layer embeddings e [n, n_layer, per_layer_dim]: a token's own per-layer embedding (scaled
+    by sqrt(per_layer_dim)) and a projection of its scaled input embedding x (times 1/sqrt(d_model), RMS-normed
+    per layer), averaged as (a + b) / sqrt(2)."""
+    n, width = x.shape[0], cfg.per_layer_dim
+    own = ops.embed(token_embd_per_layer, tokens).reshape(n, cfg.n_layer, width) * np.float32(np.sqrt(width))
+    projected = (ops.linear(x, model_proj) * np.float32(1.0 / np.sqrt(cfg.d_model))).reshape(n, cfg.n_layer, width)
+    return (ops.rms_norm(projected, proj_norm, cfg.norm_eps) + own) * np.float32(2.0 ** -0.5)

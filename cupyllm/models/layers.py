@@ -15,8 +15,8 @@ from ..weights import Weight, load_matrix, load_vector
 class LayerWeights:
     attn_norm: np.ndarray
     wq: Weight
-    wk: Weight
-    wv: Weight
+    wk: Weight | None  # None: the layer reads an earlier layer's cache (Gemma 4 KV sharing)
+    wv: Weight | None  # None: V is K's projection (Gemma 4 global layers), or KV shared
     wo: Weight
     ffn_norm: np.ndarray
     w_gate: Weight
@@ -29,52 +29,86 @@ class LayerWeights:
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None  # Gemma sandwich norms
     post_ffn_norm: np.ndarray | None = None
+    v_norm: np.ndarray | None = None  # Gemma 4: V's RMSNorm has no weight; ones, so every backend runs one op
+    out_scale: np.ndarray | None = None  # Gemma 4 `layer_output_scale`: scales the block's whole output
+    ple_gate: Weight | None = None  # Gemma 4 per-layer embedding: gate [per_layer_dim, d], projection back,
+    ple_proj: Weight | None = None  # and the norm after it
+    ple_post_norm: np.ndarray | None = None
+    moe: "MoEWeights | None" = None
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile, layer: int) -> "LayerWeights":
+    def from_gguf(cls, gguf: GGUFFile, layer: int, cfg: ModelConfig | None = None) -> "LayerWeights":
         p = f"blk.{layer}."
         vec = lambda name: load_vector(gguf, p + name, optional=True)  # noqa: E731
+        has_kv = cfg is None or cfg.kv_source(layer) == layer  # a KV-shared layer never writes the cache
+        v_may_be_k = cfg is not None and cfg.arch == "gemma4"  # no attn_v: V is K's projection
+        optional = lambda name: load_matrix(gguf, p + name) if p + name in gguf.tensors else None  # noqa: E731
         return cls(
             attn_norm=load_vector(gguf, p + "attn_norm.weight"),
-            wq=load_matrix(gguf, p + "attn_q.weight"), wk=load_matrix(gguf, p + "attn_k.weight"),
-            wv=load_matrix(gguf, p + "attn_v.weight"), wo=load_matrix(gguf, p + "attn_output.weight"),
+            wq=load_matrix(gguf, p + "attn_q.weight"),
+            wk=load_matrix(gguf, p + "attn_k.weight") if has_kv else None,
+            wv=(optional("attn_v.weight") if v_may_be_k else load_matrix(gguf, p + "attn_v.weight")) if has_kv else None,
+            wo=load_matrix(gguf, p + "attn_output.weight"),
             ffn_norm=load_vector(gguf, p + "ffn_norm.weight"),
             w_gate=load_matrix(gguf, p + "ffn_gate.weight"), w_up=load_matrix(gguf, p + "ffn_up.weight"),
             w_down=load_matrix(gguf, p + "ffn_down.weight"),
             bq=vec("attn_q.bias"), bk=vec("attn_k.bias"), bv=vec("attn_v.bias"),
             q_norm=vec("attn_q_norm.weight"), k_norm=vec("attn_k_norm.weight"),
             post_attn_norm=vec("post_attention_norm.weight"), post_ffn_norm=vec("post_ffw_norm.weight"),
+            v_norm=np.ones(cfg.v_head_dim_of(layer), np.float32) if cfg is not None and cfg.v_norm else None,
+            out_scale=vec("layer_output_scale.weight"),
+            ple_gate=optional("inp_gate.weight"), ple_proj=optional("proj.weight"),
+            ple_post_norm=vec("post_norm.weight"),
+            moe=MoEWeights.from_gguf(gguf, layer, cfg) if p + "ffn_gate_inp.weight" in gguf.tensors else None,
         )
 
     def on(self, backend) -> "LayerWeights":
         """The same weights on `backend`'s device."""
-        move = lambda w: None if w is None else (backend.upload(w) if isinstance(w, Weight) else backend.asarray(w))  # noqa: E731
-        return LayerWeights(**{name: move(getattr(self, name)) for name in self.__dataclass_fields__})
+        return type(self)(**{name: _move(getattr(self, name), backend) for name in self.__dataclass_fields__})
+
+
+def _move(w, backend):
+    if w is None:
+        return None
+    if isinstance(w, Weight):
+        return backend.upload(w)
+    if isinstance(w, MoEWeights):
+        return w.on(backend)
+    return backend.asarray(w)
 
 
 def self_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, x, positions: np.ndarray,
                    cache: KVCache, attention=None):
-    """Project to q/k/v, normalise and rotate them, append k/v to the cache, attend, project out."""
+    """Project to q/k/v, normalise and rotate them, append k/v to the cache, attend, project out. A KV-shared
+    layer (w.wk is None) projects q only and attends over the cache its source layer wrote."""
     n = x.shape[0]
-    q, k, v = ops.linear_many(x, (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv))
-    q = q.reshape(n, cfg.n_head, cfg.head_dim)
-    k = k.reshape(n, cfg.n_kv_head, cfg.head_dim)
-    v = v.reshape(n, cfg.n_kv_head, cfg.v_head_dim)
+    head_dim, v_head_dim, n_kv = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer), cfg.n_kv_head_of(layer)
+    projections = [p for p in (w.wq, w.wk, w.wv) if p is not None]
+    q, *kv = ops.linear_many(x, projections, (w.bq, w.bk, w.bv)[:len(projections)])
+    q = q.reshape(n, cfg.n_head, head_dim)
+    k = v = None
+    if kv:
+        k = kv[0].reshape(n, n_kv, head_dim)
+        v = kv[1].reshape(n, n_kv, v_head_dim) if len(kv) > 1 else k  # Gemma 4 global layers: V is K's projection
     if w.q_norm is not None:
         q = ops.rms_norm(q, w.q_norm, cfg.norm_eps)
-        k = ops.rms_norm(k, w.k_norm, cfg.norm_eps)
+        if k is not None:
+            k = ops.rms_norm(k, w.k_norm, cfg.norm_eps)
+    if w.v_norm is not None and v is not None:
+        v = ops.rms_norm(v, w.v_norm, cfg.norm_eps)
     attention = attention or default_attention
     out = attention(ops, cfg, layer, q, k, v, positions, cache)
-    return ops.linear(out.reshape(n, cfg.n_head * cfg.v_head_dim), w.wo)
+    return ops.linear(out.reshape(n, cfg.n_head * v_head_dim), w.wo)
 
 
 def default_attention(ops, cfg: ModelConfig, layer: int, q, k, v, positions: np.ndarray, cache: KVCache):
-    """RoPE at the true positions, write k/v into the cache, then causal (or sliding-window) attention."""
+    """RoPE at the true positions, write k/v into the cache (k None: a KV-shared layer, whose source layer has
+    written them), then causal (or sliding-window) attention."""
     rope = cfg.rope_for(layer)
     q = ops.rope(q, rope, positions)
-    k = ops.rope(k, rope, positions)
     layer_kv = cache.layers[layer]
-    layer_kv.write(k, v, positions, queries=q)
+    if k is not None:
+        layer_kv.write(ops.rope(k, rope, positions), v, positions, queries=q)
     window = cfg.sliding_window if cfg.is_sliding(layer) else 0
     return ops.attention(q, positions, layer_kv, scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
 
@@ -90,7 +124,8 @@ def dca_attention(dca):
         rope = cfg.rope_for(layer)
         layer_kv = cache.layers[layer]
         q_intra, q_successive, q_inter = (ops.rope(q, rope, p) for p in query_positions(positions, dca))
-        layer_kv.write(ops.rope(k, rope, key_positions(positions, dca)), v, positions, queries=q_intra)
+        if k is not None:  # None: a KV-shared layer reads what its source layer wrote
+            layer_kv.write(ops.rope(k, rope, key_positions(positions, dca)), v, positions, queries=q_intra)
         return ops.dca_attention(q_intra, q_successive, q_inter, positions, layer_kv, dca, scale=cfg.attn_scale,
                                  softcap=cfg.attn_logit_softcap)
 
@@ -100,5 +135,78 @@ def dca_attention(dca):
 def gated_mlp(ops, w: LayerWeights, x, activation: str):
     """down( act(gate(x)) * up(x) ): SwiGLU for Qwen, GeGLU (tanh GELU) for Gemma."""
     gate, up = ops.linear_many(x, (w.w_gate, w.w_up))
-    act = ops.silu(gate) if activation == "silu" else ops.gelu_tanh(gate)
-    return ops.linear(act * up, w.w_down)
+    return ops.linear(activate(ops, gate, activation) * up, w.w_down)
+
+
+def activate(ops, x, activation: str):
+    return ops.silu(x) if activation == "silu" else ops.gelu_tanh(x)
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """Gemma 4's mixture of experts, beside the dense MLP: a router (RMSNorm without weight, times `router_scale`
+    and 1/sqrt(d), then `router` [n_expert, d]), per-expert fused gate|up [n_expert, 2 * ffn, d] and down
+    [n_expert, d, ffn] matrices, and a per-expert scale of the output."""
+
+    router: Weight
+    router_norm: np.ndarray  # the router's input scale, already times 1/sqrt(d): one RMSNorm weight
+    gate_up: list[Weight]  # one [2 * ffn_exp, d] matrix per expert
+    down: list[Weight]  # one [d, ffn_exp] matrix per expert
+    expert_scale: np.ndarray  # [n_expert]
+    pre_norm: np.ndarray  # pre_ffw_norm_2: the experts' input norm
+    post_norm_dense: np.ndarray  # post_ffw_norm_1: the dense MLP's output norm
+    post_norm_experts: np.ndarray  # post_ffw_norm_2
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, layer: int, cfg: ModelConfig) -> "MoEWeights":
+        p = f"blk.{layer}."
+        scale = load_vector(gguf, p + "ffn_gate_inp.scale") if p + "ffn_gate_inp.scale" in gguf.tensors else \
+            np.ones(cfg.d_model, np.float32)
+        expert_scale = load_vector(gguf, p + "ffn_down_exps.scale", optional=True)
+        router = load_matrix(gguf, p + "ffn_gate_inp.weight")
+        return cls(
+            router=router,
+            router_norm=(scale / np.float32(np.sqrt(cfg.d_model))).astype(np.float32),
+            gate_up=expert_matrices(gguf, p + "ffn_gate_up_exps.weight"),
+            down=expert_matrices(gguf, p + "ffn_down_exps.weight"),
+            expert_scale=expert_scale if expert_scale is not None else np.ones(router.shape[0], np.float32),
+            pre_norm=load_vector(gguf, p + "pre_ffw_norm_2.weight"),
+            post_norm_dense=load_vector(gguf, p + "post_ffw_norm_1.weight"),
+            post_norm_experts=load_vector(gguf, p + "post_ffw_norm_2.weight"),
+        )
+
+    def on(self, backend) -> "MoEWeights":
+        """On `backend`'s device, but for expert_scale: routing is decided on the host."""
+        moved = {name: [_move(m, backend) for m in value] if isinstance(value, list) else _move(value, backend)
+                 for name, value in self.__dict__.items() if name != "expert_scale"}
+        return MoEWeights(**moved, expert_scale=self.expert_scale)
+
+
+def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, h):
+    """sum over the top-k experts e of weight_e * scale_e * down_e( act(gate_e(x)) * up_e(x) ), x the normed h;
+    weights: softmax of the router logits over all experts, kept for the top k and renormalised to sum 1.
+    The routing is decided on the host (NumPy), so each expert multiplies only the tokens routed to it."""
+    logits = ops.to_numpy(ops.linear(ops.rms_norm(h, moe.router_norm, cfg.norm_eps), moe.router))
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.n_expert_used]
+    weights = np.take_along_axis(probs, top, axis=-1)
+    weights = weights / weights.sum(axis=-1, keepdims=True) * moe.expert_scale[top]
+    x = ops.rms_norm(h, moe.pre_norm, cfg.norm_eps)
+    out = ops.xp.zeros_like(x)
+    for expert in np.unique(top):
+        rows, slot = np.nonzero(top == expert)
+        gate_up = ops.linear(x[ops.asarray(rows)], moe.gate_up[expert])
+        half = gate_up.shape[-1] // 2
+        y = ops.linear(activate(ops, gate_up[:, :half], cfg.activation) * gate_up[:, half:], moe.down[expert])
+        out[ops.asarray(rows)] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
+    return out
+
+
+def expert_matrices(gguf: GGUFFile, name: str) -> list[Weight]:
+    """A 3-D expert tensor [n_expert, n_out, n_in] as one Weight per expert (views of the GGUF blocks)."""
+    info = gguf.tensor(name)
+    stacked = load_matrix(gguf, name)
+    n_expert, n_out = info.shape[0], info.shape[1]
+    blocks = np.asarray(stacked.data).reshape(n_expert, n_out, -1)
+    return [Weight(f"{name}[{e}]", stacked.fmt, tuple(info.shape[1:]), blocks[e]) for e in range(n_expert)]
