@@ -24,6 +24,7 @@ from .generate import GenerationStats, generate_stream, prefill
 from .gguf_io import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec
 from .kv.formats import get_format
+from .kv.plan import KVPlan, check_budget, parse_bytes, plan_kv
 from .model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
@@ -42,6 +43,7 @@ class Model:
     transformer: Transformer
     kv_spec: KVSpec
     device: str
+    kv_plan: KVPlan | None = None  # how kv_type_k/v="auto" chose the cache formats
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     _cache: KVCache | None = field(default=None, repr=False)
 
@@ -115,11 +117,16 @@ class Model:
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int = DEFAULT_CTX,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
-         kv_normalize_k: bool | None = None, progress: bool = True, **options) -> Model:
+         kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, progress: bool = True,
+         **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold.
-    kv_type_k / kv_type_v: KV-cache formats (f16, q8_0, ..., turbo3, turbo3_tcq; see cupyllm.kv.list_formats()).
+    kv_type_k / kv_type_v: KV-cache formats (f16, q8_0, ..., turbo3, turbo3_tcq; see cupyllm.kv.list_formats()),
+         or both "auto": the best tier of the measured quality ladder (kv/plan.py) whose cache fits `kv_budget`
+         (default: the memory free after the weights load, less 10%).
+    kv_budget: bytes the KV cache may take (a number or text such as "6GiB"); with explicit types, a cache that
+         would exceed it is a BudgetError before anything is allocated.
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
     kv_normalize_k: store K normalised per channel, (K - mean) / sqrt(RMS of K / RMS of Q) from the first
@@ -134,19 +141,30 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
-    for head_dim in sorted(cfg.head_dims()):  # an unknown or unfit KV type fails before weights load
+    auto = "auto" in (kv_type_k, kv_type_v)
+    if auto and kv_type_k != kv_type_v:
+        raise CupyllmError("kv_type_k='auto' picks K and V together: pass kv_type_v='auto' too (-ctk auto -ctv auto)")
+    for head_dim in sorted(cfg.head_dims()) if not auto else ():  # an unknown or unfit type fails before loading
         get_format(kv_type_k, head_dim=head_dim)
         get_format(kv_type_v, head_dim=head_dim)
-    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk,
-                   normalize_k=kv_normalize_k)
+    budget = parse_bytes(kv_budget) if kv_budget is not None else None
     backend = select_backend(device)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
     if dca_cfg is not None:
         transformer.attention = dca_attention(dca_cfg)
+    kv_plan = None
+    if auto:
+        budget = budget if budget is not None else int(0.9 * backend.memory_available())
+        kv_plan = plan_kv(cfg, ctx, budget, mirror=backend.kv_mirror, max_chunk=max_chunk, normalize_k=kv_normalize_k)
+        kv_type_k, kv_type_v = kv_plan.tier.kv_type_k, kv_plan.tier.kv_type_v
+    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk,
+                  normalize_k=kv_normalize_k)
+    if budget is not None and not auto:
+        check_budget(cfg, spec, budget, mirror=backend.kv_mirror)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
-                 kv_spec=spec, device=backend.name)
+                 kv_spec=spec, device=backend.name, kv_plan=kv_plan)
 
 
 def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:

@@ -12,8 +12,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                           "(default: Gemma 3 270M Q4_K_M from its PyPI package)")
     p.add_argument("-c", "--ctx", type=int, default=4096, help="context length: KV positions to hold (default 4096)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV-cache type of K (f16, q8_0, q4_0, turbo3, ...)")
-    p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV-cache type of V")
+    _add_kv_type_args(p)
     p.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None,
                    help="store K as (K - mean) / scale per channel, balanced against the queries (default: on for "
                         "quantized -ctk types); much better quantized K where some channels of K are large (Qwen2.5)")
@@ -21,6 +20,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dca-chunk-size", type=int, help="DCA chunk size S (default: the trained context length)")
     p.add_argument("--dca-local-size", type=int, help="DCA local size W (default: S / 32)")
     p.add_argument("--dca-yarn-factor", type=float, default=1.0, help="YaRN attention scaling factor (1 = off)")
+
+
+def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-ctk", "--cache-type-k", default="f16",
+                   help="KV-cache type of K (f16, q8_0, q4_0, turbo3, ...; auto: the best that fits --kv-budget)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV-cache type of V (auto with -ctk auto)")
+    p.add_argument("--kv-budget", help="memory the KV cache may take, e.g. 6GiB (with -ctk/-ctv auto: pick the "
+                                       "types by it; default there: the free memory after the weights, less 10%%)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,8 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, shapes, tensor types and memory of a model")
     info.add_argument("model", nargs="?", help="GGUF model path (default: the default model)")
     info.add_argument("-c", "--ctx", type=int, default=4096, help="context length to size the KV cache for")
-    info.add_argument("-ctk", "--cache-type-k", default="f16")
-    info.add_argument("-ctv", "--cache-type-v", default="f16")
+    _add_kv_type_args(info)
     info.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None)
     return parser
 
@@ -77,7 +83,9 @@ def cmd_generate(args) -> int:
         dca = {"chunk_size": args.dca_chunk_size, "local_size": args.dca_local_size,
                "yarn_factor": args.dca_yarn_factor}
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
-                 kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k)
+                 kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget)
+    if model.kv_plan is not None:
+        print(f"[{model.device}] {model.kv_plan.describe()}", file=sys.stderr)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
@@ -101,7 +109,7 @@ def cmd_info(args) -> int:
     from .report import model_report
 
     print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v,
-                       normalize_k=args.cache_normalize_k))
+                       normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget))
     return 0
 
 

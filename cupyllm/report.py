@@ -6,7 +6,9 @@ from pathlib import Path
 
 from .config import config_from_gguf
 from .gguf_io import read_gguf
+from .errors import CupyllmError
 from .kv.cache import KVSpec, kv_bytes
+from .kv.plan import parse_bytes, plan_kv
 from .model_store import default_model_path
 
 
@@ -15,10 +17,18 @@ def _gib(n: int) -> str:
 
 
 def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",
-                 normalize_k: bool | None = None) -> str:
+                 normalize_k: bool | None = None, kv_budget: int | str | None = None) -> str:
     path = Path(model) if model else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
+    budget = parse_bytes(kv_budget) if kv_budget is not None else None
+    budget_line = []
+    if "auto" in (kv_type_k, kv_type_v):
+        if budget is None or kv_type_k != kv_type_v:
+            raise CupyllmError("-ctk auto -ctv auto pick the KV types for a budget: give it with --kv-budget")
+        plan = plan_kv(cfg, ctx, budget, normalize_k=normalize_k)  # the device cache: no float32 copy
+        kv_type_k, kv_type_v = plan.tier.kv_type_k, plan.tier.kv_type_v
+        budget_line = [f"KV plan         {plan.tier.name}: the best tier that fits {_gib(budget)} (kv/plan.py)"]
     weight_bytes = sum(t.data.nbytes for t in gguf.tensors.values())
     n_params = sum(t.n_elements for t in gguf.tensors.values())
     types = Counter(t.type.name for t in gguf.tensors.values())
@@ -44,7 +54,10 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         f"KV cache        {_gib(cache)} at ctx {ctx} (K {kv_type_k}{', normalised' if spec.k_normalized else ''}, "
         f"V {kv_type_v})",
         f"memory needed   {_gib(weight_bytes + cache)} (weights + KV cache)",
+        *budget_line,
     ]
+    if budget is not None and not budget_line:
+        lines.append(f"KV budget       {_gib(budget)}: the cache {'fits' if cache <= budget else 'does NOT fit'}")
     return "\n".join(lines)
 
 

@@ -32,6 +32,12 @@ class CPUBackend:
         return np.asarray(x)
 
     @staticmethod
+    def memory_available() -> float:
+        """Host memory free for a KV cache (MemAvailable)."""
+        from ..kv.cache import host_bytes_available
+        return host_bytes_available()
+
+    @staticmethod
     def new_cache(cfg, spec) -> KVCache:
         """A host cache with a float32 mirror, so attention never decodes the stored blocks per step."""
         return KVCache.for_model(cfg, spec, mirror=True)

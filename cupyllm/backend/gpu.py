@@ -107,6 +107,11 @@ class GPUBackend:
         self._uploads[id(host)] = (host, on_device)  # holding `host` keeps its id from being reused
         return on_device
 
+    def memory_available(self) -> float:
+        """Device memory free now (after the weights are uploaded), plus what CuPy's pool holds unused."""
+        pool = self.cp.get_default_memory_pool()
+        return float(self.cp.cuda.Device().mem_info[0] + pool.free_bytes())
+
     def new_cache(self, cfg, spec: KVSpec) -> KVCache:
         """A KV cache whose layers live on this device (encoded with kv_encode.cu)."""
         from .gpu_kv import GpuKVCodec

@@ -174,7 +174,7 @@ class KVCache:
         formats = {d: (get_format(spec.kv_type_k, head_dim=d), get_format(spec.kv_type_v, head_dim=d))
                    for d in cfg.head_dims()}
         need = kv_bytes(cfg, spec, mirror=mirror)
-        available = _host_bytes_available() if mirror else float("inf")  # host arrays: check before allocating
+        available = host_bytes_available() if mirror else float("inf")  # host arrays: check before allocating
         if need > available:
             raise BudgetError(_no_room(spec, need, f"the host has {_gib(available)} available", mirror))
         layers = []
@@ -237,7 +237,7 @@ def _gib(n_bytes: float) -> str:
     return f"{n_bytes / 2**30:.1f} GiB"
 
 
-def _host_bytes_available() -> float:
+def host_bytes_available() -> float:
     """MemAvailable of /proc/meminfo (Linux); elsewhere unknown (infinite: the allocation itself decides)."""
     try:
         with open("/proc/meminfo") as meminfo:

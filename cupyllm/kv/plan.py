@@ -1,0 +1,126 @@
+"""KV-cache plans for a memory budget: the best K/V formats that fit (auto tier selection).
+
+The tiers are the Pareto front of the KV-quality measurements (bench/results/kv_quality.md: median KL
+divergence of the next-token distribution against an f16 cache over 2,048 tokens on Gemma 3 270M and
+Qwen2.5-Coder-0.5B, K normalised; a type's quality is the worse of the two): each tier stores fewer bits per
+value than the one before it, and every measured type or pair left out is beaten by some tier in both bits
+and quality (q4_0 and q4_1 by turbo4, turbo3 by turbo3_tcq/turbo2_tcq, q8_0/q4_0 by q6_0, ...;
+tests/test_kv_plan.py recomputes the front from the measurements). `plan_kv` takes the first tier whose
+cache fits the budget; its bytes come from `kv_bytes`, the same count the cache allocates.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..errors import BudgetError, CupyllmError
+from .cache import KVSpec, kv_bytes
+from .formats import get_format
+
+
+@dataclass(frozen=True)
+class KVTier:
+    kv_type_k: str
+    kv_type_v: str
+    median_kld: tuple[float, float]  # measured: (Gemma 3 270M, Qwen2.5-Coder-0.5B)
+
+    @property
+    def name(self) -> str:
+        return self.kv_type_k if self.kv_type_k == self.kv_type_v else f"{self.kv_type_k}/{self.kv_type_v}"
+
+
+TIERS = (
+    KVTier("f16", "f16", (0.0, 0.0)),
+    KVTier("q8_0", "q8_0", (0.000131, 0.00019)),
+    KVTier("q6_0", "q6_0", (0.00217, 0.00268)),
+    KVTier("q5_1", "q5_1", (0.00512, 0.00574)),
+    KVTier("q8_0", "turbo3_tcq", (0.00829, 0.00662)),
+    KVTier("q5_0", "q5_0", (0.0084, 0.00891)),
+    KVTier("turbo4", "turbo4", (0.0149, 0.0191)),
+    KVTier("turbo3_tcq", "turbo3_tcq", (0.0327, 0.0443)),
+    KVTier("turbo3_tcq", "turbo2_tcq", (0.0652, 0.0702)),
+    KVTier("turbo2_tcq", "turbo2_tcq", (0.206, 0.222)),
+    KVTier("turbo2", "turbo2", (0.42, 0.38)),
+)
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def parse_bytes(size: int | float | str) -> int:
+    """A memory size: bytes as a number, or text such as "6GiB", "512 MiB", "2.5G" (G = 1e9, GiB = 2**30)."""
+    if isinstance(size, (int, float)) and not isinstance(size, bool):
+        value = float(size)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(size))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise CupyllmError(f"memory size {size!r} is not a size; write it like 6GiB, 512MiB, 2.5G or a byte count")
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise CupyllmError(f"memory size must be positive, got {size!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    tier: KVTier
+    ctx: int
+    bytes_needed: int
+    budget: int
+
+    def describe(self) -> str:
+        return (f"KV cache {self.tier.name} (auto for {_gib(self.budget)}: {_gib(self.bytes_needed)} at ctx "
+                f"{self.ctx})")
+
+
+def tier_fits_model(tier: KVTier, cfg: ModelConfig) -> bool:
+    """Whether both formats can store every head dim of the model (rotated groups need whole groups)."""
+    try:
+        for head_dim in cfg.head_dims():
+            get_format(tier.kv_type_k, head_dim=head_dim)
+            get_format(tier.kv_type_v, head_dim=head_dim)
+    except CupyllmError:
+        return False
+    return True
+
+
+def plan_kv(cfg: ModelConfig, ctx: int, budget: int, *, mirror: bool = False, max_chunk: int = 512,
+            normalize_k: bool | None = None) -> KVPlan:
+    """The best tier whose cache of `ctx` positions takes at most `budget` bytes (mirror: with the CPU
+    backend's float32 copy, which every tier pays alike). BudgetError, with the largest context the
+    smallest tier allows, when none fits."""
+    tiers = [t for t in TIERS if tier_fits_model(t, cfg)]
+
+    def need(tier: KVTier, n_ctx: int) -> int:
+        spec = KVSpec(ctx=n_ctx, kv_type_k=tier.kv_type_k, kv_type_v=tier.kv_type_v, max_chunk=max_chunk,
+                      normalize_k=normalize_k)
+        return kv_bytes(cfg, spec, mirror=mirror)
+
+    for tier in tiers:
+        n_bytes = need(tier, ctx)
+        if n_bytes <= budget:
+            return KVPlan(tier, ctx, n_bytes, budget)
+    smallest = min(tiers, key=lambda tier: need(tier, ctx))  # the last tier, unless tiny heads reorder them
+    lo, hi = 0, ctx  # the largest context the smallest tier fits: kv_bytes grows with ctx
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(smallest, mid) <= budget else (lo, mid - 1)
+    fits = f"it fits ctx {lo} there" if lo > 0 else "no context fits"
+    raise BudgetError(f"a KV cache of {ctx} tokens needs {_gib(need(smallest, ctx))} even as {smallest.name}, the "
+                      f"smallest tier, and the budget is {_gib(budget)}; {fits}: lower -c/--ctx (ctx=...) or raise "
+                      "--kv-budget (kv_budget=...)" + (" (on the CPU the cache also keeps a float32 copy)" if mirror else ""))
+
+
+def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = False) -> int:
+    """Bytes of the cache `spec` describes; BudgetError when that exceeds `budget` (types chosen by hand)."""
+    n_bytes = kv_bytes(cfg, spec, mirror=mirror)
+    if n_bytes > budget:
+        raise BudgetError(f"a KV cache of {spec.ctx} tokens (K {spec.kv_type_k}, V {spec.kv_type_v}) needs "
+                          f"{_gib(n_bytes)}, over the budget of {_gib(budget)}; pass -ctk auto -ctv auto "
+                          "(kv_type_k='auto', kv_type_v='auto') to pick the best types that fit, or lower -c/--ctx")
+    return n_bytes
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**20:,.1f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:,.2f} GiB"
