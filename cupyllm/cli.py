@@ -28,6 +28,8 @@ def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV-cache type of V (auto with -ctk auto)")
     p.add_argument("--kv-budget", help="memory the KV cache may take, e.g. 6GiB (with -ctk/-ctv auto: pick the "
                                        "types by it; default there: the free memory after the weights, less 10%%)")
+    p.add_argument("--kv-spill", action="store_true", help="GPU: keep the newest positions of a cache over the "
+                                                           "budget on the device, the rest in pinned host memory")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,9 +85,11 @@ def cmd_generate(args) -> int:
         dca = {"chunk_size": args.dca_chunk_size, "local_size": args.dca_local_size,
                "yarn_factor": args.dca_yarn_factor}
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
-                 kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget)
-    if model.kv_plan is not None:
-        print(f"[{model.device}] {model.kv_plan.describe()}", file=sys.stderr)
+                 kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget,
+                 kv_spill=args.kv_spill)
+    for plan in (model.kv_plan, model.spill_plan):
+        if plan is not None:
+            print(f"[{model.device}] {plan.describe()}", file=sys.stderr)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
@@ -109,7 +113,7 @@ def cmd_info(args) -> int:
     from .report import model_report
 
     print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v,
-                       normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget))
+                       normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget, kv_spill=args.kv_spill))
     return 0
 
 

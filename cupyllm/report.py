@@ -8,7 +8,7 @@ from .config import config_from_gguf
 from .gguf_io import read_gguf
 from .errors import CupyllmError
 from .kv.cache import KVSpec, kv_bytes
-from .kv.plan import parse_bytes, plan_kv
+from .kv.plan import parse_bytes, plan_kv, plan_spill
 from .model_store import default_model_path
 
 
@@ -17,7 +17,7 @@ def _gib(n: int) -> str:
 
 
 def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",
-                 normalize_k: bool | None = None, kv_budget: int | str | None = None) -> str:
+                 normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False) -> str:
     path = Path(model) if model else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
@@ -58,6 +58,8 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
     ]
     if budget is not None and not budget_line:
         lines.append(f"KV budget       {_gib(budget)}: the cache {'fits' if cache <= budget else 'does NOT fit'}")
+        if cache > budget and kv_spill:
+            lines.append(f"KV spill        {plan_spill(cfg, spec, budget).describe()}")
     return "\n".join(lines)
 
 

@@ -36,3 +36,17 @@ def test_gpu_backend_subset_passes_on_the_emulator():
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert re.search(r"\b5 passed", result.stdout), result.stdout[-2000:]
+
+
+def test_spilled_cache_passes_on_the_emulator():
+    """tests/test_gpu_spill.py (device window + pinned host tail, merged by LSE) on the CUDA emulator, and the
+    spill benchmark's smoke run (the script itself; its timings mean nothing there)."""
+    env = {**os.environ, "CUPYLLM_EMULATE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_spill.py"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert re.search(r"\b5 passed", result.stdout), result.stdout[-2000:]
+    bench = subprocess.run([sys.executable, "bench/spill_gpu.py", "--smoke", "--formats", "f16"], cwd=REPO,
+                           env={**env, "PYTHONPATH": str(REPO / "tools" / "cuda_emu" / "fakecupy")},
+                           capture_output=True, text=True, timeout=600)
+    assert bench.returncode == 0 and "of whole-device" in bench.stdout, bench.stdout[-2000:] + bench.stderr[-2000:]

@@ -113,3 +113,25 @@ def test_tiers_shrink_at_real_head_dims(head_dim):
     bits = [(get_format(t.kv_type_k, head_dim=head_dim).row_bytes(head_dim)
              + get_format(t.kv_type_v, head_dim=head_dim).row_bytes(head_dim)) for t in TIERS]
     assert bits == sorted(bits, reverse=True)
+
+
+# ---- spilling (GPU window + host tail) -------------------------------------------------------------------
+
+def test_plan_spill_takes_the_largest_window_that_fits(tiny_model):
+    from cupyllm.kv.plan import plan_spill
+    cfg = config_from_gguf(read_gguf(tiny_model("gemma4")[0]))
+    spec = KVSpec(ctx=4096, kv_type_k="q8_0", kv_type_v="q8_0", max_chunk=64)
+    device = lambda window: kv_bytes(cfg, KVSpec(**{**spec.__dict__, "device_window": window}))  # noqa: E731
+    plan = plan_spill(cfg, spec, device(1000) + 1)
+    assert plan.spec.device_window == 1000 and plan.device_bytes == device(1000)
+    assert plan.host_bytes == kv_bytes(cfg, spec) - device(1000) > 0
+    assert plan_spill(cfg, spec, device(1001) - 1).spec.device_window == 1000
+    with pytest.raises(BudgetError, match="even spilled"):
+        plan_spill(cfg, spec, device(64) - 1)
+    with pytest.raises(BudgetError, match="the host has"):
+        plan_spill(cfg, spec, device(1000), host_available=1000)
+
+
+def test_spill_is_for_the_gpu(tiny_model):
+    with pytest.raises(CupyllmError, match="on the CPU the whole cache is in host memory"):
+        cupyllm.load(tiny_model("qwen2")[0], device="cpu", ctx=64, kv_budget="1KiB", kv_spill=True, progress=False)

@@ -40,6 +40,9 @@ class CPUBackend:
     @staticmethod
     def new_cache(cfg, spec) -> KVCache:
         """A host cache with a float32 mirror, so attention never decodes the stored blocks per step."""
+        if spec.spilled:
+            raise CupyllmError("spilling the KV cache to host memory is for the GPU backend; on the CPU the whole "
+                               "cache is in host memory already (drop --kv-spill / kv_spill=)")
         return KVCache.for_model(cfg, spec, mirror=True)
 
     @staticmethod

@@ -119,7 +119,16 @@ class GPUBackend:
         def codec(fmt, head_dim, n_kv):
             return GpuKVCodec(fmt, head_dim, n_kv, registry=self.registry)
 
-        return KVCache.for_model(cfg, spec, mirror=False, make_layer=device_layer_factory(codec, self.inputs))
+        cache = KVCache.for_model(cfg, spec, mirror=False, make_layer=device_layer_factory(codec, self.inputs))
+        if spec.spilled:  # global layers: the device ring of the window, older positions on the host
+            from .gpu_spill import SpilledLayerKV
+            spilled: dict[int, SpilledLayerKV] = {}
+            for il, layer in enumerate(cache.layers):
+                if not cfg.is_sliding(il):
+                    if id(layer) not in spilled:
+                        spilled[id(layer)] = SpilledLayerKV(layer, host_capacity=spec.ctx - spec.device_window)
+                    cache.layers[il] = spilled[id(layer)]
+        return cache
 
     # --- linear algebra ---------------------------------------------------------------------------
     def linear(self, x, weight: Weight, bias=None):
@@ -204,6 +213,8 @@ class GPUBackend:
         # which undoes the normalisation.
         normalized = getattr(layer_kv, "k_scale", None) is not None
         offset_matters = normalized and (options.get("softcap", 0.0) > 0.0 or options.get("dca") is not None)
+        if getattr(layer_kv, "spilled", False):
+            return self._attend_spilled(q, q_pos, layer_kv, normalized, offset_matters, **options)
         if self._gpu_attention is not None and shape not in self._no_dispatch and not offset_matters:
             try:
                 q_read = q * layer_kv.query_scale(q.shape[1]) if normalized else q
@@ -213,6 +224,17 @@ class GPUBackend:
                     raise
                 self._no_dispatch[shape] = str(exc)
         return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, **options)
+
+    def _attend_spilled(self, q, q_pos, layer_kv, normalized: bool, offset_matters: bool, **options):
+        """Device window and host rows through the flash kernels, merged by LSE (backend/gpu_spill.py)."""
+        if self._gpu_attention is None or offset_matters:
+            why = ("the flash kernels are not available" if self._gpu_attention is None else
+                   "normalised K with a soft-capped or DCA score needs the decoding path")
+            raise CupyllmError(f"a spilled KV cache is read by the flash kernels only, and here {why}; drop "
+                               "--kv-spill (kv_spill=) or pass --no-cache-normalize-k")
+        from ..attention.dispatch import gpu_attention_lse
+        q_read = q * layer_kv.query_scale(q.shape[1]) if normalized else q
+        return layer_kv.attention_lse(gpu_attention_lse, q_read, q_pos, **options)[0]
 
     # --- decode loop ------------------------------------------------------------------------------
     def decode_forward(self, forward, min_bucket: int = 256):

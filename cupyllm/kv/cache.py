@@ -28,10 +28,17 @@ class KVSpec:
     kv_type_v: str = "f16"
     max_chunk: int = 512  # largest prefill chunk written at once (sizes the sliding-window rings)
     normalize_k: bool | None = None  # K channel normalisation (LayerKV); None: on for quantized K formats
+    # Spilled (GPU backend, kv/plan.py plan_spill): global layers keep only the newest `device_window` positions
+    # on the device, in a ring; older ones move to pinned host memory (backend/gpu_spill.py). 0: all on the device.
+    device_window: int = 0
 
     @property
     def k_normalized(self) -> bool:
         return (not is_float(self.kv_type_k)) if self.normalize_k is None else bool(self.normalize_k)
+
+    @property
+    def spilled(self) -> bool:
+        return 0 < self.device_window < self.ctx
 
 
 @dataclass
@@ -186,7 +193,8 @@ class KVCache:
                 sliding = cfg.is_sliding(layer)
                 head_dim, v_head_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
                 layers.append(make_layer(formats[head_dim][0], formats[v_head_dim][1], cfg.n_kv_head_of(layer),
-                                         head_dim, v_head_dim, capacity=_slots(cfg, spec, layer), ring=sliding,
+                                         head_dim, v_head_dim, capacity=_slots(cfg, spec, layer),
+                                         ring=sliding or spec.spilled,
                                          window=cfg.sliding_window if sliding else 0, mirror=mirror,
                                          normalize_k=spec.k_normalized))
         except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
@@ -214,7 +222,8 @@ class KVCache:
 
 
 def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:
-    """Bytes a cache for `spec` takes, without allocating it (mirror: plus the CPU's float32 copy)."""
+    """Bytes a cache for `spec` takes, without allocating it (mirror: plus the CPU's float32 copy; spilled: on
+    the device only, kv/plan.py counts the host part)."""
     total = 0
     for layer in range(cfg.n_layer):
         if cfg.kv_source(layer) != layer:
@@ -229,8 +238,11 @@ def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:
 
 
 def _slots(cfg: ModelConfig, spec: KVSpec, layer: int) -> int:
-    """Cache slots of `layer`: every position for global attention, a ring of window + chunk for sliding."""
-    return min(spec.ctx, cfg.sliding_window + spec.max_chunk) if cfg.is_sliding(layer) else spec.ctx
+    """Cache slots of `layer`: every position for global attention (the device window when spilled), a ring of
+    window + chunk for sliding."""
+    if cfg.is_sliding(layer):
+        return min(spec.ctx, cfg.sliding_window + spec.max_chunk)
+    return spec.device_window if spec.spilled else spec.ctx
 
 
 def _gib(n_bytes: float) -> str:

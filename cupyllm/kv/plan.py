@@ -11,7 +11,7 @@ cache fits the budget; its bytes come from `kv_bytes`, the same count the cache 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
 from ..errors import BudgetError, CupyllmError
@@ -120,6 +120,45 @@ def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = 
                           f"{_gib(n_bytes)}, over the budget of {_gib(budget)}; pass -ctk auto -ctv auto "
                           "(kv_type_k='auto', kv_type_v='auto') to pick the best types that fit, or lower -c/--ctx")
     return n_bytes
+
+
+@dataclass(frozen=True)
+class SpillPlan:
+    """A cache too large for the device: global layers keep the newest `device_window` positions there, the
+    rest in pinned host memory (backend/gpu_spill.py); sliding-window layers stay whole on the device."""
+
+    spec: KVSpec  # with device_window set
+    device_bytes: int
+    host_bytes: int
+
+    def describe(self) -> str:
+        return (f"KV cache spilled: the newest {self.spec.device_window} of {self.spec.ctx} positions on the device "
+                f"({_gib(self.device_bytes)}), the rest in pinned host memory ({_gib(self.host_bytes)})")
+
+
+def plan_spill(cfg: ModelConfig, spec: KVSpec, budget: int, host_available: float = float("inf")) -> SpillPlan:
+    """The largest device window (at least one prefill chunk) whose device bytes fit `budget`, the older
+    positions on the host. Device bytes grow by the same amount per window position (the global layers' rows),
+    so the window is found by bisection on kv_bytes."""
+    full = kv_bytes(cfg, replace(spec, device_window=0))
+
+    def device_bytes(window: int) -> int:
+        return kv_bytes(cfg, replace(spec, device_window=window))
+
+    lo, hi = spec.max_chunk, spec.ctx - 1
+    if lo > hi or device_bytes(lo) > budget:
+        need = device_bytes(min(lo, spec.ctx))
+        raise BudgetError(f"even spilled, the KV cache needs {_gib(need)} on the device (sliding-window layers and "
+                          f"one prefill chunk of {spec.max_chunk} positions of the global layers), over the budget of "
+                          f"{_gib(budget)}; raise --kv-budget or store K/V in fewer bits (-ctk/-ctv)")
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if device_bytes(mid) <= budget else (lo, mid - 1)
+    plan = SpillPlan(replace(spec, device_window=lo), device_bytes(lo), full - device_bytes(lo))
+    if plan.host_bytes > host_available:
+        raise BudgetError(f"{plan.describe()}, and the host has {_gib(host_available)} available; lower -c/--ctx "
+                          "or store K/V in fewer bits (-ctk/-ctv)")
+    return plan
 
 
 def _gib(n_bytes: float) -> str:
