@@ -1,7 +1,9 @@
 """End-to-end CPU speed: prefill (128-token prompt) and decode (64 tokens, greedy) on the two real models,
-beside llama.cpp (llama-cpp-python, n_threads=2) and HF transformers (float32) in the same run.
+beside llama.cpp (llama-cpp-python, n_threads=2) and HF transformers (float32) in the same run; and on a
+random-weight Gemma 4 E2B (tools/make_tiny_models.py preset `gemma4-e2b`, Q4_K blocks with the real shapes,
+written to ~/.cache/cupyllm/bench once: no Gemma 4 GGUF ships on PyPI) beside llama.cpp.
 
-    python bench/e2e_cpu.py [--models gemma qwen] [--skip-transformers] [--out bench/results/e2e_cpu.json]
+    python bench/e2e_cpu.py [--models gemma qwen gemma4-e2b] [--skip-transformers] [--out bench/results/e2e_cpu.json]
 
 Ratios are cupyllm / peer (above 1: cupyllm faster). Each engine is timed alone, one after the other.
 """
@@ -20,6 +22,7 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tools"))
 
 PROMPT_TOKENS, DECODE_TOKENS, THREADS = 128, 64, 2
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
@@ -33,6 +36,18 @@ def prompt_ids(model) -> list[int]:
     ids = model.tokenize(TEXT)
     assert len(ids) >= PROMPT_TOKENS
     return ids[:PROMPT_TOKENS]
+
+
+def preset_path(name: str) -> Path:
+    """A random-weight model with a real model's shapes (written once; the text is meaningless to it)."""
+    from cupyllm.model_store import cache_dir
+    from make_tiny_models import PRESETS, write_gguf
+    path = cache_dir().parent / "bench" / f"random-{name}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(PRESETS[name], path.with_suffix(".part"))
+        path.with_suffix(".part").rename(path)
+    return path
 
 
 def bench_cupyllm(path: Path, ids: list[int]) -> dict:
@@ -106,26 +121,29 @@ def main(argv=None) -> int:
     from models import gemma_path, qwen_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gemma", "qwen"], choices=["gemma", "qwen"])
+    parser.add_argument("--models", nargs="+", default=["gemma", "qwen"], choices=["gemma", "qwen", "gemma4-e2b"])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_cpu.json")
     args = parser.parse_args(argv)
 
     import cupyllm
 
-    paths = {"gemma": gemma_path, "qwen": qwen_path}
+    paths = {"gemma": gemma_path, "qwen": qwen_path, "gemma4-e2b": lambda: preset_path("gemma4-e2b")}
     engines = {"cupyllm": bench_cupyllm, "llama.cpp": bench_llama_cpp}
     if not args.skip_transformers:
         engines["transformers"] = bench_transformers
     results = {}
-    jobs = [(m, e) for m in args.models for e in engines]
+    jobs = [(m, e) for m in args.models for e in engines if not (m.startswith("gemma4") and e == "transformers")]
     for name, engine in tqdm(jobs, desc="e2e cpu bench", unit="run"):
         path = paths[name]()
-        ids = prompt_ids(cupyllm.load(path, device="cpu", ctx=64, progress=False))
+        if name.startswith("gemma4"):  # random weights: random ids of its small real vocabulary
+            ids = np.random.default_rng(0).integers(4, 280, PROMPT_TOKENS).tolist()
+        else:
+            ids = prompt_ids(cupyllm.load(path, device="cpu", ctx=64, progress=False))
         results.setdefault(name, {"model": path.name})[engine] = engines[engine](path, ids)
     for name, row in results.items():
         ours = row["cupyllm"]
-        for peer in [e for e in engines if e != "cupyllm"]:
+        for peer in [e for e in engines if e != "cupyllm" and e in row]:
             row[f"ratio_vs_{peer}"] = {k: ours[k] / row[peer][k] for k in ("prefill_tps", "decode_tps")}
     report = {
         "bench": "e2e_cpu", "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
@@ -135,9 +153,10 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     for name, row in results.items():
-        cells = "  ".join(f"{e}: prefill {row[e]['prefill_tps']:.1f} decode {row[e]['decode_tps']:.1f} tok/s" for e in engines)
+        cells = "  ".join(f"{e}: prefill {row[e]['prefill_tps']:.1f} decode {row[e]['decode_tps']:.1f} tok/s"
+                          for e in engines if e in row)
         print(f"{name}: {cells}")
-        for peer in [e for e in engines if e != "cupyllm"]:
+        for peer in [e for e in engines if e != "cupyllm" and e in row]:
             r = row[f"ratio_vs_{peer}"]
             print(f"   cupyllm / {peer}: prefill x{r['prefill_tps']:.2f}, decode x{r['decode_tps']:.2f}")
     print("wrote", args.out)

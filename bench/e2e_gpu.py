@@ -1,8 +1,8 @@
 """End-to-end GPU speed on random-weight models with the real shapes and Q4_K_M-like types of Gemma 3 270M,
-Qwen2.5-0.5B and Qwen2.5-7B (tools/make_tiny_models.py PRESETS, written on the device: real GGUFs are too big
-to carry), beside HF transformers (torch, float16) on the very same weights in the same run.
+Qwen2.5-0.5B, Gemma 4 E2B and Qwen2.5-7B (tools/make_tiny_models.py PRESETS, written on the device: real GGUFs
+are too big to carry), beside HF transformers (torch, float16) on the very same weights in the same run.
 
-    python bench/e2e_gpu.py [--models gemma3-270m qwen2.5-0.5b qwen2.5-7b] [--skip-transformers]
+    python bench/e2e_gpu.py [--models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b] [--skip-transformers]
                             [--budget-s 600] [--work-dir DIR] [--out bench/results/e2e_gpu.json]
 
 Per model: prefill tok/s of a 512-token prompt through both prefill paths (cuBLAS on an f16 copy of each
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 PEAK_BANDWIDTH = 4.8e12  # bytes/s, H200 HBM3e
 PEAK_F16_FLOPS = 989e12  # dense f16 tensor-core FLOP/s, H100/H200 SXM
 PROMPT_TOKENS, DECODE_TOKENS = 512, 64
-MODELS = ("gemma3-270m", "qwen2.5-0.5b", "qwen2.5-7b")
+MODELS = ("gemma3-270m", "qwen2.5-0.5b", "gemma4-e2b", "qwen2.5-7b")
 GEMV_REPEATS = 20
 
 
@@ -55,11 +55,15 @@ def _timed(fn, repeats: int = 1) -> tuple[float, object]:
 
 
 def matrices(transformer) -> list:
-    """Every weight matrix one decode token reads (the embedding contributes one row, ignored)."""
-    out = [transformer.output]
+    """Every weight matrix one decode token reads (embeddings contribute one row, ignored; a mixture of experts
+    counts every expert, an upper bound)."""
+    out = [transformer.output] + ([transformer.per_layer[1]] if transformer.per_layer else [])
     for layer in transformer.layers:
-        out += [layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down]
-    return out
+        out += [layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down, layer.ple_gate,
+                layer.ple_proj]
+        if layer.moe is not None:
+            out += [layer.moe.router, *layer.moe.gate_up, *layer.moe.down]
+    return [w for w in out if w is not None]
 
 
 def decode_bytes_per_token(transformer, cache, n_keys: int) -> int:
@@ -182,9 +186,11 @@ def hf_from_gguf(spec, path: Path):
         torch.set_default_dtype(default)
     names, norm_offset = hf_names(spec)
     kernels = GpuKernels()
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # Gemma 4's layer_scalar: a buffer
     with torch.no_grad():
         for name, info in gguf_file.tensors.items():
+            if name not in names:
+                continue  # rope_freqs: transformers computes the proportional rope itself
             if len(info.shape) == 2:
                 values = torch.from_dlpack(kernels.dequantize(kernels.upload(load_matrix(gguf_file, name))))
             else:
@@ -192,7 +198,7 @@ def hf_from_gguf(spec, path: Path):
             params[names[name]].copy_(values.to(device="cuda", dtype=torch.float16))
             del values
             cupy.get_default_memory_pool().free_all_blocks()
-        if spec.arch == "gemma3":
+        if spec.arch.startswith("gemma"):
             model.tie_weights()
     return model
 

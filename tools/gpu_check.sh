@@ -11,7 +11,7 @@
 # 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dca_gpu.py, bench/spill_gpu.py,
 #    bench/kv_encode.py --device gpu, then
 #    tools/profile_decode_gpu.py (kernels of a decode step), bench/e2e_gpu.py on the real-shape models (Gemma 3
-#    270M, Qwen2.5-0.5B, then Qwen2.5-7B while time is left)
+#    270M, Qwen2.5-0.5B, Gemma 4 E2B, then Qwen2.5-7B while time is left)
 # 5. copies the results into $OUT (when set) after every step, so a run cut short keeps what it measured
 #
 # Finishes in under 7.5 minutes: each step has its own time limit.
@@ -85,10 +85,10 @@ echo "--- tools/profile_decode_gpu.py (where a Gemma 3 270M decode step's device
 timeout 40 "$PY" tools/profile_decode_gpu.py --model gemma3-270m || echo "decode profile failed or timed out ($?)"
 # Small models first (~50 s with transformers beside them); the 7B (~4.7 GB GGUF written here, transformers
 # from the same weights) starts only inside --budget-s and writes its row when done.
-echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b, qwen2.5-7b)"
+echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b, gemma4-e2b, qwen2.5-7b)"
 # (its JSON goes straight into $OUT when set: rewritten after every model, it comes back even if the call's
 # limit cuts the 7B short)
-timeout 140 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b qwen2.5-7b --budget-s 60 \
+timeout 140 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b --budget-s 60 \
     --out "${OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
 [ -n "${OUT:-}" ] && [ -e "$OUT/e2e_gpu.json" ] && cp "$OUT/e2e_gpu.json" "$RESULTS"/
 

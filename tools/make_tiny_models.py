@@ -67,6 +67,7 @@ class TinySpec:
     n_expert_used: int = 0
     expert_ffn_dim: int = 0
     final_softcap: float = 0.0
+    sliding_pattern: tuple[bool, ...] = ()  # sliding? per layer, repeating (default GEMMA4_LAYER_TYPES)
 
     @property
     def gguf_arch(self) -> str:
@@ -91,6 +92,15 @@ PRESETS: dict[str, TinySpec] = {
     "qwen2.5-7b": TinySpec("qwen2", n_layer=28, d_model=3584, n_head=28, n_kv_head=4, head_dim=128, ffn_dim=18944,
                            ctx_train=32768, rope_base=1_000_000.0, n_vocab=152064, random_blocks=True,
                            types=dict(_Q4_K_M_QWEN)),
+    # google/gemma-4-E2B's text config: 35 layers (4 sliding : 1 global), the last 20 reading earlier caches with
+    # double-wide MLPs, per-layer embeddings of 256, head dims 256 / 512, one KV head
+    "gemma4-e2b": TinySpec("gemma4", n_layer=35, d_model=1536, n_head=8, n_kv_head=1, head_dim=256,
+                           global_head_dim=512, ffn_dim=6144, per_layer_dim=256, n_kv_shared=20, double_wide=True,
+                           final_softcap=30.0, ctx_train=131072, rope_base=1_000_000.0, sliding_window=512,
+                           n_vocab=262144, random_blocks=True, sliding_pattern=(True, True, True, True, False),
+                           types={**_Q4_K_M_QWEN, "per_layer_token_embd.weight": T.Q4_K,
+                                  "per_layer_model_proj.weight": T.Q4_K, "inp_gate.weight": T.Q4_K,
+                                  "proj.weight": T.Q4_K}),
 }
 
 
@@ -168,7 +178,8 @@ def gemma4_vocab() -> tuple[list[str], list[int], list[str]]:
 
 def gemma4_layer(spec: TinySpec, il: int) -> tuple[bool, int, int, bool]:
     """(sliding, head dim, KV heads, has its own K/V) of layer il."""
-    sliding = GEMMA4_LAYER_TYPES[il % len(GEMMA4_LAYER_TYPES)] and il != spec.n_layer - 1
+    pattern = spec.sliding_pattern or GEMMA4_LAYER_TYPES
+    sliding = pattern[il % len(pattern)] and il != spec.n_layer - 1
     head_dim = spec.head_dim if sliding else spec.global_head_dim
     n_kv = spec.n_kv_head if sliding or not spec.k_eq_v else spec.n_global_kv_head
     return sliding, head_dim, n_kv, il < spec.n_layer - spec.n_kv_shared
