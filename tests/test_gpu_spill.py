@@ -33,12 +33,15 @@ def flash_models(tmp_path_factory):
     return out
 
 
-def _run(ops, path, spec, n_prefill: int):
+def _run(ops, path, spec, n_prefill: int, dca=None):
     """Logits of IDS: the first n_prefill in chunks of spec.max_chunk, then one-token steps."""
     from cupyllm.generate import prefill
     from cupyllm.gguf_io import read_gguf
     from cupyllm.models.build import Transformer
+    from cupyllm.models.layers import dca_attention
     transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
+    if dca is not None:
+        transformer.attention = dca_attention(dca)
     cache = ops.new_cache(transformer.cfg, spec)
 
     def forward(tokens, positions, cache, all_logits=False):
@@ -72,6 +75,20 @@ def test_spilled_cache_matches_the_whole_cache(flash_models, arch, kv_type):
     cpu, _ = _run(CPUBackend(), flash_models[arch], whole, n_prefill=12)
     # against the CPU engine, spilling adds at most that rounding to what the GPU paths differ by anyway
     assert np.abs(got - cpu).max() <= np.abs(want - cpu).max() + (1e-3 if kv_type == "f16" else 4e-3) * scale
+
+
+def test_spilled_cache_with_dual_chunk_attention(flash_models):
+    """The fused DCA kernels over the device ring and the host rows (chunks of 6 positions: the 18 tokens
+    cross two chunk boundaries), against DCA over the whole device cache."""
+    from cupyllm.attention.dca import DCAConfig
+    from cupyllm.backend.gpu import GPUBackend
+    from cupyllm.kv.cache import KVSpec
+    dca = DCAConfig.for_model(256, chunk_size=8, local_size=2)
+    whole = KVSpec(ctx=64, max_chunk=4)
+    ops = GPUBackend(attention="dispatch")
+    want, _ = _run(ops, flash_models["qwen2"], whole, n_prefill=12, dca=dca)
+    got, _ = _run(ops, flash_models["qwen2"], dataclasses.replace(whole, device_window=6), n_prefill=12, dca=dca)
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
 
 
 def test_spilled_load_and_generate(flash_models):

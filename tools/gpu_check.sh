@@ -76,7 +76,7 @@ echo "--- bench/dca_gpu.py"
 timeout 45 "$PY" bench/dca_gpu.py --budget-s 32 || echo "bench/dca_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/spill_gpu.py (device window + pinned host tail vs the whole cache on the device)"
-timeout 30 "$PY" bench/spill_gpu.py --budget-s 15 || echo "bench/spill_gpu.py failed or timed out ($?)"
+timeout 25 "$PY" bench/spill_gpu.py --budget-s 12 || echo "bench/spill_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/kv_encode.py --device gpu"
 timeout 40 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
