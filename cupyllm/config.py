@@ -91,7 +91,8 @@ class ModelConfig:
 
     def head_dims(self) -> set[int]:
         """Every (K and V) head dim some layer caches."""
-        return {self.head_dim_of(il) for il in range(self.n_layer)} | {self.v_head_dim_of(il) for il in range(self.n_layer)}
+        layers = range(self.n_layer)
+        return {self.head_dim_of(il) for il in layers} | {self.v_head_dim_of(il) for il in layers}
 
     def rope_for(self, layer: int) -> RopeConfig:
         return self.rope_local if (self.rope_local is not None and self.is_sliding(layer)) else self.rope
@@ -202,7 +203,8 @@ def _gemma4_config(gguf: GGUFFile, get, common: dict) -> ModelConfig:
                                                 "attention.sliding_window_pattern", path))
     head_dim_global = common["head_dim"]
     head_dim_swa = int(get(f"{arch}.attention.key_length_swa", head_dim_global))
-    if int(get(f"{arch}.attention.value_length_swa", head_dim_swa)) != head_dim_swa or common["v_head_dim"] != head_dim_global:
+    v_head_dim_swa = int(get(f"{arch}.attention.value_length_swa", head_dim_swa))
+    if v_head_dim_swa != head_dim_swa or common["v_head_dim"] != head_dim_global:
         raise ModelFileError(f"{path}: gemma4 with value length != key length is not supported")
     kv_heads = tuple(int(v) for v in _per_layer(get(f"{arch}.attention.head_count_kv", common["n_head"]), n_layer,
                                                 "attention.head_count_kv", path))
@@ -215,7 +217,8 @@ def _gemma4_config(gguf: GGUFFile, get, common: dict) -> ModelConfig:
             continue
         same_kind = [j for j in range(first_shared) if sliding[j] == sliding[il]]
         if not same_kind:
-            raise ModelFileError(f"{path}: layer {il} shares the KV cache of an earlier layer of its kind, and there is none")
+            raise ModelFileError(f"{path}: layer {il} shares the KV cache of an earlier layer of its kind, and there "
+                                 "is none")
         sources.append(same_kind[-1])
     rope = common["rope"]
     rope_swa = RopeConfig(base=float(get(f"{arch}.rope.freq_base_swa", rope.base)),

@@ -107,9 +107,10 @@ def plan_kv(cfg: ModelConfig, ctx: int, budget: int, *, mirror: bool = False, ma
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(smallest, mid) <= budget else (lo, mid - 1)
     fits = f"it fits ctx {lo} there" if lo > 0 else "no context fits"
+    copy = " (on the CPU the cache also keeps a float32 copy)" if mirror else ""
     raise BudgetError(f"a KV cache of {ctx} tokens needs {_gib(need(smallest, ctx))} even as {smallest.name}, the "
                       f"smallest tier, and the budget is {_gib(budget)}; {fits}: lower -c/--ctx (ctx=...) or raise "
-                      "--kv-budget (kv_budget=...)" + (" (on the CPU the cache also keeps a float32 copy)" if mirror else ""))
+                      f"--kv-budget (kv_budget=...){copy}")
 
 
 def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = False) -> int:

@@ -43,11 +43,12 @@ class LayerWeights:
         has_kv = cfg is None or cfg.kv_source(layer) == layer  # a KV-shared layer never writes the cache
         v_may_be_k = cfg is not None and cfg.arch == "gemma4"  # no attn_v: V is K's projection
         optional = lambda name: load_matrix(gguf, p + name) if p + name in gguf.tensors else None  # noqa: E731
+        wv = optional("attn_v.weight") if v_may_be_k else load_matrix(gguf, p + "attn_v.weight")
         return cls(
             attn_norm=load_vector(gguf, p + "attn_norm.weight"),
             wq=load_matrix(gguf, p + "attn_q.weight"),
             wk=load_matrix(gguf, p + "attn_k.weight") if has_kv else None,
-            wv=(optional("attn_v.weight") if v_may_be_k else load_matrix(gguf, p + "attn_v.weight")) if has_kv else None,
+            wv=wv if has_kv else None,
             wo=load_matrix(gguf, p + "attn_output.weight"),
             ffn_norm=load_vector(gguf, p + "ffn_norm.weight"),
             w_gate=load_matrix(gguf, p + "ffn_gate.weight"), w_up=load_matrix(gguf, p + "ffn_up.weight"),
