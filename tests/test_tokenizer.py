@@ -290,5 +290,16 @@ def test_gemma4_ids_match_llama_cpp(tiny_model):
     stored = np.load(reference.OUT)
     ours = Tokenizer.from_gguf(tiny_model("gemma4")[0])
     ids, offsets = stored["gemma4_text_ids"].tolist(), stored["gemma4_text_offsets"]
-    for i, text in enumerate(reference.TOKENIZER_TEXTS):
+    texts = reference.TOKENIZER_TEXTS + reference.fuzz_texts()
+    assert len(offsets) == len(texts) + 1
+    for i, text in enumerate(texts):
         assert ours.encode(text, add_bos=False) == ids[offsets[i]:offsets[i + 1]], text
+
+
+def test_gemma4_random_strings_match_hf_tokenizers(tiny_model):
+    import make_llama_cpp_reference as reference
+    import make_tiny_models
+    ours = Tokenizer.from_gguf(tiny_model("gemma4")[0])
+    hf = _hf_gemma4_tokenizer(ours.tokens, make_tiny_models.gemma4_vocab()[2])
+    for text in reference.fuzz_texts(1000, seed=1):
+        assert ours.encode(text, add_bos=False) == hf.encode(text, add_special_tokens=False).ids, text

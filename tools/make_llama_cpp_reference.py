@@ -7,8 +7,8 @@ Our tiny Gemma 4 files are written as llama.cpp's convert_hf_to_gguf.py writes t
 computing the same logits as cupyllm (and as transformers, tests/test_forward_tiny.py) checks that reading
 from the other side. For each model the npz holds the sha256 of the GGUF (the test writes the same file again
 and stops with a clear message if it changed), the token ids and llama.cpp's logits of every position
-(F32 K/V cache); and for the Gemma 4 tokenizer, llama.cpp's ids of TOKENIZER_TEXTS (concatenated, with
-their offsets).
+(F32 K/V cache); and for the Gemma 4 tokenizer, llama.cpp's ids of TOKENIZER_TEXTS and 400 seeded random
+strings (fuzz_texts), concatenated with their offsets.
 """
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ ARCHES = ("gemma3", "gemma4", "gemma4-moe")
 N_TOKENS = 24
 TOKENIZER_TEXTS = ["the water in the sea", "  there\n\nwas an  answer\n", "snow\n\n\nthe", "héllo wörld ⛵ 🙂",
                    "the<|turn>user\nhi<turn|>", "\n", "rent on the tower a the", "x" * 40]
+FUZZ_PIECES = list("the water sin rowa\n\n  ") + ["é", "⛵", "🙂", "\t", "<|turn>", "<turn|>", "x", "Z", "\r"]
+
+
+def fuzz_texts(n: int = 400, seed: int = 0) -> list[str]:
+    """Random strings over the tiny Gemma 4 vocabulary's characters, merges, specials, runs of spaces and
+    newlines, and characters only byte fallback spells."""
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(FUZZ_PIECES, rng.integers(0, 30))) for _ in range(n)]
 OUT = ROOT / "tests" / "data" / "llama_cpp_tiny.npz"
 
 
@@ -67,7 +75,8 @@ def main(argv=None) -> int:
             arrays[f"{key}_ids"] = np.array(ids, np.int64)
             arrays[f"{key}_logits"] = np.array(llm.scores[:len(ids)], np.float32)
             if arch == "gemma4":
-                pieces = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in TOKENIZER_TEXTS]
+                pieces = [llm.tokenize(t.encode(), add_bos=False, special=True)
+                          for t in TOKENIZER_TEXTS + fuzz_texts()]
                 arrays["gemma4_text_ids"] = np.array([i for p in pieces for i in p], np.int64)
                 arrays["gemma4_text_offsets"] = np.cumsum([0] + [len(p) for p in pieces])
             print(f"{arch}: {len(ids)} tokens, llama-cpp-python {llama_cpp.__version__}")
