@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("-c", "--ctx", type=int, default=4096, help="context length to size the KV cache for")
     _add_kv_type_args(info)
     info.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None)
+    info.add_argument("--kv-tiers", action="store_true", help="list every KV tier's cache size at -c and its quality")
     return parser
 
 
@@ -113,7 +114,8 @@ def cmd_info(args) -> int:
     from .report import model_report
 
     print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v,
-                       normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget, kv_spill=args.kv_spill))
+                       normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget, kv_spill=args.kv_spill,
+                       kv_tiers=args.kv_tiers))
     return 0
 
 

@@ -8,7 +8,7 @@ from .config import config_from_gguf
 from .gguf_io import read_gguf
 from .errors import CupyllmError
 from .kv.cache import KVSpec, kv_bytes
-from .kv.plan import parse_bytes, plan_kv, plan_spill
+from .kv.plan import TIERS, parse_bytes, plan_kv, plan_spill, tier_fits_model
 from .model_store import default_model_path
 
 
@@ -17,7 +17,8 @@ def _gib(n: int) -> str:
 
 
 def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",
-                 normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False) -> str:
+                 normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
+                 kv_tiers: bool = False) -> str:
     path = Path(model) if model else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
@@ -60,6 +61,8 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         lines.append(f"KV budget       {_gib(budget)}: the cache {'fits' if cache <= budget else 'does NOT fit'}")
         if cache > budget and kv_spill:
             lines.append(f"KV spill        {plan_spill(cfg, spec, budget).describe()}")
+    if kv_tiers:
+        lines += _tier_table(cfg, ctx, normalize_k)
     return "\n".join(lines)
 
 
@@ -74,3 +77,16 @@ def _attention_line(cfg) -> str:
             for sliding, n_kv, head_dim in shapes)
     shared = sum(cfg.kv_source(il) != il for il in range(cfg.n_layer))
     return "attention       " + text + (f"; the last {shared} layers reuse earlier layers' caches" if shared else "")
+
+
+def _tier_table(cfg, ctx: int, normalize_k: bool | None) -> list[str]:
+    """The KV tiers (kv/plan.py) with this model's cache size at ctx and their measured quality."""
+    lines = ["KV tiers        (best first; median KLD vs f16 measured on Gemma 3 270M / Qwen2.5-0.5B, "
+             "bench/results/kv_quality.md)"]
+    for tier in TIERS:
+        if not tier_fits_model(tier, cfg):
+            continue
+        spec = KVSpec(ctx=ctx, kv_type_k=tier.kv_type_k, kv_type_v=tier.kv_type_v, normalize_k=normalize_k)
+        gemma, qwen = tier.median_kld
+        lines.append(f"  {tier.name:<24}{_gib(kv_bytes(cfg, spec)):>12}   KLD {gemma:.2g} / {qwen:.2g}")
+    return lines

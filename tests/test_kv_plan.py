@@ -135,3 +135,14 @@ def test_plan_spill_takes_the_largest_window_that_fits(tiny_model):
 def test_spill_is_for_the_gpu(tiny_model):
     with pytest.raises(CupyllmError, match="on the CPU the whole cache is in host memory"):
         cupyllm.load(tiny_model("qwen2")[0], device="cpu", ctx=64, kv_budget="1KiB", kv_spill=True, progress=False)
+
+
+def test_cli_lists_the_tiers(tiny_model, capsys):
+    path = tiny_model("gemma4")[0]
+    cfg = config_from_gguf(read_gguf(path))
+    assert cli_main(["info", str(path), "-c", "8192", "--kv-tiers"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert [row[0] for row in rows] == [t.name for t in TIERS]
+    for row, tier in zip(rows, TIERS):  # sizes as kv_bytes counts them
+        want = kv_bytes(cfg, KVSpec(ctx=8192, kv_type_k=tier.kv_type_k, kv_type_v=tier.kv_type_v)) / 2**20
+        assert row[2] == "MiB" and abs(float(row[1].replace(",", "")) - want) < 0.06
