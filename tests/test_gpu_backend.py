@@ -425,10 +425,12 @@ def test_normalized_keys_match_the_cpu_engine(flash_sized_models, arch):
         assert np.abs(got - want).max() <= 1e-2 * scale, attention
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma4"])
 @pytest.mark.parametrize("attention", ["decode", "dispatch"])
-def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention):
+def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention, arch):
     """DecodeGraphs gives the eager logits step by step; on a GPU the steps after the first of a bucket replay
-    a captured graph (CuPy stream capture), with either attention path."""
+    a captured graph (CuPy stream capture), with either attention path (Gemma 4: sliding rings, per-layer
+    embeddings and layers reading shared caches inside the graph)."""
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
     from cupyllm.gguf_io import read_gguf
@@ -436,7 +438,7 @@ def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention):
     from cupyllm.models.build import Transformer
     if attention == "dispatch":
         pytest.importorskip("cupyllm.attention.dispatch")
-    path = flash_sized_models["qwen2"]
+    path = flash_sized_models[arch]
     ops = GPUBackend(attention=attention)
     transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
     spec = KVSpec(ctx=64, max_chunk=8)
