@@ -103,3 +103,13 @@ def test_spilled_load_and_generate(flash_models):
     assert spilled.kv_spec.device_window == 10 and "pinned host memory" in spilled.spill_plan.describe()
     prompt = "the water in the sea"
     assert spilled.generate(prompt, max_tokens=12, temperature=0) == whole.generate(prompt, max_tokens=12, temperature=0)
+
+
+def test_auto_types_take_the_free_device_memory(flash_models):
+    """kv_type 'auto' without a budget: 90% of what the device has free once the weights are on it."""
+    import cupyllm
+    model = cupyllm.load(flash_models["qwen2"], device="gpu", ctx=64, kv_type_k="auto", kv_type_v="auto",
+                         progress=False)
+    free = model.transformer.ops.memory_available()
+    assert abs(model.kv_plan.budget - 0.9 * free) <= 0.01 * free  # (free memory moves a little meanwhile)
+    assert model.kv_plan.tier.name == "f16"  # a 64-token cache of a tiny model fits anywhere

@@ -309,6 +309,16 @@ class _Device:
     def attributes(self):
         return {"MultiProcessorCount": _SM_COUNT, "MaxSharedMemoryPerBlockOptin": _SMEM_OPTIN}
 
+    @property
+    def mem_info(self):
+        """(free, total) bytes: the emulated device's memory is the host's (MemAvailable, MemTotal)."""
+        fields = {}
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                name, value = line.split(":", 1)
+                fields[name] = int(value.split()[0]) * 1024
+        return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
     def synchronize(self):
         pass
 
@@ -394,6 +404,9 @@ cuda = types.SimpleNamespace(
 
 class _MemoryPool:
     def used_bytes(self):
+        return 0
+
+    def free_bytes(self):
         return 0
 
     def total_bytes(self):
