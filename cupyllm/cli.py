@@ -8,7 +8,7 @@ from .errors import CupyllmError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="GGUF model path: Qwen2/2.5, Qwen3, Gemma 3 or Gemma 4 "
+    p.add_argument("-m", "--model", help="GGUF model path: Qwen2/2.5, Qwen3 (dense or MoE), Gemma 3 or Gemma 4 "
                                           "(default: Gemma 3 270M Q4_K_M from its PyPI package)")
     p.add_argument("-c", "--ctx", type=int, default=4096, help="context length: KV positions to hold (default 4096)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")

@@ -15,7 +15,7 @@ import numpy as np
 from .errors import ModelFileError
 from .gguf_io import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", "gemma4")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4")
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     arch = gguf.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Gemma 3, Gemma 4)")
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3, Gemma 4)")
 
     def get(key, default=None):
         return gguf.get(key, default)
@@ -152,14 +152,17 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     common = dict(
         arch=arch, name=str(get("general.name", arch)), n_layer=n_layer, d_model=d_model, n_head=n_head,
         n_kv_head=n_kv_head, head_dim=head_dim, v_head_dim=v_head_dim,
-        ffn_dim=int(_largest(need(f"{arch}.feed_forward_length"))), n_vocab=n_vocab,
+        ffn_dim=int(_largest(need(f"{arch}.feed_forward_length") if get(f"{arch}.expert_feed_forward_length") is None
+                             else get(f"{arch}.feed_forward_length", get(f"{arch}.expert_feed_forward_length")))),
+        n_vocab=n_vocab,
         norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         ctx_train=int(get(f"{arch}.context_length", 4096)), rope=rope,
         tied_output="output.weight" not in gguf.tensors,
     )
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3moe"):
+        n_expert, n_expert_used = _experts(gguf, get, arch)
         return ModelConfig(**common, attn_scale=1.0 / math.sqrt(head_dim), qkv_bias=arch == "qwen2",
-                           qk_norm=arch == "qwen3", activation="silu")
+                           qk_norm=arch != "qwen2", activation="silu", n_expert=n_expert, n_expert_used=n_expert_used)
     if arch == "gemma4":
         return _gemma4_config(gguf, get, common)
 
@@ -176,6 +179,15 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         attn_logit_softcap=float(get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
         qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
     )
+
+
+def _experts(gguf: GGUFFile, get, arch: str) -> tuple[int, int]:
+    """(experts per MoE layer, experts each token uses); (0, 0) for a dense model."""
+    n_expert, n_expert_used = int(get(f"{arch}.expert_count", 0) or 0), int(get(f"{arch}.expert_used_count", 0) or 0)
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise ModelFileError(f"{gguf.path}: {n_expert} experts but expert_used_count {n_expert_used}; the file is not "
+                             f"a complete {arch} MoE model")
+    return n_expert, n_expert_used
 
 
 def _largest(value):
@@ -223,10 +235,7 @@ def _gemma4_config(gguf: GGUFFile, get, common: dict) -> ModelConfig:
     rope = common["rope"]
     rope_swa = RopeConfig(base=float(get(f"{arch}.rope.freq_base_swa", rope.base)),
                           n_rot=int(get(f"{arch}.rope.dimension_count_swa", head_dim_swa)), neox=True)
-    n_expert, n_expert_used = int(get(f"{arch}.expert_count", 0) or 0), int(get(f"{arch}.expert_used_count", 0) or 0)
-    if n_expert and not 0 < n_expert_used <= n_expert:
-        raise ModelFileError(f"{path}: {n_expert} experts but expert_used_count {n_expert_used}; the file is not a "
-                             "complete gemma4 MoE model")
+    n_expert, n_expert_used = _experts(gguf, get, arch)
     global_layers = [il for il in range(n_layer) if not sliding[il]] or [0]
     return ModelConfig(
         **{**common, "n_kv_head": kv_heads[global_layers[0]]},

@@ -1,5 +1,6 @@
-"""Tiny random-weight Qwen2, Qwen3, Gemma 3 and Gemma 4 GGUFs (our writer) against transformers models built from the very
-same tensors: float32 logits within 1e-4, through chunked prefill, sliding-window rings and one-token decode."""
+"""Tiny random-weight Qwen2, Qwen3 (dense, MoE), Gemma 3 and Gemma 4 GGUFs (our writer) against transformers models
+built from the very same tensors: float32 logits within 1e-4, through chunked prefill, sliding-window rings and
+one-token decode; all-F32 twins against llama.cpp's stored logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "gemma3", "gemma4", "gemma4-moe"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe"])
 def pair(request, tiny_model):
     path, spec, decoded = tiny_model(request.param)
     hf = make_tiny_models.hf_model(spec, decoded)
@@ -75,7 +76,7 @@ def test_gemma4_moe_without_expert_used_count_is_a_clear_error(tiny_dir):
         cupyllm.load(path, device="cpu", progress=False)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma4", "gemma4-moe"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4", "gemma4-moe", "qwen3-moe"])
 def test_tiny_f32_models_match_llama_cpp(arch, tmp_path):
     """The same tiny models with every tensor F32, against llama.cpp's logits stored by
     tools/make_llama_cpp_reference.py (llama-cpp-python, F32 K/V): llama.cpp reads our Gemma 4 files as we do."""

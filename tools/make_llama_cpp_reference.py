@@ -1,5 +1,5 @@
-"""Reference logits from llama.cpp (llama-cpp-python) for the tiny Gemma 3 and Gemma 4 GGUFs, with every tensor
-stored as F32 so llama.cpp runs them without quantizing activations.
+"""Reference logits from llama.cpp (llama-cpp-python) for the tiny Gemma 3, Gemma 4 and Qwen3-MoE GGUFs, with
+every tensor stored as F32 so llama.cpp runs them without quantizing activations.
 
     python tools/make_llama_cpp_reference.py     # writes tests/data/llama_cpp_tiny.npz
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import make_tiny_models  # noqa: E402
 
-ARCHES = ("gemma3", "gemma4", "gemma4-moe")
+ARCHES = ("gemma3", "gemma4", "gemma4-moe", "qwen3-moe")
 N_TOKENS = 24
 TOKENIZER_TEXTS = ["the water in the sea", "  there\n\nwas an  answer\n", "snow\n\n\nthe", "héllo wörld ⛵ 🙂",
                    "the<|turn>user\nhi<turn|>", "\n", "rent on the tower a the", "x" * 40]
@@ -46,7 +46,8 @@ def f32_spec(arch: str) -> make_tiny_models.TinySpec:
 
 
 def token_ids(arch: str) -> list[int]:
-    vocab = {"gemma3": make_tiny_models.gemma_vocab, "gemma4": make_tiny_models.gemma4_vocab}[arch[:6]]()[0]
+    vocab = {"gemma3": make_tiny_models.gemma_vocab, "gemma4": make_tiny_models.gemma4_vocab,
+             "qwen3moe": make_tiny_models.qwen_vocab}[make_tiny_models.tiny_spec(arch).gguf_arch]()[0]
     return np.random.default_rng(11).integers(4, len(vocab), N_TOKENS).tolist()
 
 

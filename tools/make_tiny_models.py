@@ -1,4 +1,4 @@
-"""Write tiny random-weight Qwen2, Qwen3, Gemma 3 and Gemma 4 models as GGUF (with the `gguf` package's writer), and
+"""Write tiny random-weight Qwen2, Qwen3 (dense and MoE), Gemma 3 and Gemma 4 models as GGUF (with the `gguf` package's writer), and
 build the matching HF `transformers` models from the very same tensors, for exact parity tests.
 
     python tools/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, ..., tiny-gemma4-moe.gguf
@@ -32,7 +32,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as T
 
-ARCHES = ("qwen2", "qwen3", "gemma3", "gemma4", "gemma4-moe")
+ARCHES = ("qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe")
 GEMMA4_LAYER_TYPES = (True, True, False, True, False, True, False)  # sliding? per layer
 
 
@@ -71,7 +71,7 @@ class TinySpec:
 
     @property
     def gguf_arch(self) -> str:
-        return "gemma4" if self.arch.startswith("gemma4") else self.arch
+        return {"gemma4-moe": "gemma4", "qwen3-moe": "qwen3moe"}.get(self.arch, self.arch)
 
 
 _Q4_K_M_QWEN = {"token_embd.weight": T.Q4_K, "output.weight": T.Q6_K, "attn_q.weight": T.Q4_K,
@@ -109,6 +109,9 @@ def tiny_spec(arch: str) -> TinySpec:
     if arch == "gemma4":  # E2B-like
         return TinySpec("gemma4", n_layer=7, head_dim=32, global_head_dim=64, per_layer_dim=16, n_kv_shared=2,
                         double_wide=True, final_softcap=30.0, rope_base=1_000_000.0)
+    if arch == "qwen3-moe":  # Qwen3-30B-A3B-like
+        return TinySpec("qwen3-moe", n_expert=4, n_expert_used=2, expert_ffn_dim=32,
+                        types={"attn_q.weight": T.Q8_0, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0})
     if arch == "gemma4-moe":  # 26B-A4B-like
         return TinySpec("gemma4-moe", n_layer=6, head_dim=32, global_head_dim=64, n_global_kv_head=1, k_eq_v=True,
                         n_expert=4, n_expert_used=2, expert_ffn_dim=32, final_softcap=30.0, rope_base=1_000_000.0,
@@ -262,7 +265,8 @@ def _store(values: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
 def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict[str, np.ndarray]]:
     """GGUF tensors (name -> (stored array, type)) and the float32 values they decode to."""
     rng = np.random.default_rng(spec.seed)
-    vocab = len({"qwen2": qwen_vocab, "qwen3": qwen_vocab, "gemma3": gemma_vocab, "gemma4": gemma4_vocab}[spec.gguf_arch]()[0])
+    vocab = len({"qwen2": qwen_vocab, "qwen3": qwen_vocab, "qwen3moe": qwen_vocab, "gemma3": gemma_vocab,
+                 "gemma4": gemma4_vocab}[spec.gguf_arch]()[0])
     vocab = max(vocab, spec.n_vocab or 0)
     d, hd, nh, nkv, ffn = spec.d_model, spec.head_dim, spec.n_head, spec.n_kv_head, spec.ffn_dim
     shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,)}
@@ -279,8 +283,14 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
         })
         if spec.arch == "qwen2":
             shapes.update({p + "attn_q.bias": (nh * hd,), p + "attn_k.bias": (nkv * hd,), p + "attn_v.bias": (nkv * hd,)})
-        if spec.arch in ("qwen3", "gemma3"):
+        if spec.arch in ("qwen3", "qwen3-moe", "gemma3"):
             shapes.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+        if spec.n_expert:  # Qwen3-MoE: experts instead of the dense MLP
+            e, fe = spec.n_expert, spec.expert_ffn_dim
+            for name in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+                del shapes[p + name]
+            shapes.update({p + "ffn_gate_inp.weight": (e, d), p + "ffn_gate_exps.weight": (e, fe, d),
+                           p + "ffn_up_exps.weight": (e, fe, d), p + "ffn_down_exps.weight": (e, d, fe)})
         if spec.arch == "gemma3":
             shapes.update({p + "post_attention_norm.weight": (d,), p + "post_ffw_norm.weight": (d,)})
     stored, decoded = {}, {}
@@ -414,6 +424,10 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_head_count_kv(spec.n_kv_head)
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
+        if spec.n_expert:
+            writer.add_expert_count(spec.n_expert)
+            writer.add_expert_used_count(spec.n_expert_used)
+            writer.add_expert_feed_forward_length(spec.expert_ffn_dim)
     if spec.arch == "gemma3":
         writer.add_sliding_window(spec.sliding_window)
         tokens, scores, types = gemma_vocab()
@@ -482,9 +496,15 @@ def hf_config(spec: TinySpec, n_vocab: int):
                                                    "full_attention": {"rope_type": "default", "rope_theta": spec.rope_base}},
                                   attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True)
         return config, Gemma3ForCausalLM
+    rope = {"rope_type": "default", "rope_theta": spec.rope_base}
+    if spec.arch == "qwen3-moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        config = Qwen3MoeConfig(**common, rope_parameters=rope, tie_word_embeddings=False, num_experts=spec.n_expert,
+                                num_experts_per_tok=spec.n_expert_used, moe_intermediate_size=spec.expert_ffn_dim,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        return config, Qwen3MoeForCausalLM
     cls_config, cls_model = (Qwen2Config, Qwen2ForCausalLM) if spec.arch == "qwen2" else (Qwen3Config, Qwen3ForCausalLM)
-    config = cls_config(**common, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_base},
-                        tie_word_embeddings=False, attention_bias=spec.arch == "qwen2")
+    config = cls_config(**common, rope_parameters=rope, tie_word_embeddings=False, attention_bias=spec.arch == "qwen2")
     return config, cls_model
 
 
@@ -513,6 +533,8 @@ def hf_names(spec: TinySpec) -> tuple[dict[str, str], float]:
                  "ffn_norm.weight": "pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight",
                  "post_attention_norm.weight": "post_attention_layernorm.weight",
                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+    if spec.arch == "qwen3-moe":  # (gate and up experts are one fused tensor there: hf_model joins them)
+        per_layer.update({"ffn_gate_inp.weight": "mlp.gate.weight", "ffn_down_exps.weight": "mlp.experts.down_proj"})
     if spec.gguf_arch == "gemma4":
         per_layer.update(_GEMMA4_NAMES)
         names.update({"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
@@ -535,6 +557,12 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
     for g_name, values in decoded.items():
         if g_name == "rope_freqs.weight":
             continue  # transformers computes the proportional rope itself
+        if g_name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            if g_name.endswith("ffn_gate_exps.weight"):  # Qwen3-MoE: [gate; up] per expert, as transformers fuses
+                fused = np.concatenate([values, decoded[g_name.replace("gate_exps", "up_exps")]], axis=1)
+                state[names[g_name.replace("ffn_gate_exps.weight", "attn_norm.weight")].replace(
+                    "input_layernorm.weight", "mlp.experts.gate_up_proj")] = torch.from_numpy(fused)
+            continue
         if "norm" in g_name:
             values = values - norm_offset
         state[names[g_name]] = torch.from_numpy(np.ascontiguousarray(values))

@@ -21,8 +21,8 @@ from .gemma import gemma_block, per_layer_inputs
 from .layers import LayerWeights
 from .qwen import qwen_block
 
-BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "gemma3": gemma_block,
-                               "gemma4": gemma_block}
+BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "qwen3moe": qwen_block,
+                               "gemma3": gemma_block, "gemma4": gemma_block}
 
 
 @dataclass

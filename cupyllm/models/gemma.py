@@ -26,9 +26,10 @@ def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None, per_lay
     h = x + ops.rms_norm(attn, w.post_attn_norm, cfg.norm_eps)
     mlp = gated_mlp(ops, w, ops.rms_norm(h, w.ffn_norm, cfg.norm_eps), cfg.activation)
     if w.moe is not None:
-        experts = moe_mlp(ops, cfg, w.moe, h)
-        mlp = ops.rms_norm(mlp, w.moe.post_norm_dense, cfg.norm_eps) + ops.rms_norm(experts, w.moe.post_norm_experts,
-                                                                                   cfg.norm_eps)
+        experts = moe_mlp(ops, cfg, w.moe, ops.rms_norm(h, w.experts_norm, cfg.norm_eps),
+                          router_input=ops.rms_norm(h, w.router_norm, cfg.norm_eps))
+        mlp = (ops.rms_norm(mlp, w.post_dense_norm, cfg.norm_eps)
+               + ops.rms_norm(experts, w.post_experts_norm, cfg.norm_eps))
     y = h + ops.rms_norm(mlp, w.post_ffn_norm, cfg.norm_eps)
     if per_layer_input is not None:
         gate = activate(ops, ops.linear(y, w.ple_gate), cfg.activation)

@@ -19,9 +19,9 @@ class LayerWeights:
     wv: Weight | None  # None: V is K's projection (Gemma 4 global layers), or KV shared
     wo: Weight
     ffn_norm: np.ndarray
-    w_gate: Weight
-    w_up: Weight
-    w_down: Weight
+    w_gate: Weight | None  # None: the layer's MLP is only its experts (Qwen3-MoE)
+    w_up: Weight | None
+    w_down: Weight | None
     bq: np.ndarray | None = None  # Qwen2 q/k/v biases
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
@@ -35,6 +35,12 @@ class LayerWeights:
     ple_proj: Weight | None = None  # and the norm after it
     ple_post_norm: np.ndarray | None = None
     moe: "MoEWeights | None" = None
+    # Gemma 4's experts beside its dense MLP: the router's own RMSNorm (weight: router scale / sqrt(d)), the
+    # experts' input norm, and the two output norms before they are added
+    router_norm: np.ndarray | None = None
+    experts_norm: np.ndarray | None = None
+    post_dense_norm: np.ndarray | None = None
+    post_experts_norm: np.ndarray | None = None
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, layer: int, cfg: ModelConfig | None = None) -> "LayerWeights":
@@ -44,6 +50,9 @@ class LayerWeights:
         v_may_be_k = cfg is not None and cfg.arch == "gemma4"  # no attn_v: V is K's projection
         optional = lambda name: load_matrix(gguf, p + name) if p + name in gguf.tensors else None  # noqa: E731
         wv = optional("attn_v.weight") if v_may_be_k else load_matrix(gguf, p + "attn_v.weight")
+        moe = MoEWeights.from_gguf(gguf, layer) if p + "ffn_gate_inp.weight" in gguf.tensors else None
+        dense = (lambda name: optional(name)) if moe is not None else (lambda name: load_matrix(gguf, p + name))
+        router_scale = vec("ffn_gate_inp.scale")
         return cls(
             attn_norm=load_vector(gguf, p + "attn_norm.weight"),
             wq=load_matrix(gguf, p + "attn_q.weight"),
@@ -51,8 +60,7 @@ class LayerWeights:
             wv=wv if has_kv else None,
             wo=load_matrix(gguf, p + "attn_output.weight"),
             ffn_norm=load_vector(gguf, p + "ffn_norm.weight"),
-            w_gate=load_matrix(gguf, p + "ffn_gate.weight"), w_up=load_matrix(gguf, p + "ffn_up.weight"),
-            w_down=load_matrix(gguf, p + "ffn_down.weight"),
+            w_gate=dense("ffn_gate.weight"), w_up=dense("ffn_up.weight"), w_down=dense("ffn_down.weight"),
             bq=vec("attn_q.bias"), bk=vec("attn_k.bias"), bv=vec("attn_v.bias"),
             q_norm=vec("attn_q_norm.weight"), k_norm=vec("attn_k_norm.weight"),
             post_attn_norm=vec("post_attention_norm.weight"), post_ffn_norm=vec("post_ffw_norm.weight"),
@@ -60,7 +68,10 @@ class LayerWeights:
             out_scale=vec("layer_output_scale.weight"),
             ple_gate=optional("inp_gate.weight"), ple_proj=optional("proj.weight"),
             ple_post_norm=vec("post_norm.weight"),
-            moe=MoEWeights.from_gguf(gguf, layer, cfg) if p + "ffn_gate_inp.weight" in gguf.tensors else None,
+            moe=moe,
+            router_norm=None if router_scale is None else (router_scale / np.float32(np.sqrt(cfg.d_model))),
+            experts_norm=vec("pre_ffw_norm_2.weight"), post_dense_norm=vec("post_ffw_norm_1.weight"),
+            post_experts_norm=vec("post_ffw_norm_2.weight"),
         )
 
     def on(self, backend) -> "LayerWeights":
@@ -145,61 +156,58 @@ def activate(ops, x, activation: str):
 
 @dataclass(frozen=True)
 class MoEWeights:
-    """Gemma 4's mixture of experts, beside the dense MLP: a router (RMSNorm without weight, times `router_scale`
-    and 1/sqrt(d), then `router` [n_expert, d]), per-expert fused gate|up [n_expert, 2 * ffn, d] and down
-    [n_expert, d, ffn] matrices, and a per-expert scale of the output."""
+    """A mixture of experts: a router [n_expert, d] and per expert a gated MLP, its gate and up either fused
+    (`gate_up` [2 * ffn, d], Gemma 4) or apart (`gate`, `up` [ffn, d], Qwen3-MoE), `down` [d, ffn], and a
+    per-expert output scale (Gemma 4; ones elsewhere)."""
 
     router: Weight
-    router_norm: np.ndarray  # the router's input scale, already times 1/sqrt(d): one RMSNorm weight
-    gate_up: list[Weight]  # one [2 * ffn_exp, d] matrix per expert
-    down: list[Weight]  # one [d, ffn_exp] matrix per expert
-    expert_scale: np.ndarray  # [n_expert]
-    pre_norm: np.ndarray  # pre_ffw_norm_2: the experts' input norm
-    post_norm_dense: np.ndarray  # post_ffw_norm_1: the dense MLP's output norm
-    post_norm_experts: np.ndarray  # post_ffw_norm_2
+    down: list[Weight]
+    expert_scale: np.ndarray  # [n_expert], on the host: routing is decided there
+    gate_up: list[Weight] | None = None
+    gate: list[Weight] | None = None
+    up: list[Weight] | None = None
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile, layer: int, cfg: ModelConfig) -> "MoEWeights":
+    def from_gguf(cls, gguf: GGUFFile, layer: int) -> "MoEWeights":
         p = f"blk.{layer}."
-        scale = load_vector(gguf, p + "ffn_gate_inp.scale") if p + "ffn_gate_inp.scale" in gguf.tensors else \
-            np.ones(cfg.d_model, np.float32)
-        expert_scale = load_vector(gguf, p + "ffn_down_exps.scale", optional=True)
         router = load_matrix(gguf, p + "ffn_gate_inp.weight")
+        expert_scale = load_vector(gguf, p + "ffn_down_exps.scale", optional=True)
+        fused = p + "ffn_gate_up_exps.weight" in gguf.tensors
         return cls(
-            router=router,
-            router_norm=(scale / np.float32(np.sqrt(cfg.d_model))).astype(np.float32),
-            gate_up=expert_matrices(gguf, p + "ffn_gate_up_exps.weight"),
-            down=expert_matrices(gguf, p + "ffn_down_exps.weight"),
+            router=router, down=expert_matrices(gguf, p + "ffn_down_exps.weight"),
             expert_scale=expert_scale if expert_scale is not None else np.ones(router.shape[0], np.float32),
-            pre_norm=load_vector(gguf, p + "pre_ffw_norm_2.weight"),
-            post_norm_dense=load_vector(gguf, p + "post_ffw_norm_1.weight"),
-            post_norm_experts=load_vector(gguf, p + "post_ffw_norm_2.weight"),
+            gate_up=expert_matrices(gguf, p + "ffn_gate_up_exps.weight") if fused else None,
+            gate=None if fused else expert_matrices(gguf, p + "ffn_gate_exps.weight"),
+            up=None if fused else expert_matrices(gguf, p + "ffn_up_exps.weight"),
         )
 
     def on(self, backend) -> "MoEWeights":
-        """On `backend`'s device, but for expert_scale: routing is decided on the host."""
-        moved = {name: [_move(m, backend) for m in value] if isinstance(value, list) else _move(value, backend)
-                 for name, value in self.__dict__.items() if name != "expert_scale"}
-        return MoEWeights(**moved, expert_scale=self.expert_scale)
+        moved = {name: None if value is None else [backend.upload(w) for w in value]
+                 for name, value in self.__dict__.items() if isinstance(value, list) or value is None}
+        return MoEWeights(router=backend.upload(self.router), expert_scale=self.expert_scale, **moved)
 
 
-def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, h):
-    """sum over the top-k experts e of weight_e * scale_e * down_e( act(gate_e(x)) * up_e(x) ), x the normed h;
-    weights: softmax of the router logits over all experts, kept for the top k and renormalised to sum 1.
-    The routing is decided on the host (NumPy), so each expert multiplies only the tokens routed to it."""
-    logits = ops.to_numpy(ops.linear(ops.rms_norm(h, moe.router_norm, cfg.norm_eps), moe.router))
+def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, x, router_input):
+    """sum over the top-k experts e of weight_e * scale_e * down_e( act(gate_e(x)) * up_e(x) ); weights: the
+    softmax of the router logits (of `router_input`) over all experts, kept for the top k and renormalised to
+    sum 1 (as llama.cpp does for both architectures). The routing is decided on the host (NumPy), so each
+    expert multiplies only the tokens routed to it."""
+    logits = ops.to_numpy(ops.linear(router_input, moe.router)).astype(np.float32)
     probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.n_expert_used]
     weights = np.take_along_axis(probs, top, axis=-1)
     weights = weights / weights.sum(axis=-1, keepdims=True) * moe.expert_scale[top]
-    x = ops.rms_norm(h, moe.pre_norm, cfg.norm_eps)
     out = ops.xp.zeros_like(x)
     for expert in np.unique(top):
         rows, slot = np.nonzero(top == expert)
-        gate_up = ops.linear(x[ops.asarray(rows)], moe.gate_up[expert])
-        half = gate_up.shape[-1] // 2
-        y = ops.linear(activate(ops, gate_up[:, :half], cfg.activation) * gate_up[:, half:], moe.down[expert])
+        routed = x[ops.asarray(rows)]
+        if moe.gate_up is not None:
+            gate_up = ops.linear(routed, moe.gate_up[expert])
+            gate, up = gate_up[:, :gate_up.shape[-1] // 2], gate_up[:, gate_up.shape[-1] // 2:]
+        else:
+            gate, up = ops.linear_many(routed, (moe.gate[expert], moe.up[expert]))
+        y = ops.linear(activate(ops, gate, cfg.activation) * up, moe.down[expert])
         out[ops.asarray(rows)] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
     return out
 
