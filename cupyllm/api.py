@@ -56,11 +56,12 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def chat_ids(self, messages: Sequence[dict] | str) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template, ready for generation."""
+    def chat_ids(self, messages: Sequence[dict] | str, chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template, ready for generation;
+        chat_template_kwargs: variables the template reads (e.g. {"enable_thinking": False} for Qwen3 / Gemma 4)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return encode_chat(self.tokenizer, self.gguf.metadata, list(messages))
+        return encode_chat(self.tokenizer, self.gguf.metadata, list(messages), **(chat_template_kwargs or {}))
 
     # --- compute ----------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
@@ -80,11 +81,13 @@ class Model:
     def generate(self, prompt: str | Sequence[int] | Sequence[dict], max_tokens: int = 256, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] | str | None = None, stream: bool = False,
-                 chat: bool = False, progress: bool | None = None) -> str | Iterator[str]:
-        """Continue `prompt` (text, token ids, or with chat=True a message or list of messages).
-        Returns the text, or with stream=True an iterator of text pieces. Stats land in `last_stats`."""
+                 chat: bool = False, chat_template_kwargs: dict | None = None,
+                 progress: bool | None = None) -> str | Iterator[str]:
+        """Continue `prompt` (text, token ids, or with chat=True a message or list of messages, rendered with
+        `chat_template_kwargs`). Returns the text, or with stream=True an iterator of text pieces. Stats land
+        in `last_stats`."""
         if chat:
-            ids = self.chat_ids(prompt)
+            ids = self.chat_ids(prompt, chat_template_kwargs)
         elif isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:

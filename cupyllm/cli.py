@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--system", help="system prompt for --chat")
+    gen.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                     help="--chat: set the template's enable_thinking (Qwen3, Gemma 4); default: the template's own")
 
     info = sub.add_parser("info", help="architecture, shapes, tensor types and memory of a model")
     info.add_argument("model", nargs="?", help="GGUF model path (default: the default model)")
@@ -99,7 +101,8 @@ def cmd_generate(args) -> int:
         target = prompt
     pieces = model.generate(target, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                            seed=args.seed, stop=args.stop, stream=True, chat=args.chat)
+                            seed=args.seed, stop=args.stop, stream=True, chat=args.chat,
+                            chat_template_kwargs=None if args.think is None else {"enable_thinking": args.think})
     if not args.chat:
         sys.stdout.write(prompt)
     for piece in pieces:

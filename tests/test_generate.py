@@ -1,6 +1,7 @@
 """The generation loop on the tiny models: streaming, stop strings, EOS, seeds, context limits, the CLI."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -131,3 +132,24 @@ def test_cli_cache_that_cannot_fit_is_one_clear_error(tiny_model):
     out = run_cli("generate", "hi", "-m", str(path), "-c", str(2**40), "--device", "cpu")
     assert out.returncode == 1
     assert "lower -c/--ctx" in out.stderr and "GiB" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_chat_template_variables_reach_the_template(tiny_model, capsys):
+    """chat_template_kwargs (API) / --think (CLI) set the template's enable_thinking: the tiny Gemma 4's
+    template leaves an empty thought channel in the prompt unless thinking is on."""
+    import cupyllm
+    from cupyllm.cli import main as cli_main
+    path = tiny_model("gemma4")[0]
+    model = cupyllm.load(path, device="cpu", ctx=128, progress=False)
+    plain = model.tokenizer.decode(model.chat_ids("hi"))
+    thinking = model.tokenizer.decode(model.chat_ids("hi", {"enable_thinking": True}))
+    assert plain.endswith("<|turn>model\n<|channel>thought\n<channel|>") and thinking.endswith("<|turn>model\n")
+    assert model.generate("hi", chat=True, chat_template_kwargs={"enable_thinking": True}, max_tokens=2,
+                          temperature=0) is not None
+    prefilled = {}
+    for flag in ("--think", "--no-think"):  # the CLI's summary counts the prompt's tokens
+        assert cli_main(["generate", "hi", "-m", str(path), "--device", "cpu", "--chat", flag, "-n", "2",
+                         "--temp", "0"]) == 0
+        prefilled[flag] = int(re.search(r"prefill (\d+) tok", capsys.readouterr().err).group(1))
+    assert prefilled["--no-think"] - prefilled["--think"] == len(model.chat_ids("hi")) - len(
+        model.chat_ids("hi", {"enable_thinking": True})) > 0

@@ -179,6 +179,14 @@ def gemma4_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+# A minimal template in Gemma 4's turn format (<|turn>role ... <turn|>); like the released ones it leaves an empty
+# thought channel in the generation prompt unless enable_thinking is set
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] | trim }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n"
+    "{% if not enable_thinking | default(false) %}<|channel>thought\n<channel|>{% endif %}{% endif %}")
+
+
 def gemma4_layer(spec: TinySpec, il: int) -> tuple[bool, int, int, bool]:
     """(sliding, head dim, KV heads, has its own K/V) of layer il."""
     pattern = spec.sliding_pattern or GEMMA4_LAYER_TYPES
@@ -391,6 +399,7 @@ def _write_gemma4_metadata(writer, spec: TinySpec) -> None:
     writer.add_token_types(types + [5] * len(filler))
     writer.add_token_merges(merges)
     _add_gemma_specials(writer)
+    writer.add_chat_template(GEMMA4_TEMPLATE)
 
 
 def _add_gemma_specials(writer) -> None:
