@@ -22,9 +22,8 @@ from .config import ModelConfig, config_from_gguf
 from .errors import BudgetError, CupyllmError
 from .generate import GenerationStats, generate_stream, prefill
 from .gguf_io import GGUFFile, read_gguf
-from .kv.cache import KVCache, KVSpec
+from .kv.cache import KVCache, KVSpec, host_bytes_available
 from .kv.formats import get_format
-from .kv.cache import host_bytes_available
 from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, parse_bytes, plan_kv, plan_spill
 from .model_store import default_model_path
 from .models.build import Transformer

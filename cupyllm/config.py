@@ -146,15 +146,17 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         from .quant.weights import dequantize  # rope_freqs is a tiny F32 tensor
         t = gguf.tensors["rope_freqs.weight"]
         rope = RopeConfig(**{**rope.__dict__, "freq_factors": tuple(float(v) for v in dequantize(t.data, t.type, t.shape[-1]).ravel())})
+    # an MoE file may carry only its experts' width
+    ffn_dim = get(f"{arch}.feed_forward_length", get(f"{arch}.expert_feed_forward_length"))
+    if ffn_dim is None:
+        ffn_dim = need(f"{arch}.feed_forward_length")  # the missing-key error
     tokens = get("tokenizer.ggml.tokens")
     n_vocab = len(tokens) if tokens is not None else gguf.tensor("token_embd.weight").shape[0]
 
     common = dict(
         arch=arch, name=str(get("general.name", arch)), n_layer=n_layer, d_model=d_model, n_head=n_head,
         n_kv_head=n_kv_head, head_dim=head_dim, v_head_dim=v_head_dim,
-        ffn_dim=int(_largest(need(f"{arch}.feed_forward_length") if get(f"{arch}.expert_feed_forward_length") is None
-                             else get(f"{arch}.feed_forward_length", get(f"{arch}.expert_feed_forward_length")))),
-        n_vocab=n_vocab,
+        ffn_dim=int(_largest(ffn_dim)), n_vocab=n_vocab,
         norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         ctx_train=int(get(f"{arch}.context_length", 4096)), rope=rope,
         tied_output="output.weight" not in gguf.tensors,

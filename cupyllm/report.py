@@ -9,11 +9,8 @@ from .gguf_io import read_gguf
 from .errors import CupyllmError
 from .kv.cache import KVSpec, kv_bytes
 from .kv.plan import TIERS, parse_bytes, plan_kv, plan_spill, tier_fits_model
+from .kv.plan import format_bytes as _gib
 from .model_store import default_model_path
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
 def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",

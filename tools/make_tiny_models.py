@@ -196,6 +196,11 @@ def gemma4_layer(spec: TinySpec, il: int) -> tuple[bool, int, int, bool]:
     return sliding, head_dim, n_kv, il < spec.n_layer - spec.n_kv_shared
 
 
+def gemma4_ffn_dim(spec: TinySpec, has_kv: bool) -> int:
+    """The MLP width of a layer: double on the layers that read shared caches when the model says so."""
+    return 2 * spec.ffn_dim if spec.double_wide and not has_kv else spec.ffn_dim
+
+
 def _unused_tokens(n_have: int, n_vocab: int | None) -> list[str]:
     """Filler tokens that bring a vocabulary of n_have tokens up to n_vocab (a real model's size)."""
     return [f"<unused{i}>" for i in range(max(0, (n_vocab or 0) - n_have))]
@@ -330,7 +335,7 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
 
 
 def _gemma4_shapes(spec: TinySpec, vocab: int) -> dict[str, tuple[int, ...]]:
-    d, nh, ffn = spec.d_model, spec.n_head, spec.ffn_dim
+    d, nh = spec.d_model, spec.n_head
     shapes: dict[str, tuple[int, ...]] = {"rope_freqs.weight": (spec.global_head_dim // 2,)}
     if spec.per_layer_dim:
         width = spec.n_layer * spec.per_layer_dim
@@ -339,7 +344,7 @@ def _gemma4_shapes(spec: TinySpec, vocab: int) -> dict[str, tuple[int, ...]]:
     for il in range(spec.n_layer):
         p = f"blk.{il}."
         sliding, hd, nkv, has_kv = gemma4_layer(spec, il)
-        ff = 2 * ffn if spec.double_wide and not has_kv else ffn
+        ff = gemma4_ffn_dim(spec, has_kv)
         shapes.update({
             p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_q_norm.weight": (hd,),
             p + "attn_output.weight": (d, nh * hd), p + "post_attention_norm.weight": (d,),
@@ -371,8 +376,7 @@ def _gemma4_rope_freqs(spec: TinySpec) -> np.ndarray:
 
 def _write_gemma4_metadata(writer, spec: TinySpec) -> None:
     layers = [gemma4_layer(spec, il) for il in range(spec.n_layer)]
-    writer.add_feed_forward_length([2 * spec.ffn_dim if spec.double_wide and not has_kv else spec.ffn_dim
-                                    for _, _, _, has_kv in layers])
+    writer.add_feed_forward_length([gemma4_ffn_dim(spec, has_kv) for _, _, _, has_kv in layers])
     writer.add_head_count_kv([nkv for _, _, nkv, _ in layers])
     writer.add_key_length(spec.global_head_dim)
     writer.add_value_length(spec.global_head_dim)
@@ -387,10 +391,6 @@ def _write_gemma4_metadata(writer, spec: TinySpec) -> None:
     writer.add_embedding_length_per_layer_input(spec.per_layer_dim)
     if spec.final_softcap:
         writer.add_final_logit_softcapping(spec.final_softcap)
-    if spec.n_expert:
-        writer.add_expert_count(spec.n_expert)
-        writer.add_expert_used_count(spec.n_expert_used)
-        writer.add_expert_feed_forward_length(spec.expert_ffn_dim)
     tokens, types, merges = gemma4_vocab()
     filler = _unused_tokens(len(tokens), spec.n_vocab)
     writer.add_tokenizer_model("gemma4")
@@ -433,10 +433,10 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_head_count_kv(spec.n_kv_head)
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
-        if spec.n_expert:
-            writer.add_expert_count(spec.n_expert)
-            writer.add_expert_used_count(spec.n_expert_used)
-            writer.add_expert_feed_forward_length(spec.expert_ffn_dim)
+    if spec.n_expert:
+        writer.add_expert_count(spec.n_expert)
+        writer.add_expert_used_count(spec.n_expert_used)
+        writer.add_expert_feed_forward_length(spec.expert_ffn_dim)
     if spec.arch == "gemma3":
         writer.add_sliding_window(spec.sliding_window)
         tokens, scores, types = gemma_vocab()

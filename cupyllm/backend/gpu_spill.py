@@ -43,7 +43,7 @@ class _RowsView:
     ring: bool = False
 
 
-def _pinned(shape, xp) -> np.ndarray:
+def _pinned(shape) -> np.ndarray:
     """A host array in page-locked memory where CuPy provides it (fast, asynchronous copies)."""
     try:
         import cupyx
@@ -63,8 +63,8 @@ class SpilledLayerKV:
     def __post_init__(self):
         dev = self.device
         xp = dev.xp
-        self.host_k = _pinned((self.host_capacity, dev.n_kv, dev.k_data.shape[2]), xp)
-        self.host_v = _pinned((self.host_capacity, dev.n_kv, dev.v_data.shape[2]), xp)
+        self.host_k = _pinned((self.host_capacity, dev.n_kv, dev.k_data.shape[2]))
+        self.host_v = _pinned((self.host_capacity, dev.n_kv, dev.v_data.shape[2]))
         stage = min(self.stage_tokens, max(self.host_capacity, 1))
         self._stage_k = xp.empty((stage, dev.n_kv, dev.k_data.shape[2]), xp.uint8)
         self._stage_v = xp.empty((stage, dev.n_kv, dev.v_data.shape[2]), xp.uint8)

@@ -70,8 +70,8 @@ class KVPlan:
     budget: int
 
     def describe(self) -> str:
-        return (f"KV cache {self.tier.name} (auto for {_gib(self.budget)}: {_gib(self.bytes_needed)} at ctx "
-                f"{self.ctx})")
+        return (f"KV cache {self.tier.name} (auto for {format_bytes(self.budget)}: "
+                f"{format_bytes(self.bytes_needed)} at ctx {self.ctx})")
 
 
 def tier_fits_model(tier: KVTier, cfg: ModelConfig) -> bool:
@@ -108,9 +108,9 @@ def plan_kv(cfg: ModelConfig, ctx: int, budget: int, *, mirror: bool = False, ma
         lo, hi = (mid, hi) if need(smallest, mid) <= budget else (lo, mid - 1)
     fits = f"it fits ctx {lo} there" if lo > 0 else "no context fits"
     copy = " (on the CPU the cache also keeps a float32 copy)" if mirror else ""
-    raise BudgetError(f"a KV cache of {ctx} tokens needs {_gib(need(smallest, ctx))} even as {smallest.name}, the "
-                      f"smallest tier, and the budget is {_gib(budget)}; {fits}: lower -c/--ctx (ctx=...) or raise "
-                      f"--kv-budget (kv_budget=...){copy}")
+    raise BudgetError(f"a KV cache of {ctx} tokens needs {format_bytes(need(smallest, ctx))} even as "
+                      f"{smallest.name}, the smallest tier, and the budget is {format_bytes(budget)}; {fits}: lower "
+                      f"-c/--ctx (ctx=...) or raise --kv-budget (kv_budget=...){copy}")
 
 
 def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = False) -> int:
@@ -118,8 +118,9 @@ def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = 
     n_bytes = kv_bytes(cfg, spec, mirror=mirror)
     if n_bytes > budget:
         raise BudgetError(f"a KV cache of {spec.ctx} tokens (K {spec.kv_type_k}, V {spec.kv_type_v}) needs "
-                          f"{_gib(n_bytes)}, over the budget of {_gib(budget)}; pass -ctk auto -ctv auto "
-                          "(kv_type_k='auto', kv_type_v='auto') to pick the best types that fit, or lower -c/--ctx")
+                          f"{format_bytes(n_bytes)}, over the budget of {format_bytes(budget)}; pass -ctk auto -ctv "
+                          "auto (kv_type_k='auto', kv_type_v='auto') to pick the best types that fit, or lower "
+                          "-c/--ctx")
     return n_bytes
 
 
@@ -134,7 +135,8 @@ class SpillPlan:
 
     def describe(self) -> str:
         return (f"KV cache spilled: the newest {self.spec.device_window} of {self.spec.ctx} positions on the device "
-                f"({_gib(self.device_bytes)}), the rest in pinned host memory ({_gib(self.host_bytes)})")
+                f"({format_bytes(self.device_bytes)}), the rest in pinned host memory "
+                f"({format_bytes(self.host_bytes)})")
 
 
 def plan_spill(cfg: ModelConfig, spec: KVSpec, budget: int, host_available: float = float("inf")) -> SpillPlan:
@@ -149,18 +151,19 @@ def plan_spill(cfg: ModelConfig, spec: KVSpec, budget: int, host_available: floa
     lo, hi = spec.max_chunk, spec.ctx - 1
     if lo > hi or device_bytes(lo) > budget:
         need = device_bytes(min(lo, spec.ctx))
-        raise BudgetError(f"even spilled, the KV cache needs {_gib(need)} on the device (sliding-window layers and "
-                          f"one prefill chunk of {spec.max_chunk} positions of the global layers), over the budget of "
-                          f"{_gib(budget)}; raise --kv-budget or store K/V in fewer bits (-ctk/-ctv)")
+        raise BudgetError(f"even spilled, the KV cache needs {format_bytes(need)} on the device (sliding-window "
+                          f"layers and one prefill chunk of {spec.max_chunk} positions of the global layers), over the "
+                          f"budget of {format_bytes(budget)}; raise --kv-budget or store K/V in fewer bits (-ctk/-ctv)")
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if device_bytes(mid) <= budget else (lo, mid - 1)
     plan = SpillPlan(replace(spec, device_window=lo), device_bytes(lo), full - device_bytes(lo))
     if plan.host_bytes > host_available:
-        raise BudgetError(f"{plan.describe()}, and the host has {_gib(host_available)} available; lower -c/--ctx "
-                          "or store K/V in fewer bits (-ctk/-ctv)")
+        raise BudgetError(f"{plan.describe()}, and the host has {format_bytes(host_available)} available; lower "
+                          "-c/--ctx or store K/V in fewer bits (-ctk/-ctv)")
     return plan
 
 
-def _gib(n_bytes: float) -> str:
+def format_bytes(n_bytes: float) -> str:
+    """MiB below a GiB, else GiB (what `cupyllm info` and the plans print)."""
     return f"{n_bytes / 2**20:,.1f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:,.2f} GiB"

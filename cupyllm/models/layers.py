@@ -51,7 +51,7 @@ class LayerWeights:
         optional = lambda name: load_matrix(gguf, p + name) if p + name in gguf.tensors else None  # noqa: E731
         wv = optional("attn_v.weight") if v_may_be_k else load_matrix(gguf, p + "attn_v.weight")
         moe = MoEWeights.from_gguf(gguf, layer) if p + "ffn_gate_inp.weight" in gguf.tensors else None
-        dense = (lambda name: optional(name)) if moe is not None else (lambda name: load_matrix(gguf, p + name))
+        dense = optional if moe is not None else (lambda name: load_matrix(gguf, p + name))
         router_scale = vec("ffn_gate_inp.scale")
         return cls(
             attn_norm=load_vector(gguf, p + "attn_norm.weight"),
@@ -201,21 +201,21 @@ def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, x, router_input):
     out = ops.xp.zeros_like(x)
     for expert in np.unique(top):
         rows, slot = np.nonzero(top == expert)
-        routed = x[ops.asarray(rows)]
+        rows_on_device = ops.asarray(rows)
+        routed = x[rows_on_device]
         if moe.gate_up is not None:
             gate_up = ops.linear(routed, moe.gate_up[expert])
             gate, up = gate_up[:, :gate_up.shape[-1] // 2], gate_up[:, gate_up.shape[-1] // 2:]
         else:
             gate, up = ops.linear_many(routed, (moe.gate[expert], moe.up[expert]))
         y = ops.linear(activate(ops, gate, cfg.activation) * up, moe.down[expert])
-        out[ops.asarray(rows)] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
+        out[rows_on_device] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
     return out
 
 
 def expert_matrices(gguf: GGUFFile, name: str) -> list[Weight]:
     """A 3-D expert tensor [n_expert, n_out, n_in] as one Weight per expert (views of the GGUF blocks)."""
-    info = gguf.tensor(name)
     stacked = load_matrix(gguf, name)
-    n_expert, n_out = info.shape[0], info.shape[1]
+    n_expert, n_out = stacked.shape[0], stacked.shape[1]
     blocks = np.asarray(stacked.data).reshape(n_expert, n_out, -1)
-    return [Weight(f"{name}[{e}]", stacked.fmt, tuple(info.shape[1:]), blocks[e]) for e in range(n_expert)]
+    return [Weight(f"{name}[{e}]", stacked.fmt, tuple(stacked.shape[1:]), blocks[e]) for e in range(n_expert)]
