@@ -109,7 +109,9 @@ def cmd_generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    print(f"[{model.device}] {model.last_stats.summary()}", file=sys.stderr)
+    from .backend import compile_notice
+    compiled = " (these times include compiling the CPU kernels)" if compile_notice.compiled_this_process() else ""
+    print(f"[{model.device}] {model.last_stats.summary()}{compiled}", file=sys.stderr)
     return 0
 
 

@@ -3,6 +3,7 @@
 //                               up to three Q arrays into one (Dual Chunk Attention's rotations, one launch)
 //   fa_combine<kRotG, OT>       merge the split results by their LSE; unrotate O when the V format is rotated
 //   fa_chunk_check<G>           test aid: read_chunk (Chunk8) next to load_kv_value for every value of some rows
+//   fa_dequant_bench<D, kFromFloats>  benchmark aid: fa_mma's dequantizing pass alone, with Half8 or its definition
 #include "fa_common.cuh"
 
 // ---- Q preparation: out = scale * q, rotated per group of kRotG values when the K format is rotated -------
@@ -135,11 +136,13 @@ struct ReadValues {  // values 8c .. 8c+7 one by one through kv_formats.cuh
 
 // Test aid (tests/test_gpu_attention.py): for rows [n_rows, d] of format `fmt` (runtime id),
 // out_chunk[i] = value i as read_chunk reads it and out_ref[i] = load_kv_value of the same format; the two
-// must be bit-identical (and equal the NumPy decode). One thread per chunk of 8 values.
+// must be bit-identical (and equal the NumPy decode). out_f16[i] = value i as read_chunk_f16 reads it (fa_mma's
+// tiles), which must be out_ref[i] rounded to f16. One thread per chunk of 8 values.
 template <int G>
 __global__ void __launch_bounds__(cupyllm::kFaThreads)
 fa_chunk_check(const cupyllm::u8* __restrict__ rows, const float* __restrict__ table, float* __restrict__ out_chunk,
-               float* __restrict__ out_ref, int n_rows, int d, int fmt, int row_bytes) {
+               float* __restrict__ out_ref, cupyllm::u16* __restrict__ out_f16, int n_rows, int d, int fmt,
+               int row_bytes) {
     using namespace cupyllm;
     const long long task = static_cast<long long>(blockIdx.x) * kFaThreads + threadIdx.x;
     const int chunks = d / 8;
@@ -150,8 +153,65 @@ fa_chunk_check(const cupyllm::u8* __restrict__ rows, const float* __restrict__ t
     float v[8], ref[8];
     read_chunk<G>(fmt, row, c, table, v);
     with_format<G>(fmt, ReadValues{row, c, table, ref});
+    const uint4 h = read_chunk_f16<G>(fmt, row, c, table);
+    const u32 words[4] = {h.x, h.y, h.z, h.w};
     for (int i = 0; i < 8; ++i) {
         out_chunk[r * d + 8 * c + i] = v[i];
         out_ref[r * d + 8 * c + i] = ref[i];
+        out_f16[r * d + 8 * c + i] = static_cast<u16>(words[i / 2] >> (16 * (i % 2)));
+    }
+}
+
+// Benchmark aid (bench/dequant_gpu.py): fa_mma's dequantizing pass alone, so that one run times the Half8
+// readers (kFromFloats = false) against the definition they replace, Chunk8's floats rounded (true). Each block
+// walks tiles of 64 rows [n_rows, row_bytes] of format `fmt` (runtime id): stages a tile in shared memory with
+// cp.async and dequantizes it into a K tile and a V^T tile exactly as fa_mma does (DequantRows,
+// DequantColumns), then folds the words of both tiles into one xor per block (checksum[block]): both variants
+// must give the same checksums.
+template <int D, bool kFromFloats>
+__global__ void __launch_bounds__(cupyllm::kFaThreads)
+fa_dequant_bench(const cupyllm::u8* __restrict__ rows, const float* __restrict__ table, cupyllm::u32* __restrict__ checksum,
+                 int n_rows, int fmt, int row_bytes, int table_len) {
+    using namespace cupyllm;
+    constexpr int kTile = 64, kKStride = D + 8, kVStride = kTile + 8, G = GroupOf<D>::value;
+    extern __shared__ __align__(16) u8 fa_smem[];
+    const StagedRows L = StagedRows::of(row_bytes);
+    __half* k_s = reinterpret_cast<__half*>(fa_smem);                  // [kTile][kKStride]
+    __half* vt_s = k_s + kTile * kKStride;                             // [D][kVStride]
+    u8* raw = reinterpret_cast<u8*>(vt_s + D * kVStride);              // [kTile][L.slot_bytes]
+    float* table_s = reinterpret_cast<float*>(raw + kTile * L.slot_bytes);
+    const int tid = threadIdx.x;
+    for (int i = tid; i < table_len; i += kFaThreads) table_s[i] = table[i];
+    u32 fold = 0u;
+    for (long long first = static_cast<long long>(blockIdx.x) * kTile; first < n_rows;
+         first += static_cast<long long>(gridDim.x) * kTile) {
+        const int n_valid = static_cast<int>(min(static_cast<long long>(kTile), n_rows - first));
+        stage_rows(L, raw, rows, first, kTile, n_valid, 1, 0, n_rows, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        if constexpr (kFromFloats) {
+            with_format<G>(fmt, DequantRows<D, kTile, kKStride, Half8FromFloats>{{L, raw, k_s, first, 1, 0, table_s, tid}});
+            with_format<G>(fmt, DequantColumns<D, kTile, kVStride, Half8FromFloats>{{L, raw, vt_s, first, 1, 0, table_s, tid}});
+        } else {
+            with_format<G>(fmt, DequantRows<D, kTile, kKStride>{{L, raw, k_s, first, 1, 0, table_s, tid}});
+            with_format<G>(fmt, DequantColumns<D, kTile, kVStride>{{L, raw, vt_s, first, 1, 0, table_s, tid}});
+        }
+        __syncthreads();
+        const u32* k_words = reinterpret_cast<const u32*>(k_s);
+        const u32* v_words = reinterpret_cast<const u32*>(vt_s);
+        for (int w = tid; w < kTile * (D / 2); w += kFaThreads) fold ^= k_words[(w / (D / 2)) * (kKStride / 2) + w % (D / 2)];
+        for (int w = tid; w < D * (kTile / 2); w += kFaThreads)
+            fold ^= v_words[(w / (kTile / 2)) * (kVStride / 2) + w % (kTile / 2)];
+        __syncthreads();  // the next tile overwrites the staged rows and the tiles
+    }
+    for (int offset = 16; offset >= 1; offset >>= 1) fold ^= __shfl_xor_sync(kFullMask, fold, offset);
+    __shared__ u32 warp_fold[kFaThreads / 32];
+    if (tid % 32 == 0) warp_fold[tid / 32] = fold;
+    __syncthreads();
+    if (tid == 0) {
+        u32 all = 0u;
+        for (int w = 0; w < kFaThreads / 32; ++w) all ^= warp_fold[w];
+        checksum[blockIdx.x] = all;
     }
 }

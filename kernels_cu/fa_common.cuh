@@ -232,6 +232,175 @@ struct Chunk8<FmtTcq<kK, kL, G>> {  // state_t = kL-bit window at stream bit t *
     }
 };
 
+// ---- 8 consecutive values of a row as f16: Half8<Fmt>::read(row, c, table) -> uint4 -----------------------
+// Four half2 words, value 8c + i in half i: what fa_mma's f16 tiles hold. Bit-identical to Chunk8's floats
+// rounded to f16 (nearest even) for every format. The symmetric block formats (q8_0, q6_0, q5_0, q4_0)
+// compute (u - offset) * d in f16 arithmetic, two values an instruction and no float conversion: for
+// 0 <= u < 1024 the f16 with bits 0x6400 | u is 1024 + u, so u - offset comes out exact, and the product of
+// the 11-bit d with an integer of at most 8 bits is exact in f32, so the f16 product rounded once (HMUL2) is
+// Chunk8's f32 product rounded to f16. The affine formats (d * q + m, whose f32 sum may round before the f16
+// rounding) take their integers the same way and sum in f32 (affine_f16_pair); the rotated ones (an f32 factor
+// times an f32 table entry) round Chunk8's floats.
+template <class Fmt>
+struct Half8FromFloats {  // Chunk8's floats rounded: the definition, and the reader of the other formats
+    __device__ static uint4 read(const u8* row, int c, const float* table) {
+        float v[8];
+        Chunk8<Fmt>::read(row, c, table, v);
+        return make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
+    }
+};
+
+template <class Fmt>
+struct Half8 : Half8FromFloats<Fmt> {};
+
+template <>
+struct Half8<FmtF16> {
+    __device__ static uint4 read(const u8* row, int c, const float*) { return reinterpret_cast<const uint4*>(row)[c]; }
+};
+
+// A u32 as the half2 of its low and high 16 bits, and back: a reinterpretation, no instruction (the emulator
+// copies the bytes; its __half2 is a plain struct).
+__device__ __forceinline__ __half2 u32_as_half2(u32 w) {
+#if defined(CUPYLLM_EMULATOR)
+    __half2 h;
+    std::memcpy(&h, &w, 4);
+    return h;
+#else
+    return *reinterpret_cast<const __half2*>(&w);
+#endif
+}
+
+__device__ __forceinline__ u32 half2_as_u32(__half2 h) {
+#if defined(CUPYLLM_EMULATOR)
+    u32 w;
+    std::memcpy(&w, &h, 4);
+    return w;
+#else
+    return *reinterpret_cast<const u32*>(&h);
+#endif
+}
+
+// The f16 pair 1024 + (byte 0, byte 1) of w (kHigh: bytes 2, 3): each byte becomes the mantissa of 0x6400.
+template <bool kHigh>
+__device__ __forceinline__ u32 byte_pair_as_f16_mantissas(u32 w) {
+    return __byte_perm(w, 0x64646464u, kHigh ? 0x4342 : 0x4140);
+}
+
+// (u0 - kOffset, u1 - kOffset) * d in f16 for the pair 1024 + (u0, u1) (byte_pair_as_f16_mantissas).
+template <int kOffset>
+__device__ __forceinline__ u32 scale_f16_pair(u32 mantissas, __half2 d2) {
+    const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));  // 1024 + kOffset
+    return half2_as_u32(__hmul2(__hsub2(u32_as_half2(mantissas), bias), d2));
+}
+
+// Four values u_i (bytes of lo: values 0-3, of hi: 4-7, each < 256) of a symmetric format as f16 (u_i - kOffset) * d.
+template <int kOffset>
+__device__ __forceinline__ uint4 scale_f16_bytes(u32 lo, u32 hi, u16 d_bits) {
+    const __half2 d2 = __half2half2(__ushort_as_half(d_bits));
+    return make_uint4(scale_f16_pair<kOffset>(byte_pair_as_f16_mantissas<false>(lo), d2),
+                      scale_f16_pair<kOffset>(byte_pair_as_f16_mantissas<true>(lo), d2),
+                      scale_f16_pair<kOffset>(byte_pair_as_f16_mantissas<false>(hi), d2),
+                      scale_f16_pair<kOffset>(byte_pair_as_f16_mantissas<true>(hi), d2));
+}
+
+// The affine formats' f32 * u + m of the same four-and-four values u_i: u_i comes out of f16 exact (1024 + u
+// less 1024) and one FMA rounds d * u_i + m once, which is Chunk8's sum of the product (exact in f32: 11 + 5
+// bits) and m; then rounded to f16.
+__device__ __forceinline__ u32 affine_f16_pair(u32 mantissas, float d, float m) {
+    const float2 u = __half22float2(__hsub2(u32_as_half2(mantissas), __half2half2(__ushort_as_half(0x6400))));
+    return pack_half2(__fmaf_rn(d, u.x, m), __fmaf_rn(d, u.y, m));
+}
+
+__device__ __forceinline__ uint4 affine_f16_bytes(u32 lo, u32 hi, const u8* block) {
+    const float d = block_f16(block, 0), m = block_f16(block, 2);
+    return make_uint4(affine_f16_pair(byte_pair_as_f16_mantissas<false>(lo), d, m),
+                      affine_f16_pair(byte_pair_as_f16_mantissas<true>(lo), d, m),
+                      affine_f16_pair(byte_pair_as_f16_mantissas<false>(hi), d, m),
+                      affine_f16_pair(byte_pair_as_f16_mantissas<true>(hi), d, m));
+}
+
+// The nibbles of chunk k of a 32-value block's qs (nibbles_of_chunk), one per byte: values 0-3 in lo, 4-7 in hi.
+__device__ __forceinline__ void nibble_bytes_of_chunk(const u8* qs, int k, u32& lo, u32& hi) {
+    load_8_bytes_2aligned(qs + 8 * (k & 1), lo, hi);
+    const int shift = (k >> 1) * 4;
+    lo = (lo >> shift) & 0x0F0F0F0Fu;
+    hi = (hi >> shift) & 0x0F0F0F0Fu;
+}
+
+// Bits 0-3 of `bits` as bit 4 of bytes 0-3 (q5 blocks: the fifth bit of four values). The multiply places
+// bit i at bit 8i + 4; the partial products do not overlap, so nothing carries.
+__device__ __forceinline__ u32 spread_bits_to_bit4(u32 bits) {
+    return ((bits & 0xFu) * 0x02040810u) & 0x10101010u;
+}
+
+template <>
+struct Half8<FmtQ8_0> {  // (q + 128) - 128: the int8 with its sign bit flipped
+    __device__ static uint4 read(const u8* row, int c, const float*) {
+        const u8* block = row + (c >> 2) * FmtQ8_0::kBlockBytes;
+        u32 lo, hi;
+        load_8_bytes_2aligned(block + 2 + 8 * (c & 3), lo, hi);
+        return scale_f16_bytes<128>(lo ^ 0x80808080u, hi ^ 0x80808080u, load_u16(block));
+    }
+};
+
+template <>
+struct Half8<FmtQ4_0> {
+    __device__ static uint4 read(const u8* row, int c, const float*) {
+        const u8* block = row + (c >> 2) * FmtQ4_0::kBlockBytes;
+        u32 lo, hi;
+        nibble_bytes_of_chunk(block + 2, c & 3, lo, hi);
+        return scale_f16_bytes<8>(lo, hi, load_u16(block));
+    }
+};
+
+template <>
+struct Half8<FmtQ5_0> {
+    __device__ static uint4 read(const u8* row, int c, const float*) {
+        const u8* block = row + (c >> 2) * FmtQ5_0::kBlockBytes;
+        const u32 high = load_u32_2aligned(block + 2) >> (8 * (c & 3));
+        u32 lo, hi;
+        nibble_bytes_of_chunk(block + 6, c & 3, lo, hi);
+        return scale_f16_bytes<16>(lo | spread_bits_to_bit4(high), hi | spread_bits_to_bit4(high >> 4), load_u16(block));
+    }
+};
+
+template <>
+struct Half8<FmtQ4_1> {
+    __device__ static uint4 read(const u8* row, int c, const float*) {
+        const u8* block = row + (c >> 2) * FmtQ4_1::kBlockBytes;
+        u32 lo, hi;
+        nibble_bytes_of_chunk(block + 4, c & 3, lo, hi);
+        return affine_f16_bytes(lo, hi, block);
+    }
+};
+
+template <>
+struct Half8<FmtQ5_1> {
+    __device__ static uint4 read(const u8* row, int c, const float*) {
+        const u8* block = row + (c >> 2) * FmtQ5_1::kBlockBytes;
+        const u32 high = load_u32_2aligned(block + 4) >> (8 * (c & 3));
+        u32 lo, hi;
+        nibble_bytes_of_chunk(block + 8, c & 3, lo, hi);
+        return affine_f16_bytes(lo | spread_bits_to_bit4(high), hi | spread_bits_to_bit4(high >> 4), block);
+    }
+};
+
+template <>
+struct Half8<FmtQ6_0> {
+    __device__ static uint4 read(const u8* row, int c, const float*) {
+        const u8* block = row + (c >> 2) * FmtQ6_0::kBlockBytes;
+        const int k = c & 3;
+        const int shift = 2 * (2 * (k & 1) + (k >> 1));  // FmtQ6_0::high_shift(8k + i), the same for all i
+        u32 qh_lo, qh_hi, lo, hi;
+        load_8_bytes_2aligned(block + 2, qh_lo, qh_hi);
+        nibble_bytes_of_chunk(block + 10, k, lo, hi);
+        // bits shift, shift + 1 of each qh byte (shift <= 6: they stay inside their byte) as bits 4, 5
+        lo |= ((qh_lo >> shift) & 0x03030303u) << 4;
+        hi |= ((qh_hi >> shift) & 0x03030303u) << 4;
+        return scale_f16_bytes<32>(lo, hi, load_u16(block));
+    }
+};
+
 // ---- runtime KV format ids ----------------------------------------------------------------------------
 // The kernels are compiled once per head dim and read any K format with any V format: the format is a
 // block-uniform runtime id, and only the chunk read is dispatched on it (a jump table per chunk of 8
@@ -281,9 +450,25 @@ __device__ __forceinline__ void read_chunk(int id, const u8* row, int c, const f
     with_format<G>(id, ReadChunk{row, c, table, v});
 }
 
-// Rotated formats store groups of G = min(128, head_dim) values.
-template <int D>
-struct GroupOf { static constexpr int value = D < 128 ? D : 128; };
+template <template <class> class Reader>
+struct ReadChunkF16 {  // Reader<Fmt> of the format
+    const u8* row;
+    int c;
+    const float* table;
+    uint4& out;
+    template <class Fmt>
+    __device__ void operator()(Fmt) const { out = Reader<Fmt>::read(row, c, table); }
+};
+
+// Values 8c .. 8c+7 of a row of format `id` as four half2 words (Half8 of that format; Half8FromFloats for the
+// benchmark of the two).
+template <int G, template <class> class Reader = Half8>
+__device__ __forceinline__ uint4 read_chunk_f16(int id, const u8* row, int c, const float* table) {
+    uint4 out;
+    with_format<G>(id, ReadChunkF16<Reader>{row, c, table, out});
+    return out;
+}
+
 
 // ---- raw rows staged in shared memory (cp.async) -----------------------------------------------------
 // Row r of a cache (r = slot * n_kv + head) starts at byte r * row_bytes of a 16-byte aligned buffer,
@@ -308,6 +493,62 @@ struct StagedRows {
     }
     __device__ int offset(long long row) const {  // where row byte 0 sits in its slot
         return align >= 4 ? 0 : static_cast<int>(row & 1) * 2;  // row_bytes = 2 mod 4, buffer 16-aligned
+    }
+};
+
+// Rotated formats store groups of G = min(128, head_dim) values.
+template <int D>
+struct GroupOf { static constexpr int value = D < 128 ? D : 128; };
+
+// ---- fa_mma's dequantizing pass: a staged tile of raw rows into f16 tiles ------------------------------------
+// The rows j < kTile of a tile staged by stage_rows (rows (first + j) * n_kv + head of the cache) are read with
+// Reader<Fmt> (Half8, or Half8FromFloats for bench/dequant_gpu.py) into
+//   DequantRows:    dst[j * kStride + d], row-major (fa_mma's K tile);
+//   DequantColumns: dst[d * kStride + j], transposed, stored as key pairs (fa_mma's V^T tile).
+// Run through with_format(id, ...), so the format is resolved once per tile, not once per chunk.
+struct StagedTile {  // the staged rows of a tile, where they came from and where their f16 values go
+    const StagedRows& L;
+    const u8* raw;
+    __half* dst;
+    long long first;
+    int n_kv, head;
+    const float* table;
+    int tid;
+};
+
+template <int D, int kTile, int kStride, template <class> class Reader = Half8>
+struct DequantRows : StagedTile {
+    template <class Fmt>
+    __device__ void operator()(Fmt) const {
+        constexpr int kChunks = D / 8;
+        for (int task = tid; task < kTile * kChunks; task += kFaThreads) {
+            const int j = task / kChunks, c = task % kChunks;  // consecutive threads: consecutive chunks of a row
+            const long long row = (first + j) * n_kv + head;
+            *reinterpret_cast<uint4*>(dst + j * kStride + 8 * c) =
+                Reader<Fmt>::read(raw + j * L.slot_bytes + L.offset(row), c, table);
+        }
+    }
+};
+
+template <int D, int kTile, int kStride, template <class> class Reader = Half8>
+struct DequantColumns : StagedTile {
+    template <class Fmt>
+    __device__ void operator()(Fmt) const {
+        constexpr int kChunks = D / 8;
+        for (int task = tid; task < (kTile / 2) * kChunks; task += kFaThreads) {
+            // consecutive threads: consecutive key pairs of one chunk, so the transposed 4-byte stores of a warp
+            // fall in distinct banks; rows past the tile's end were zero-filled: they decode to 0
+            const int p = task % (kTile / 2), c = task / (kTile / 2);
+            const long long row = (first + 2 * p) * n_kv + head;
+            const uint4 a = Reader<Fmt>::read(raw + (2 * p) * L.slot_bytes + L.offset(row), c, table);
+            const uint4 b = Reader<Fmt>::read(raw + (2 * p + 1) * L.slot_bytes + L.offset(row + n_kv), c, table);
+            const u32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // dims 8c + 2i, 8c + 2i + 1: the low, then the high halves of both keys
+                *reinterpret_cast<u32*>(dst + (8 * c + 2 * i) * kStride + 2 * p) = __byte_perm(wa[i], wb[i], 0x5410);
+                *reinterpret_cast<u32*>(dst + (8 * c + 2 * i + 1) * kStride + 2 * p) = __byte_perm(wa[i], wb[i], 0x7632);
+            }
+        }
     }
 };
 

@@ -4,10 +4,11 @@
 // fa_mma<D>: one block = kRows query rows sharing one KV head (query heads of a GQA group times queries,
 // row r = (query r / group, head r % group)), over one split of the keys. Tiles of kTile keys move in two
 // steps: the raw cache rows of tile t + 1 are copied into a staging buffer with cp.async while tile t is
-// computed (no thread waits on global memory), then dequantized (any K / V format: runtime ids,
-// fa_common.cuh) from shared memory into f16 tiles: K row-major [key][dim], V transposed [dim][key], so
-// that every mma operand is one 32-bit shared-memory load with padded rows (row strides of 4 words mod 8
-// banks: the 8 groups x 4 threads of a fragment load hit 32 distinct banks).
+// computed (no thread waits on global memory), then dequantized (any K / V format: runtime ids; Half8 of
+// fa_common.cuh, which scales the symmetric block formats in f16 arithmetic) from shared memory into f16
+// tiles: K row-major [key][dim], V transposed [dim][key], so that every mma operand is one 32-bit
+// shared-memory load with padded rows (row strides of 4 words mod 8 banks: the 8 groups x 4 threads of a
+// fragment load hit 32 distinct banks).
 //
 // fa_mma<D, kDecode>: warps split the rows (prefill, kDecode = false: kRowWarps warps own 16 rows each,
 // 64 rows per block) or the keys (decode, kDecode = true: one 16-row tile, each warp takes a quarter of
@@ -95,16 +96,6 @@ struct MmaF16Layout {
     static constexpr int kEnd = kStage + kStages * kStageBytes;
     static constexpr int kBytes = kEnd > MmaLayout<D, true>::kMergeBytes ? kEnd : MmaLayout<D, true>::kMergeBytes;
 };
-
-// 8 values of a cached row of format `id` as f16 (one 16-byte shared-memory store); f16 rows are
-// copied as they are.
-template <int G>
-__device__ __forceinline__ uint4 chunk_as_f16(int id, const u8* row, int c, const float* table) {
-    if (id == kFaF16) return reinterpret_cast<const uint4*>(row)[c];
-    float v[8];
-    read_chunk<G>(id, row, c, table, v);
-    return make_uint4(pack_half2(v[0], v[1]), pack_half2(v[2], v[3]), pack_half2(v[4], v[5]), pack_half2(v[6], v[7]));
-}
 
 // Issue the cp.async copies of the raw K / V rows and positions of the tile at key `first` (one group).
 template <int kTile>
@@ -425,26 +416,8 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
             if constexpr (kDca) dca_tile(raw_pos_s, first, n_valid, regimes);
 
             // ---- dequantize the staged rows: K as f16 rows, V transposed, positions ----
-#pragma unroll 1  // one copy of the format switch
-            for (int task = tid; task < kTile * kChunks; task += kFaThreads) {
-                const int j = task / kChunks, c = task % kChunks;  // consecutive threads: consecutive chunks of a row
-                const long long row = (static_cast<long long>(first) + j) * n_kv + kh;
-                *reinterpret_cast<uint4*>(k_s + j * kQStride + 8 * c) =
-                    chunk_as_f16<G>(k_fmt, k_raw + j * LK.slot_bytes + LK.offset(row), c, ktab_s);
-            }
-#pragma unroll 1  // one copy of the format switch
-            for (int task = tid; task < (kTile / 2) * kChunks; task += kFaThreads) {
-                // consecutive threads: consecutive key pairs of one chunk, so the transposed 4-byte stores
-                // of a warp fall in distinct banks
-                const int p = task % (kTile / 2), c = task / (kTile / 2);
-                const long long row0_kv = (static_cast<long long>(first) + 2 * p) * n_kv + kh;
-                float v0[8], v1[8];  // rows past the tile's end were zero-filled: they decode to 0
-                read_chunk<G>(v_fmt, v_raw + (2 * p) * LV.slot_bytes + LV.offset(row0_kv), c, vtab_s, v0);
-                read_chunk<G>(v_fmt, v_raw + (2 * p + 1) * LV.slot_bytes + LV.offset(row0_kv + n_kv), c, vtab_s, v1);
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    *reinterpret_cast<u32*>(vt_s + (8 * c + e) * kVStride + 2 * p) = pack_half2(v0[e], v1[e]);
-            }
+            with_format<G>(k_fmt, DequantRows<D, kTile, kQStride>{{LK, k_raw, k_s, first, n_kv, kh, ktab_s, tid}});
+            with_format<G>(v_fmt, DequantColumns<D, kTile, kVStride>{{LV, v_raw, vt_s, first, n_kv, kh, vtab_s, tid}});
             for (int j = tid; j < kTile; j += kFaThreads) pos_s[j] = raw_pos_s[j];
             __syncthreads();  // f16 tiles ready; the staging buffer is free
             if (first + kTile < keys.end)  // the next tile's copies overlap this tile's arithmetic

@@ -5,9 +5,9 @@
   mismatched argument types).
 * A representative subset of the GPU test files, run in a subprocess with CUPYLLM_EMULATE=1 (the fake
   NumPy-backed `cupy` must be imported before anything else imports CuPy): KV encode/decode, the
-  flash-attention chunk readers of every format, FA-VEC, MMA and MMA's decode layout at head dim 128 for
-  every K and V format once, split-KV, argument errors; the same for the fused Dual Chunk Attention kernels
-  (tests/test_gpu_dca.py). The full matrix: `CUPYLLM_EMULATE=1 python -m pytest -m gpu tests/`.
+  flash-attention chunk readers of every format (f32 and f16 readers), the dequantizing-pass benchmark kernel,
+  FA-VEC, MMA and MMA's decode layout at head dim 128 for every K and V format once, split-KV, argument
+  errors; the same for the fused Dual Chunk Attention kernels (tests/test_gpu_dca.py). The full matrix: `CUPYLLM_EMULATE=1 python -m pytest -m gpu tests/`.
 
 Skipped when g++ (or $CUPYLLM_EMU_CXX) cannot compile C++20. Builds are cached under
 $CUPYLLM_EMU_CACHE (default ~/.cache/cupyllm/cuda_emu); a cold run builds 7 libraries (~1.5 min on 2 cores).
@@ -156,7 +156,7 @@ GPU_SUBSET = (
     "(test_gpu_kv and (test_decode_within_one_f16_ulp and [q4_0-128] or test_encode_is_bit_exact and [q4_0-128-float32])) "
     "or (test_gpu_attention and (test_chunk_reader_is_bit_exact and 128] or test_vec_matches_reference and [128- "
     "or test_mma_matches_reference and [128- or test_mma_decode_matches_reference and [128- "
-    "or test_split_count or test_bad_arguments))"
+    "or test_split_count or test_bad_arguments or test_dequant_bench_kernel))"
 )
 
 

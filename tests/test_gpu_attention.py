@@ -215,27 +215,70 @@ def test_mma_f16_decode_path(runner, head_dim, case):
 @pytest.mark.parametrize("name", _formats())
 def test_chunk_reader_is_bit_exact(runner, name, group):
     """The kernels' 8-value reader (Chunk8, by runtime format id) gives the NumPy decode's values bit for
-    bit (rotated formats: the rotated-domain values), equal to kv_formats.cuh's per-value dequant."""
+    bit (rotated formats: the rotated-domain values), equal to kv_formats.cuh's per-value dequant; the f16
+    reader of fa_mma's tiles (Half8: f16 arithmetic for the symmetric block formats) gives those values
+    rounded to f16, also where the result is an f16 subnormal."""
     import cupy as cp
     from cupyllm.attention import gpu_kernels as fk
     from cupyllm.kv.formats import is_rotated
     rng = np.random.default_rng(3)
     fmt = get_test_format(name, group)
-    n_rows, d = 7, 2 * group
+    n_rows, d = 8, 2 * group
     x = rng.standard_normal((n_rows, d)).astype(np.float32) * np.float32(3.0)
     x[0] = 0.0
+    x[1] *= np.float32(2e-6)   # decoded values near and below f16's smallest normal (6.1e-5)
     rows = fmt.encode(x)
     ref = fmt.decode_rotated(rows, d) if is_rotated(name) else fmt.decode(rows, d)
     out_chunk = cp.empty((n_rows, d), cp.float32)
     out_ref = cp.empty((n_rows, d), cp.float32)
+    out_f16 = cp.empty((n_rows, d), cp.uint16)
     kernel = runner.registry.function(fk.chunk_check_kernel_name(group))
     n_tasks = n_rows * d // 8
     kernel((-(-n_tasks // fk.THREADS),), (fk.THREADS,),
-           (cp.asarray(rows), cp.asarray(fk.kernel_table(fmt)), out_chunk, out_ref, np.int32(n_rows), np.int32(d),
-            np.int32(fk.FORMAT_IDS[name]), np.int32(rows.shape[1])))
+           (cp.asarray(rows), cp.asarray(fk.kernel_table(fmt)), out_chunk, out_ref, out_f16, np.int32(n_rows),
+            np.int32(d), np.int32(fk.FORMAT_IDS[name]), np.int32(rows.shape[1])))
     got, per_value = cp.asnumpy(out_chunk), cp.asnumpy(out_ref)
     assert np.array_equal(got.view(np.uint32), per_value.view(np.uint32)), "Chunk8 != load_kv_value"
     assert np.array_equal(got.view(np.uint32), ref.astype(np.float32).view(np.uint32)), "kernel != NumPy decode"
+    want_f16 = ref.astype(np.float32).astype(np.float16).view(np.uint16)
+    got_f16 = cp.asnumpy(out_f16)
+    bad = np.argwhere(got_f16 != want_f16)
+    assert bad.size == 0, (f"Half8 != f16 rounding of the decode at {len(bad)} values, first {bad[0].tolist()}: "
+                           f"{got_f16[tuple(bad[0])]:#06x} vs {want_f16[tuple(bad[0])]:#06x}")
+
+
+@pytest.mark.parametrize("from_floats", (False, True))
+@pytest.mark.parametrize("name", ("q8_0", "q4_1", "turbo3"))
+def test_dequant_bench_kernel_folds_the_f16_decode(runner, name, from_floats):
+    """bench/dequant_gpu.py's kernel (fa_mma's dequantizing pass alone: K rows and V^T columns) reads every value
+    of every row as the f16 decode: each block's xor of the words of its f16 tiles equals NumPy's, with either
+    reader."""
+    import cupy as cp
+    from cupyllm.attention import gpu_kernels as fk
+    from cupyllm.kv.formats import is_rotated
+    rng = np.random.default_rng(8)
+    d, n_rows, n_blocks = 128, 200, 3  # 4 tiles of 64 rows, the last one part-filled
+    fmt = get_test_format(name, d)
+    rows = fmt.encode(rng.standard_normal((n_rows, d)).astype(np.float32))
+    values = fmt.decode_rotated(rows, d) if is_rotated(name) else fmt.decode(rows, d)
+    halves = values.astype(np.float32).astype(np.float16).view(np.uint16)
+    want = np.zeros(n_blocks, np.uint32)
+    tile_rows = fk.DEQUANT_BENCH_TILE
+    for tile in range(-(-n_rows // tile_rows)):
+        part = halves[tile * tile_rows:(tile + 1) * tile_rows].astype(np.uint32)
+        k_words = part[:, 0::2] | part[:, 1::2] << 16      # K rows: dim pairs of one key
+        v_words = part[0::2] | part[1::2] << 16 if len(part) % 2 == 0 else None
+        if v_words is None:                                # an odd last tile: its zero-filled row completes the pair
+            part = np.vstack([part, np.zeros((1, d), np.uint32)])
+            v_words = part[0::2] | part[1::2] << 16        # V^T: key pairs of one dim
+        want[tile % n_blocks] ^= np.bitwise_xor.reduce(k_words, axis=None) ^ np.bitwise_xor.reduce(v_words, axis=None)
+    kernel = runner.registry.function(fk.dequant_bench_kernel_name(d, from_floats))
+    checksum = cp.zeros(n_blocks, cp.uint32)
+    kernel((n_blocks,), (fk.THREADS,),
+           (cp.asarray(rows), cp.asarray(fk.kernel_table(fmt)), checksum, np.int32(n_rows),
+            np.int32(fk.FORMAT_IDS[name]), np.int32(rows.shape[1]), np.int32(fk.table_len(fmt))),
+           shared_mem=fk.dequant_bench_smem_bytes(d, rows.shape[1], fk.table_len(fmt)))
+    assert np.array_equal(cp.asnumpy(checksum), want)
 
 
 @pytest.mark.parametrize("kernel", ("vec", "mma"))

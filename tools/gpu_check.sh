@@ -4,15 +4,20 @@
 #
 #   run(command="bash tools/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=400)
 #
+# What comes back: $OUT/gpu_check.log, $OUT/gpu_results.tar (the result files of bench/results, packed after
+# each step: a call returns at most 8 files) and $OUT/e2e_gpu.json (rewritten after every model); here:
+# tar -xf <files_at>/gpu_results.tar -C bench/results && cp <files_at>/e2e_gpu.json bench/results/
+#
 # 1. installs the carried wheels whose module is missing into /tmp/site
 # 2. prints nvidia-smi and the CUDA stack CuPy sees
 # 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
 #    pytest -m gpu (junit XML + log into bench/results/)
-# 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dca_gpu.py, bench/spill_gpu.py,
+# 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dequant_gpu.py, bench/dca_gpu.py, bench/spill_gpu.py,
 #    bench/kv_encode.py --device gpu, then
 #    tools/profile_decode_gpu.py (kernels of a decode step), bench/e2e_gpu.py on the real-shape models (Gemma 3
 #    270M, Qwen2.5-0.5B, Gemma 4 E2B, then Qwen2.5-7B while time is left)
-# 5. copies the results into $OUT (when set) after every step, so a run cut short keeps what it measured
+# 5. packs the results into $OUT/gpu_results.tar (when OUT is set) after every step, so a run cut short keeps
+#    what it measured
 #
 # Finishes in under 7.5 minutes: each step has its own time limit.
 set -uo pipefail
@@ -22,6 +27,11 @@ PY=${PYTHON:-python3}
 RESULTS=bench/results
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
+# The scripts below copy their JSON into $OUT when it is set; here they leave it in bench/results and publish()
+# packs it, so that a run returns three files (with the log and e2e_gpu.json) however many steps it has.
+RUN_OUT=${OUT:-}
+unset OUT
+STARTED=$(mktemp)  # publish() packs the result files written after this one (not those committed earlier)
 
 step() { echo; echo "=== $* ($((SECONDS - START)) s)"; }
 
@@ -56,13 +66,14 @@ pytest_status=${PIPESTATUS[0]}
 echo "pytest exit status: $pytest_status"
 unset NUMBA_NUM_THREADS
 
-publish() {  # the result files into $OUT (at most 8 come back; gpu_check.log is the caller's tee)
-    [ -n "${OUT:-}" ] || return 0
-    # (gpu_pytest.xml stays in bench/results/ on the device: the log says the same, and 8 files come back)
-    for f in "$RESULTS/gpu_pytest.log" "$RESULTS"/attention_gpu.json "$RESULTS"/dca_gpu.json \
-             "$RESULTS"/kv_encode_gpu.json "$RESULTS"/spill_gpu.json; do
-        [ -e "$f" ] && cp "$f" "$OUT"/
+publish() {  # every result file of this run, packed into one archive in $OUT (rewritten after each step)
+    [ -n "$RUN_OUT" ] || return 0
+    local files=()
+    for f in gpu_pytest.log gpu_pytest.xml attention_gpu.json dequant_gpu.json dca_gpu.json kv_encode_gpu.json \
+             spill_gpu.json decode_profile_gpu.json e2e_gpu.json; do
+        [ "$RESULTS/$f" -nt "$STARTED" ] && files+=("$f")
     done
+    [ ${#files[@]} -gt 0 ] && tar -cf "$RUN_OUT/gpu_results.tar" -C "$RESULTS" "${files[@]}"
     return 0
 }
 publish
@@ -71,6 +82,9 @@ step "GPU micro-benchmarks"
 # each writes its JSON after every row and starts no new row past its --budget-s (the 64k rows first)
 echo "--- bench/attention_gpu.py"
 timeout 45 "$PY" bench/attention_gpu.py --budget-s 32 || echo "bench/attention_gpu.py failed or timed out ($?)"
+publish
+echo "--- bench/dequant_gpu.py (fa_mma's dequantizing pass: the Half8 readers vs Chunk8's floats rounded)"
+timeout 30 "$PY" bench/dequant_gpu.py --rows 524288 --repeats 10 || echo "bench/dequant_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/dca_gpu.py"
 timeout 45 "$PY" bench/dca_gpu.py --budget-s 32 || echo "bench/dca_gpu.py failed or timed out ($?)"
@@ -81,18 +95,20 @@ publish
 echo "--- bench/kv_encode.py --device gpu"
 timeout 40 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
 publish
-echo "--- tools/profile_decode_gpu.py (where a Gemma 3 270M decode step's device time goes; JSON into \$OUT)"
+echo "--- tools/profile_decode_gpu.py (where a Gemma 3 270M decode step's device time goes)"
 timeout 40 "$PY" tools/profile_decode_gpu.py --model gemma3-270m || echo "decode profile failed or timed out ($?)"
+publish
 # Small models first (~50 s with transformers beside them); the 7B (~4.7 GB GGUF written here, transformers
 # from the same weights) starts only inside --budget-s and writes its row when done.
 echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b, gemma4-e2b, qwen2.5-7b)"
 # (its JSON goes straight into $OUT when set: rewritten after every model, it comes back even if the call's
 # limit cuts the 7B short)
 timeout 140 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b --budget-s 60 \
-    --out "${OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
-[ -n "${OUT:-}" ] && [ -e "$OUT/e2e_gpu.json" ] && cp "$OUT/e2e_gpu.json" "$RESULTS"/
+    --out "${RUN_OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
+[ -n "$RUN_OUT" ] && [ -e "$RUN_OUT/e2e_gpu.json" ] && cp "$RUN_OUT/e2e_gpu.json" "$RESULTS"/
+publish
 
 step "results"
-[ -n "${OUT:-}" ] && ls -l "$OUT"
+[ -n "$RUN_OUT" ] && ls -l "$RUN_OUT" && tar -tf "$RUN_OUT/gpu_results.tar"
 echo "done in $((SECONDS - START)) s; pytest exit status $pytest_status"
 exit "$pytest_status"

@@ -11,6 +11,8 @@ Kernels (fa_common.cuh has the shared semantics and layouts):
 * ``fa_prep_q<G, QT, OT>``: Q * scale, WHT-rotated per group when the K format is rotated.
 * ``fa_combine<G, OT>``: merge split results by LSE, unrotate O when the V format is rotated.
 * ``fa_chunk_check<G>``: test aid, the kernels' chunk reader next to kv_formats.cuh's per-value one.
+* ``fa_dequant_bench<D, kFromFloats>``: benchmark aid, fa_mma's dequantizing pass with the Half8 readers or
+  with the definition they replace (bench/dequant_gpu.py).
 * ``fa_vec<D, R, true>``, ``fa_mma<D, kDecode, true>`` (dca_fused.cu): Dual Chunk Attention (fa_common.cuh): Q in three
   rotations, the rotation of each (query, key) pair picked by its chunk regime, one online softmax
   (cupyllm/attention/gpu_dca.py runs them).
@@ -182,6 +184,20 @@ def chunk_check_kernel_name(group: int) -> str:
     return f"fa_chunk_check<{group}>"
 
 
+DEQUANT_BENCH_TILE = 64  # rows per tile of fa_dequant_bench
+
+
+def dequant_bench_kernel_name(head_dim: int, from_floats: bool) -> str:
+    return f"fa_dequant_bench<{head_dim}, {'true' if from_floats else 'false'}>"
+
+
+def dequant_bench_smem_bytes(head_dim: int, row_bytes: int, n_table: int) -> int:
+    """fa_dequant_bench's dynamic shared memory: the K tile, the V^T tile, one staged tile, then the table."""
+    tile = DEQUANT_BENCH_TILE
+    k_tile, v_tile = tile * (head_dim + 8) * 2, head_dim * (tile + 8) * 2
+    return k_tile + v_tile + tile * staged_slot_bytes(row_bytes) + _table_bytes(n_table)
+
+
 def kernel_sets() -> list[KernelSet]:
     """Every flash-attention instantiation: one set per main kernel (each is large), one for the rest."""
     sets = [KernelSet(VEC_FILE, (vec_kernel_name(d, r),), label=f"d{d} r{r}") for d in HEAD_DIMS for r in VEC_ROW_OPTIONS]
@@ -203,6 +219,8 @@ def kernel_sets() -> list[KernelSet]:
             aux.append(combine_kernel_name(g, out_dtype))
     aux += [chunk_check_kernel_name(g) for g in GROUP_SIZES]
     sets.append(KernelSet(AUX_FILE, tuple(aux)))
+    sets.append(KernelSet(AUX_FILE, tuple(dequant_bench_kernel_name(d, f) for d in (64, 128) for f in (False, True)),
+                          label="dequant bench"))
     return sets
 
 

@@ -8,6 +8,7 @@ from ..attention.cpu_decode import MAX_QUERIES, attend_few
 from ..attention.dca_cpu import dca_few, dca_stream
 from ..attention.reference import attend_chunks, causal_mask
 from ..kv.cache import KVCache, LayerKV
+from . import compile_notice
 from .cpu_kernels import rms_norm_rows, rope_rows
 from ..errors import CupyllmError
 from ..quant.cpu_matmul import dequantize_ids, matmul, matmul_many
@@ -24,6 +25,7 @@ class CPUBackend:
 
     def __init__(self):
         self._rope_tables = {}
+        compile_notice.install()  # the first run compiles the numba kernels for about a minute: say so
 
     def asarray(self, x, dtype=None):
         return np.asarray(x, dtype=dtype)
