@@ -84,7 +84,7 @@ class Model:
                  progress: bool | None = None) -> str | Iterator[str]:
         """Continue `prompt` (text, token ids, or with chat=True a message or list of messages, rendered with
         `chat_template_kwargs`). Returns the text, or with stream=True an iterator of text pieces. Stats land
-        in `last_stats`."""
+        in `last_stats`. max_tokens=-1 generates until end of generation, a stop string or a full context."""
         if chat:
             ids = self.chat_ids(prompt, chat_template_kwargs)
         elif isinstance(prompt, str):

@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("-p", "--prompt", dest="prompt_opt", help="prompt text (llama.cpp spelling)")
     gen.add_argument("-f", "--file", help="read the prompt from a file")
     _add_model_args(gen)
-    gen.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument("-n", "--max-tokens", type=int, default=128,
+                     help="tokens to generate (default 128; -1: until end of generation or a full context)")
     gen.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--top-p", type=float, default=0.95)

@@ -19,3 +19,7 @@ class BudgetError(CupyllmError):
 
 class DeviceError(CupyllmError):
     """The GPU path was asked for but is not usable (no CuPy, no device, a kernel failed to compile)."""
+
+
+class SamplingError(CupyllmError, ValueError):
+    """A sampling parameter out of its range (top-k, top-p, min-p, repeat penalty)."""

@@ -88,11 +88,14 @@ class StopMatcher:
 def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler, *,
                     max_tokens: int, stop: Sequence[str] = (), chunk: int = 512,
                     stats: GenerationStats | None = None, progress: bool | None = None) -> Iterator[str]:
-    """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix)."""
+    """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix).
+    A negative `max_tokens` (llama.cpp's -n -1) generates until an end-of-generation token, a stop string or
+    a full context."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
-    budget = min(max_tokens, cache.spec.ctx - cache.n_past - len(prompt_ids))
-    cache.check_room(len(prompt_ids) + (1 if max_tokens > 0 else 0))
+    room = cache.spec.ctx - cache.n_past - len(prompt_ids)
+    budget = room if max_tokens < 0 else min(max_tokens, room)
+    cache.check_room(len(prompt_ids) + (1 if max_tokens != 0 else 0))
     t0 = time.perf_counter()
     logits = prefill(forward, prompt_ids, cache, chunk, progress=progress)
     stats.prefill_seconds = time.perf_counter() - t0
@@ -100,7 +103,7 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
     history = list(prompt_ids)
     decoder = tokenizer.stream_decoder()
     matcher = StopMatcher(stop)
-    stats.stop_reason = "max_tokens" if budget >= max_tokens else "context full"
+    stats.stop_reason = "max_tokens" if 0 <= max_tokens <= budget else "context full"
     t0 = time.perf_counter()
     try:
         for step in range(budget):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import SamplingError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,9 +20,13 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed
 
     def __post_init__(self):
-        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or not 0.0 <= self.min_p <= 1.0 or self.repeat_penalty <= 0:
-            raise ValueError("sampling parameters out of range: need top_k >= 0, 0 < top_p <= 1, "
-                             "0 <= min_p <= 1, repeat_penalty > 0")
+        wrong = [f"{name} {value} (need {rule})" for name, value, ok, rule in (
+            ("top-k", self.top_k, self.top_k >= 0, ">= 0; 0 turns it off"),
+            ("top-p", self.top_p, 0.0 < self.top_p <= 1.0, "0 < top-p <= 1; 1 turns it off"),
+            ("min-p", self.min_p, 0.0 <= self.min_p <= 1.0, "0 <= min-p <= 1; 0 turns it off"),
+            ("repeat penalty", self.repeat_penalty, self.repeat_penalty > 0, "> 0; 1 turns it off")) if not ok]
+        if wrong:
+            raise SamplingError("sampling parameter out of range: " + "; ".join(wrong))
 
 
 def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float) -> np.ndarray:

@@ -71,6 +71,19 @@ def test_context_overflow_is_a_clear_error(qwen):
     assert isinstance(out, str)
 
 
+def test_max_tokens_minus_one_runs_to_the_end_of_the_context(qwen):
+    """llama.cpp's -n -1: no token limit, generation ends at an end-of-generation token or a full context."""
+    prompt = list(range(1, 50))
+    qwen.generate(prompt, max_tokens=-1, temperature=0.0)
+    stats = qwen.last_stats
+    if stats.stop_reason == "context full":
+        assert stats.generated_tokens == 64 - len(prompt)
+    else:
+        assert stats.stop_reason == "end of generation token" and stats.generated_tokens <= 64 - len(prompt)
+    qwen.generate(prompt, max_tokens=0)
+    assert qwen.last_stats.generated_tokens == 0 and qwen.last_stats.stop_reason == "max_tokens"
+
+
 def test_bad_options(tiny_model):
     path, _, _ = tiny_model("qwen2")
     with pytest.raises(CupyllmError, match="unknown KV format 'q9_9'"):
@@ -119,6 +132,8 @@ def test_cli_generate_and_info(tiny_model):
     (["generate", "hi", "-m", "/no/such/model.gguf"], "no such file"),
     (["generate", "the sea and the sky and the sand", "-m", "{tiny}", "-c", "8"], "exceed the context of 8"),
     (["generate", "hi", "-m", "{tiny}", "-ctv", "q3_x"], "unknown KV format"),
+    (["generate", "hi", "-m", "{tiny}", "--top-p", "2"], "top-p 2.0 (need 0 < top-p <= 1"),
+    (["generate", "hi", "-m", "{tiny}", "--top-k", "-1", "--repeat-penalty", "0"], "top-k -1 (need >= 0"),
 ])
 def test_cli_errors_are_one_line(tiny_model, args, message):
     path, _, _ = tiny_model("gemma3")

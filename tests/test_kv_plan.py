@@ -15,7 +15,7 @@ from cupyllm.errors import BudgetError, CupyllmError
 from cupyllm.gguf_io import read_gguf
 from cupyllm.kv.cache import KVCache, KVSpec, kv_bytes
 from cupyllm.kv.formats import get_format
-from cupyllm.kv.plan import TIERS, parse_bytes, plan_kv
+from cupyllm.kv.plan import TIERS, format_bytes, parse_bytes, plan_kv
 
 QUALITY = Path(__file__).resolve().parents[1] / "bench" / "results" / "kv_quality.json"
 
@@ -73,6 +73,12 @@ def test_budget_no_tier_fits_says_the_context_that_would(tiny_model):
                                         ("1e6", 1_000_000), (4096, 4096), ("300kb", 300_000)])
 def test_parse_bytes(text, want):
     assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("n_bytes, text", [(512, "512 bytes"), (1024, "1.0 KiB"), (70.1 * 2**20, "70.1 MiB"),
+                                            (6 * 2**30, "6.00 GiB")])
+def test_format_bytes(n_bytes, text):
+    assert format_bytes(n_bytes) == text
 
 
 @pytest.mark.parametrize("text", ["six gigs", "-1GiB", "0", "5 parsecs", ""])

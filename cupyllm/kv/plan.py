@@ -165,5 +165,9 @@ def plan_spill(cfg: ModelConfig, spec: KVSpec, budget: int, host_available: floa
 
 
 def format_bytes(n_bytes: float) -> str:
-    """MiB below a GiB, else GiB (what `cupyllm info` and the plans print)."""
+    """Bytes, KiB, MiB below a GiB, else GiB (what `cupyllm info` and the plans print)."""
+    if n_bytes < 2**10:
+        return f"{n_bytes:.0f} bytes"
+    if n_bytes < 2**20:
+        return f"{n_bytes / 2**10:,.1f} KiB"
     return f"{n_bytes / 2**20:,.1f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:,.2f} GiB"
