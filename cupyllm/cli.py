@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--min-p", type=float, default=0.05)
     gen.add_argument("--repeat-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    gen.add_argument("--seed", type=int, default=None, help="random seed (default, or -1: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--system", help="system prompt for --chat")

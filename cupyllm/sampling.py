@@ -17,7 +17,7 @@ class SamplingParams:
     min_p: float = 0.05  # 0.0: off
     repeat_penalty: float = 1.0  # 1.0: off
     repeat_last_n: int = 64
-    seed: int | None = None  # None: a fresh random seed
+    seed: int | None = None  # None or negative (llama.cpp's -1): a fresh random seed
 
     def __post_init__(self):
         wrong = [f"{name} {value} (need {rule})" for name, value, ok, rule in (
@@ -60,7 +60,7 @@ def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.nd
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(None if params.seed is None or params.seed < 0 else params.seed)
 
     def __call__(self, logits: np.ndarray, history: list[int] | np.ndarray = ()) -> int:
         p = self.params

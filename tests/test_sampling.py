@@ -65,3 +65,11 @@ def test_bad_parameters_are_refused():
     from cupyllm.errors import CupyllmError
     with pytest.raises(CupyllmError, match="top-p 0.0"):  # a CupyllmError: the CLI prints it as one line
         SamplingParams(top_p=0.0)
+
+
+def test_negative_seed_is_a_fresh_random_seed():
+    """llama.cpp's --seed -1: a new seed each time, not an error."""
+    logits = np.zeros(1000, np.float32)
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=-1)
+    draws = [Sampler(params)(logits) for _ in range(8)]
+    assert all(0 <= d < 1000 for d in draws) and len(set(draws)) > 1
