@@ -6,9 +6,9 @@
 // steps: the raw cache rows of tile t + 1 are copied into a staging buffer with cp.async while tile t is
 // computed (no thread waits on global memory), then dequantized (any K / V format: runtime ids; Half8 of
 // fa_common.cuh, which scales the symmetric block formats in f16 arithmetic) from shared memory into f16
-// tiles: K row-major [key][dim], V transposed [dim][key], so that every mma operand is one 32-bit
-// shared-memory load with padded rows (row strides of 4 words mod 8 banks: the 8 groups x 4 threads of a
-// fragment load hit 32 distinct banks).
+// tiles: K row-major [key][dim], V transposed [dim][key]. Every mma operand comes from an ldmatrix (four 8x8
+// fragments an instruction) over rows padded by 16 bytes (row strides of 4 words mod 32 banks: the 8 rows of a
+// matrix fall in distinct banks).
 //
 // fa_mma<D, kDecode>: warps split the rows (prefill, kDecode = false: kRowWarps warps own 16 rows each,
 // 64 rows per block) or the keys (decode, kDecode = true: one 16-row tile, each warp takes a quarter of
@@ -29,11 +29,11 @@
 // scores of the regime in shared memory and recomputes the other visible pairs one by one.
 //
 // fa_mma<D, true, kDca, true>: K and V f16, decode (plain or DCA). The cache rows are already the tiles' f16
-// rows, so cp.async copies them straight into K and V tiles (row major; P V reads V's key pairs as two
-// halves instead of a transposed copy) and the staging buffer and dequantizing pass go away; two stages for
-// D <= 128 overlap the copies of tile t + 1 with all the work on tile t (MmaF16Layout). On an H200 (Nsight
-// Compute, head dim 128, 64k keys, 64 splits) this halved the instructions of a launch (70M -> 33M) and took
-// its memory throughput from 1.7 to 2.5 TB/s.
+// rows, so cp.async copies them straight into K and V tiles (row major; P V takes V's fragments with
+// ldmatrix .trans instead of a transposed copy) and the staging buffer and dequantizing pass go away; two
+// stages for D <= 128 overlap the copies of tile t + 1 with all the work on tile t (MmaF16Layout). On an H200
+// (Nsight Compute, head dim 128, 64k keys, 64 splits) this halved the instructions of a launch (70M -> 33M) and
+// took its memory throughput from 1.7 to 2.5 TB/s (before the fragments came by ldmatrix).
 //
 // Grid: (ceil(n_q * group / kRows), n_split, n_kv); block 128 threads; dynamic shared memory
 // MmaLayout::bytes / MmaF16Layout::kBytes (mirrored in cupyllm/attention/gpu_kernels.py; the kernel traps if
@@ -110,9 +110,6 @@ __device__ __forceinline__ void stage_mma_tile(const StagedRows& LK, const Stage
     cp_async_commit();
 }
 
-__device__ __forceinline__ u32 smem_u32(const __half* base, int half_index) {  // two halves, 4-byte aligned
-    return *reinterpret_cast<const u32*>(base + half_index);
-}
 
 
 // The f16 Q tile: rows r < rows_here of q [n_q][n_head][D] (row r = (query r / group, head r % group) of
@@ -146,20 +143,26 @@ __device__ __noinline__ float dca_pair_score(const __half* q_row, const __half* 
     return sum;
 }
 
-// s += Q K^T for one warp's 16 Q rows (q_rows, row stride kQStride) and kWarpKeys keys from k_keys.
+// s += Q K^T for one warp's 16 Q rows (q_rows, row stride kQStride) and kWarpKeys keys from k_keys (row major,
+// the same stride), every fragment loaded by ldmatrix: one for Q's k16 step, one for two key tiles' B.
 template <int D, int kWarpKeys, int kQStride>
 __device__ __forceinline__ void qk_tile(float (&s)[kWarpKeys / 8][4], const __half* q_rows, const __half* k_keys,
-                                        int g, int t) {
+                                        int lane) {
+    static_assert(kWarpKeys % 16 == 0, "key tiles in pairs");
+    const int m = lane / 8, row = lane % 8;  // this lane gives the address of row `row` of ldmatrix's matrix m
+    const __half* a_row = q_rows + ((m & 1) * 8 + row) * kQStride + (m >> 1) * 8;  // a[m]: rows +0 / +8, dims +0 / +8
+    const __half* b_row = k_keys + ((m >> 1) * 8 + row) * kQStride + (m & 1) * 8;  // key tile n, n + 1; dims +0 / +8
 #pragma unroll 4
     for (int k0 = 0; k0 < D; k0 += 16) {
-        const u32 a[4] = {smem_u32(q_rows, g * kQStride + k0 + 2 * t), smem_u32(q_rows, (g + 8) * kQStride + k0 + 2 * t),
-                          smem_u32(q_rows, g * kQStride + k0 + 8 + 2 * t),
-                          smem_u32(q_rows, (g + 8) * kQStride + k0 + 8 + 2 * t)};
+        u32 a[4];
+        ldmatrix_x4<false>(a, a_row + k0);
 #pragma unroll
-        for (int n = 0; n < kWarpKeys / 8; ++n) {
-            const __half* k_rows = k_keys + (n * 8 + g) * kQStride;
-            const u32 b[2] = {smem_u32(k_rows, k0 + 2 * t), smem_u32(k_rows, k0 + 8 + 2 * t)};
-            mma_m16n8k16_f16_f32(s[n], a, b, s[n]);
+        for (int n = 0; n < kWarpKeys / 8; n += 2) {
+            u32 b[4];
+            ldmatrix_x4<false>(b, b_row + n * 8 * kQStride + k0);
+            const u32 b_lo[2] = {b[0], b[1]}, b_hi[2] = {b[2], b[3]};
+            mma_m16n8k16_f16_f32(s[n], a, b_lo, s[n]);
+            mma_m16n8k16_f16_f32(s[n + 1], a, b_hi, s[n + 1]);
         }
     }
 }
@@ -251,18 +254,19 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     float m_run[2] = {neg_inf(), neg_inf()};
     float l_part[2] = {0.0f, 0.0f};  // this thread's share of the row sums (the quad is summed at the end)
 
-    // The f16 pair (V[key][dim], V[key + 1][dim]) of this warp's output dims: from V^T [dim][kVStride], or
-    // from row-major V [key][kQStride] on the f16 path.
-    auto v_pair = [&](const __half* v_base, int dim, int key) -> u32 {
+    // ldmatrix of the V fragments of P V for output dim tiles n, n + 1 and the 16 keys from `key`: from V^T
+    // [dim][kVStride] as it is, or, on the f16 path, transposed from row-major V [key][kQStride]; b[0], b[1]
+    // are tile n's, b[2], b[3] tile n + 1's.
+    const int ld_m = lane / 8, ld_row = lane % 8;  // this lane's row address: row ld_row of matrix ld_m
+    auto load_v_pairs = [&](u32 (&b)[4], const __half* v_base, int n, int key) {
         if constexpr (kF16) {
-            const unsigned short* v = reinterpret_cast<const unsigned short*>(v_base + key * kQStride + dim);
-            return static_cast<u32>(v[0]) | (static_cast<u32>(v[kQStride]) << 16);
+            ldmatrix_x4<true>(b, v_base + (key + (ld_m & 1) * 8 + ld_row) * kQStride + (n + (ld_m >> 1)) * 8);
         } else {
-            return smem_u32(v_base + dim * kVStride, key);
+            ldmatrix_x4<false>(b, v_base + ((n + (ld_m >> 1)) * 8 + ld_row) * kVStride + key + (ld_m & 1) * 8);
         }
     };
     // Mask, softcap and online softmax on this warp's score fragments of the tile at key `first` (positions
-    // `pos`, n_valid keys), then O += P V with V from v_base (v_pair).
+    // `pos`, n_valid keys), then O += P V with V from v_base (load_v_pairs).
     auto softmax_and_pv = [&](float (&s_acc)[kWarpKeys / 8][4], const int* pos, int n_valid, int first,
                               const __half* v_base) {
         // ---- mask, softcap, online softmax on the fragments ----
@@ -299,25 +303,31 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
                 }
             }
         }
+        // O is rescaled only when some row's max moved: past the first tiles it seldom does, and skipping a
+        // multiply by 1 changes nothing (kDv / 2 multiplies per thread and tile otherwise)
+        if (__any_sync(kFullMask, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int n = 0; n < C::kDv / 8; ++n) {
-            o_acc[n][0] *= alpha[0];
-            o_acc[n][1] *= alpha[0];
-            o_acc[n][2] *= alpha[1];
-            o_acc[n][3] *= alpha[1];
+            for (int n = 0; n < C::kDv / 8; ++n) {
+                o_acc[n][0] *= alpha[0];
+                o_acc[n][1] *= alpha[0];
+                o_acc[n][2] *= alpha[1];
+                o_acc[n][3] *= alpha[1];
+            }
         }
 
-        // ---- O += P V: P from the score fragments, V from v_pair ----
+        // ---- O += P V: P from the score fragments, V by ldmatrix ----
 #pragma unroll
         for (int kk = 0; kk < kWarpKeys / 16; ++kk) {
             const u32 a[4] = {pack_half2(s_acc[2 * kk][0], s_acc[2 * kk][1]), pack_half2(s_acc[2 * kk][2], s_acc[2 * kk][3]),
                               pack_half2(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
                               pack_half2(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
 #pragma unroll
-            for (int n = 0; n < C::kDv / 8; ++n) {
-                const u32 b[2] = {v_pair(v_base, n * 8 + g, key0 + kk * 16 + 2 * t),
-                                  v_pair(v_base, n * 8 + g, key0 + kk * 16 + 8 + 2 * t)};
-                mma_m16n8k16_f16_f32(o_acc[n], a, b, o_acc[n]);
+            for (int n = 0; n < C::kDv / 8; n += 2) {
+                u32 b[4];
+                load_v_pairs(b, v_base, n, key0 + kk * 16);
+                const u32 b_lo[2] = {b[0], b[1]}, b_hi[2] = {b[2], b[3]};
+                mma_m16n8k16_f16_f32(o_acc[n], a, b_lo, o_acc[n]);
+                mma_m16n8k16_f16_f32(o_acc[n + 1], a, b_hi, o_acc[n + 1]);
             }
         }
     };
@@ -397,7 +407,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
                 if (dca_tile(pos, first, n_valid, regimes)) __syncthreads();  // the new Q tile, before any warp multiplies
             }
             float s_acc[kWarpKeys / 8][4] = {};
-            qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_tile + key0 * kQStride, g, t);
+            qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_tile + key0 * kQStride, lane);
             if (kDca && (regimes & (regimes - 1u)) != 0u) dca_other_regimes(s_acc, k_tile, pos, n_valid);
             softmax_and_pv(s_acc, pos, n_valid, first, v_tile);
             __syncthreads();  // every warp is done with this stage before it is refilled
@@ -430,7 +440,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
             for (int n = 0; n < kWarpKeys / 8; ++n)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) s_acc[n][i] = 0.0f;
-            qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_s + key0 * kQStride, g, t);
+            qk_tile<D, kWarpKeys, kQStride>(s_acc, q_s + (row_warp * 16) * kQStride, k_s + key0 * kQStride, lane);
             if (kDca && (regimes & (regimes - 1u)) != 0u) dca_other_regimes(s_acc, k_s, pos_s, n_valid);
 
             softmax_and_pv(s_acc, pos_s, n_valid, first, vt_s + (col_part * C::kDv) * kVStride);

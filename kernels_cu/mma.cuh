@@ -11,6 +11,12 @@
 // (keys 0..7 and 8..15) is therefore the A layout of a k16 step: P = softmax(S) feeds P V without
 // going through shared memory.
 //
+// ldmatrix_x4<kTrans>(r, row): four 8x8 b16 matrices from shared memory in one warp instruction (PTX
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16). Lane l gives the address of row l % 8 of matrix l / 8
+// (16 bytes, 16-byte aligned); r[m] of lane l is then the word (row l / 4, halves 2(l % 4), 2(l % 4) + 1) of
+// matrix m, or with kTrans the two halves (rows 2(l % 4), 2(l % 4) + 1; column l / 4): matrix m's part of an
+// mma fragment (row-major A, the B of a row-major K; with kTrans the B of a row-major V).
+//
 // cp_async<kBytes>: copy kBytes (4, 8 or 16; both addresses aligned to it) global -> shared without
 // registers, zero-filling when `valid` is false (the source is not read then). Groups as in PTX:
 // cp_async_commit() closes a group, cp_async_wait<N>() waits until at most N groups are pending;
@@ -32,6 +38,22 @@ __device__ __forceinline__ void mma_m16n8k16_f16_f32(float (&d)[4], const u32 (&
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
           "f"(c[3]));
+#endif
+}
+
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const __half* row) {
+#if defined(CUPYLLM_EMULATOR)
+    emu::ldmatrix_x4(r, row, kTrans);
+#else
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    if constexpr (kTrans) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+    }
 #endif
 }
 

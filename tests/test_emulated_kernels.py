@@ -68,6 +68,43 @@ __global__ void mma_tile(const __half* a, const __half* b, const float* c, float
     d[(g + 8) * 8 + 2 * t] = df[2]; d[(g + 8) * 8 + 2 * t + 1] = df[3];
 }
 
+// ldmatrix: out[4 l + k] = r[k] of lane l, lane l giving row l of src [32][16] halves (the first 8 halves of
+// each 32-byte row) staged in shared memory
+__global__ void ldmatrix_rows(const __half* src, u32* out, int trans) {
+    extern __shared__ __align__(16) __half tile[];
+    const int l = threadIdx.x;
+    for (int i = 0; i < 16; ++i) tile[l * 16 + i] = src[l * 16 + i];
+    __syncwarp();
+    u32 r[4];
+    if (trans) cupyllm::ldmatrix_x4<true>(r, tile + l * 16);
+    else cupyllm::ldmatrix_x4<false>(r, tile + l * 16);
+    for (int k = 0; k < 4; ++k) out[4 * l + k] = r[k];
+}
+
+// D = A K^T (kv = 0) or A V (kv = 1) with every fragment loaded by ldmatrix as fa_mma loads them: A [16][16]
+// row-major; K [8][16] (keys x dims) row-major; V [16][8] (keys x dims) row-major, read transposed
+__global__ void ldmatrix_mma(const __half* a, const __half* kv, float* d, int use_v) {
+    __shared__ __align__(16) __half a_s[16 * 24], kv_s[16 * 24];  // rows padded to 24 halves (48 bytes)
+    const int l = threadIdx.x, g = l / 4, t = l % 4;
+    for (int i = l; i < 256; i += 32) a_s[(i / 16) * 24 + i % 16] = a[i];
+    for (int i = l; i < 128; i += 32) {
+        if (use_v) kv_s[(i / 8) * 24 + i % 8] = kv[i];
+        else kv_s[(i / 16) * 24 + i % 16] = kv[i];
+    }
+    __syncwarp();
+    u32 af[4], r[4];
+    const int m = l / 8, row = l % 8;
+    cupyllm::ldmatrix_x4<false>(af, a_s + ((m & 1) * 8 + row) * 24 + (m >> 1) * 8);
+    if (use_v) cupyllm::ldmatrix_x4<true>(r, kv_s + ((m & 1) * 8 + row) * 24);   // keys 0-7, 8-15 (twice)
+    else cupyllm::ldmatrix_x4<false>(r, kv_s + row * 24 + (m & 1) * 8);         // dims 0-7, 8-15 (twice)
+    const u32 bf[2] = {r[0], r[1]};
+    const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float df[4];
+    cupyllm::mma_m16n8k16_f16_f32(df, af, bf, zero);
+    d[g * 8 + 2 * t] = df[0]; d[g * 8 + 2 * t + 1] = df[1];
+    d[(g + 8) * 8 + 2 * t] = df[2]; d[(g + 8) * 8 + 2 * t + 1] = df[3];
+}
+
 // cp.async lands at the wait: out[0] is read before it (still the NaN fill), out[1] after
 __global__ void async_copy(const float* src, float* out) {
     extern __shared__ __align__(16) float buf[];
@@ -87,7 +124,7 @@ __global__ void divergent_barrier(int* out) {  // half a warp at __syncthreads, 
 __global__ void takes_int(int* out, int value) { out[threadIdx.x] = value; }
 """
 
-NAMES = ("collectives", "mma_tile", "async_copy", "divergent_barrier", "takes_int")
+NAMES = ("collectives", "mma_tile", "ldmatrix_rows", "ldmatrix_mma", "async_copy", "divergent_barrier", "takes_int")
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +163,37 @@ def test_mma_matches_numpy_with_the_ptx_fragment_layout(lib):
     lib.function("mma_tile")((1,), (32,), (a, b, c, d))
     ref = a.astype(np.float64) @ b.astype(np.float64) + c
     np.testing.assert_allclose(d, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("trans", (0, 1))
+def test_ldmatrix_gives_each_lane_its_words(lib, trans):
+    """PTX ldmatrix .x4: lane 8m + r gives row r of matrix m; lane l receives, of each matrix, the halves
+    (row l / 4, columns 2(l % 4), +1), or transposed (rows 2(l % 4), +1, column l / 4)."""
+    src = np.arange(32 * 16, dtype=np.uint16).view(np.float16).reshape(32, 16)  # distinct bit patterns
+    out = np.zeros(32 * 4, np.uint32)
+    lib.function("ldmatrix_rows")((1,), (32,), (src, out, np.int32(trans)), shared_mem=32 * 16 * 2)
+    bits = src.view(np.uint16).astype(np.uint32)
+    want = np.zeros((32, 4), np.uint32)
+    for lane in range(32):
+        for k in range(4):
+            mat = bits[8 * k:8 * k + 8, :8]
+            r, c = lane // 4, 2 * (lane % 4)
+            lo, hi = (mat[c, r], mat[c + 1, r]) if trans else (mat[r, c], mat[r, c + 1])
+            want[lane, k] = lo | hi << 16
+    np.testing.assert_array_equal(out.reshape(32, 4), want)
+
+
+@pytest.mark.parametrize("use_v", (0, 1))
+def test_ldmatrix_fragments_feed_mma(lib, use_v):
+    """ldmatrix as fa_mma uses it gives mma.sync its A (row-major Q), B (row-major K) and, transposed,
+    B (row-major V) fragments: the products equal NumPy's."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    kv = rng.standard_normal((16, 8) if use_v else (8, 16)).astype(np.float16)
+    d = np.zeros((16, 8), np.float32)
+    lib.function("ldmatrix_mma")((1,), (32,), (a, kv, d, np.int32(use_v)))
+    b = kv.astype(np.float64) if use_v else kv.astype(np.float64).T
+    np.testing.assert_allclose(d, a.astype(np.float64) @ b, rtol=1e-6, atol=1e-6)
 
 
 def test_cp_async_data_lands_at_the_wait(lib):

@@ -57,7 +57,7 @@ namespace emu {
 
 // ---- runtime state (defined in the runtime translation unit, EMU_RUNTIME_IMPL) --------------------
 enum class Wait : int { kNone = 0, kBlock, kWarp, kDone };
-enum class WarpOp : int { kNone = 0, kShfl, kBallot, kSync, kMma };
+enum class WarpOp : int { kNone = 0, kShfl, kBallot, kSync, kMma, kLdmatrix };
 
 struct Fiber {
   void* sp = nullptr;          // saved stack pointer while switched out
@@ -106,6 +106,9 @@ void cp_async_wait(int n_pending_allowed);
 
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
 void mma_m16n8k16_f16_f32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]);
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives row l % 8 of matrix l / 8 (16-byte aligned)
+void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans);
 
 // ---- warp collectives --------------------------------------------------------------------------------
 inline uint64_t shfl_bits(unsigned mask, uint64_t bits, int src_lane) {

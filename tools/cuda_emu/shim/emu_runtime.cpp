@@ -160,6 +160,7 @@ const char* op_name(WarpOp op) {
     case WarpOp::kBallot: return "ballot/any/all";
     case WarpOp::kSync: return "__syncwarp";
     case WarpOp::kMma: return "mma.sync";
+    case WarpOp::kLdmatrix: return "ldmatrix";
     default: return "?";
   }
 }
@@ -201,6 +202,34 @@ void resolve_mma(Fiber* lanes[32]) {
       f->out[i] = u;
     }
   }
+}
+
+// ldmatrix .x4: in[0] = the row address lane l gives (row l % 8 of matrix l / 8), in[1] = trans. The rows
+// are read here, when every lane has arrived (all earlier shared-memory stores of the warp are done).
+bool resolve_ldmatrix(Fiber* lanes[32], int w) {
+  uint16_t m[4][8][8];  // [matrix][row][column]
+  const bool trans = lanes[0]->in[1] != 0;
+  for (int l = 0; l < 32; ++l) {
+    const uintptr_t address = static_cast<uintptr_t>(lanes[l]->in[0]);
+    if (address % 16 != 0) {
+      fail("warp %d lane %d: ldmatrix row address %p is not 16-byte aligned", w, l, reinterpret_cast<void*>(address));
+      return false;
+    }
+    if ((lanes[l]->in[1] != 0) != trans) {
+      fail("warp %d: lanes disagree on ldmatrix .trans", w);
+      return false;
+    }
+    std::memcpy(m[l / 8][l % 8], reinterpret_cast<const void*>(address), 16);
+  }
+  for (int l = 0; l < 32; ++l) {
+    const int row = l / 4, pair = 2 * (l % 4);
+    for (int k = 0; k < 4; ++k) {
+      const uint16_t lo = trans ? m[k][pair][row] : m[k][row][pair];
+      const uint16_t hi = trans ? m[k][pair + 1][row] : m[k][row][pair + 1];
+      lanes[l]->out[k] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+    }
+  }
+  return true;
 }
 
 // Completes the collective of warp `w` if every live lane is waiting at one. Returns true on progress.
@@ -256,6 +285,15 @@ bool try_resolve_warp(int w, int n_threads) {
         }
       }
       resolve_mma(lanes);
+      break;
+    case WarpOp::kLdmatrix:
+      for (int l = 0; l < 32; ++l) {
+        if (!lanes[l]) {
+          fail("warp %d: ldmatrix needs all 32 lanes, lane %d has exited or does not exist", w, l);
+          return false;
+        }
+      }
+      if (!resolve_ldmatrix(lanes, w)) return false;
       break;
     default:
       fail("warp %d: unknown collective", w);
@@ -434,6 +472,16 @@ void mma_m16n8k16_f16_f32(float (&d)[4], const uint32_t (&a)[4], const uint32_t 
   f->mask = 0xffffffffu;
   yield_wait(Wait::kWarp);
   for (int i = 0; i < 4; ++i) { const uint32_t u = static_cast<uint32_t>(f->out[i]); std::memcpy(&d[i], &u, 4); }
+}
+
+void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  Fiber* f = g_cur;
+  f->in[0] = reinterpret_cast<uintptr_t>(row);
+  f->in[1] = trans ? 1 : 0;
+  f->op = WarpOp::kLdmatrix;
+  f->mask = 0xffffffffu;
+  yield_wait(Wait::kWarp);
+  for (int i = 0; i < 4; ++i) r[i] = static_cast<uint32_t>(f->out[i]);
 }
 
 }  // namespace emu
