@@ -201,6 +201,9 @@ __device__ __forceinline__ u32 load_bytes_le(const u8* p) {
     return w;
 }
 
+// The flash-attention kernels' turbo table (gpu_kernels.kernel_table) is LEVELS followed by the pair table
+// PAIRS[c1 * 2^b + c0] = (LEVELS[c0], LEVELS[c1]): two codes of a chunk index one 8-byte entry, so a chunk takes
+// 4 lookups, not 8 (load_kv_value and kv_decode read LEVELS alone).
 template <int kBits, int G>
 struct Chunk8<FmtTurbo<kBits, G>> {  // {f16 norm; codes LSB first}: factor * LEVELS[code]
     using F = FmtTurbo<kBits, G>;
@@ -210,8 +213,13 @@ struct Chunk8<FmtTurbo<kBits, G>> {  // {f16 norm; codes LSB first}: factor * LE
         const int k = c % kChunksPerGroup;
         const float factor = rotated_group_factor<G>(block);
         const u32 codes = load_bytes_le<kBits>(block + 2 + k * kBits);  // 8 codes = kBits whole bytes
+        const float2* pairs = reinterpret_cast<const float2*>(table + F::kLevels);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = __fmul_rn(factor, table[(codes >> (i * kBits)) & ((1u << kBits) - 1u)]);
+        for (int i = 0; i < 8; i += 2) {
+            const float2 level = pairs[(codes >> (i * kBits)) & ((1u << (2 * kBits)) - 1u)];
+            v[i] = __fmul_rn(factor, level.x);
+            v[i + 1] = __fmul_rn(factor, level.y);
+        }
     }
 };
 

@@ -118,3 +118,13 @@ def test_auto_prefill_path_picks_by_matrix_size():
     assert prefill_path("auto", 3584, 3584) == "cublas"  # Qwen2.5-7B q / o
     assert prefill_path("auto", 18944, 3584) == "cublas"
     assert prefill_path("mma", 18944, 3584) == "mma" and prefill_path("cublas", 64, 64) == "cublas"
+
+
+def test_vec_decode_formats_are_what_the_last_gpu_run_measured():
+    """dispatch.VEC_DECODE_FORMATS is the rule of tools/dispatch_from_bench.py applied to the committed
+    bench/results/attention_gpu.json: a new GPU run that times the kernels differently must update it."""
+    import json
+
+    from dispatch_from_bench import BENCH_JSON, measured_vec_formats
+    results = json.loads(BENCH_JSON.read_text())["results"]
+    assert measured_vec_formats(results) == dispatch.VEC_DECODE_FORMATS

@@ -247,13 +247,17 @@ def format_id(fmt: KVFormat) -> int:
 
 
 def kernel_table(fmt: KVFormat) -> np.ndarray:
-    """The float table the kernels read for `fmt` (turbo LEVELS, TCQ CODEBOOK; a dummy for the rest) and
-    how many of its entries they copy to shared memory."""
+    """The float table the flash-attention kernels read for `fmt` (copied whole into shared memory): TCQ's
+    CODEBOOK; turbo's LEVELS followed by the pair table PAIRS[c1 * 2^b + c0] = (LEVELS[c0], LEVELS[c1]), which
+    Chunk8 reads two codes at a time (fa_common.cuh); a dummy for the rest."""
     table = format_table(fmt)
     if table is None:
         return np.zeros(1, np.float32)
     if fmt.name in ("turbo4", "turbo3", "turbo2"):
-        return np.ascontiguousarray(table[: 1 << fmt.bits], dtype=np.float32)  # LEVELS only
+        levels = np.asarray(table[: 1 << fmt.bits], dtype=np.float32)
+        n = len(levels)
+        pairs = np.stack([np.tile(levels, n), np.repeat(levels, n)], axis=-1)  # row c1 * n + c0
+        return np.ascontiguousarray(np.concatenate([levels, pairs.reshape(-1)]), dtype=np.float32)
     return np.ascontiguousarray(table, dtype=np.float32)
 
 
