@@ -236,6 +236,7 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     const KeyRange keys = split_key_range(split, keys_per_split, n_keys, slots_are_positions != 0, qpos_range[0],
                                           qpos_range[1], window);
 
+    const long long qpos_lo = qpos_range[0], qpos_hi = qpos_range[1];  // over the block's rows
     // this thread's two rows (g and g + 8 of its warp's 16)
     const int my_row[2] = {row_warp * 16 + g, row_warp * 16 + g + 8};
     const long long my_qpos[2] = {row_qpos[my_row[0]], row_qpos[my_row[1]]};
@@ -270,18 +271,40 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     auto softmax_and_pv = [&](float (&s_acc)[kWarpKeys / 8][4], const int* pos, int n_valid, int first,
                               const __half* v_base) {
         // ---- mask, softcap, online softmax on the fragments ----
+        // Most tiles (every decode tile but the last, prefill tiles below the diagonal) hold keys that every
+        // row of the block sees, with no additive mask: those skip the tests per score. (Padding rows past
+        // rows_here then score finite values too; they are never written out.)
+        bool lane_sees_all = true;
+#pragma unroll
+        for (int q = lane; q < kWarpKeys; q += 32) {
+            const int j = key0 + q;
+            lane_sees_all = lane_sees_all && j < n_valid && key_visible(pos[j], qpos_lo, 0) &&
+                            (window <= 0 || qpos_hi - pos[j] < window);
+        }
+        const bool all_visible = mask_stride <= 0 && __all_sync(kFullMask, lane_sees_all);
         float m_tile[2] = {neg_inf(), neg_inf()};
+        if (all_visible) {
 #pragma unroll
-        for (int n = 0; n < kWarpKeys / 8; ++n) {
+            for (int n = 0; n < kWarpKeys / 8; ++n) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
-                float s = apply_softcap(s_acc[n][i], softcap);
-                const bool visible = j < n_valid && key_visible(pos[j], my_qpos[h], window);
-                if (mask_stride > 0 && visible) s += mask[my_query[h] * mask_stride + first + j];
-                s = visible ? s : neg_inf();
-                s_acc[n][i] = s;
-                m_tile[h] = fmaxf(m_tile[h], s);
+                for (int i = 0; i < 4; ++i) {
+                    s_acc[n][i] = apply_softcap(s_acc[n][i], softcap);
+                    m_tile[i >> 1] = fmaxf(m_tile[i >> 1], s_acc[n][i]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < kWarpKeys / 8; ++n) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int j = key0 + n * 8 + 2 * t + (i & 1), h = i >> 1;
+                    float s = apply_softcap(s_acc[n][i], softcap);
+                    const bool visible = j < n_valid && key_visible(pos[j], my_qpos[h], window);
+                    if (mask_stride > 0 && visible) s += mask[my_query[h] * mask_stride + first + j];
+                    s = visible ? s : neg_inf();
+                    s_acc[n][i] = s;
+                    m_tile[h] = fmaxf(m_tile[h], s);
+                }
             }
         }
         float alpha[2];
@@ -372,17 +395,32 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
         // transposition: P V reads V's key pairs as two halves); two stages for D <= 128, so the copies of tile
         // t + 1 overlap all the work on tile t.
         using L = MmaF16Layout<D>;
+        // Consecutive threads copy consecutive 16 bytes: thread tid takes chunk tid % kChunks of the tile's rows
+        // tid / kChunks + i * kRowStep (kFaThreads is a multiple of kChunks), so its addresses advance by fixed
+        // strides and the copy loop is the copies alone.
+        constexpr int kRowStep = kFaThreads / kChunks;
+        const int my_chunk = tid % kChunks, my_first_row = tid / kChunks;
+        const long long k_step = static_cast<long long>(kRowStep) * n_kv * k_row_bytes;
+        const long long v_step = static_cast<long long>(kRowStep) * n_kv * v_row_bytes;
         auto stage_f16 = [&](int first, int stage) {
             __half* k_dst = reinterpret_cast<__half*>(fa_smem + L::kStage + stage * L::kStageBytes);
             __half* v_dst = k_dst + L::kTileHalves;
             int* pos_dst = reinterpret_cast<int*>(v_dst + L::kTileHalves);
             const int n_valid = min(kTile, keys.end - first);
-            for (int task = tid; task < kTile * kChunks; task += kFaThreads) {
-                const int j = task / kChunks, c = task % kChunks;  // consecutive threads: consecutive 16 bytes
-                const bool valid = j < n_valid;                    // rows past the end are zero-filled
-                const long long row = valid ? (static_cast<long long>(first) + j) * n_kv + kh : 0;
-                cp_async<16>(k_dst + j * kQStride + 8 * c, k_cache + row * k_row_bytes + 16 * c, valid);
-                cp_async<16>(v_dst + j * kQStride + 8 * c, v_cache + row * v_row_bytes + 16 * c, valid);
+            const long long row0 = (static_cast<long long>(first) + my_first_row) * n_kv + kh;
+            const u8* k_src = k_cache + row0 * k_row_bytes + 16 * my_chunk;
+            const u8* v_src = v_cache + row0 * v_row_bytes + 16 * my_chunk;
+            __half* k_to = k_dst + my_first_row * kQStride + 8 * my_chunk;
+            __half* v_to = v_dst + my_first_row * kQStride + 8 * my_chunk;
+#pragma unroll
+            for (int j = my_first_row; j < kTile; j += kRowStep) {
+                const bool valid = j < n_valid;  // rows past the end are zero-filled (their source is not read)
+                cp_async<16>(k_to, valid ? k_src : k_cache, valid);
+                cp_async<16>(v_to, valid ? v_src : v_cache, valid);
+                k_src += k_step;
+                v_src += v_step;
+                k_to += kRowStep * kQStride;
+                v_to += kRowStep * kQStride;
             }
             if (tid < kTile) cp_async<4>(pos_dst + tid, tid < n_valid ? slot_pos + first + tid : slot_pos, tid < n_valid);
             cp_async_commit();
