@@ -411,9 +411,10 @@ struct Half8<FmtQ6_0> {
 
 // ---- runtime KV format ids ----------------------------------------------------------------------------
 // The kernels are compiled once per head dim and read any K format with any V format: the format is a
-// block-uniform runtime id, and only the chunk read is dispatched on it (a jump table per chunk of 8
-// values), so the per-format code is the small Chunk8 reader while the arithmetic is shared. One
-// instantiation per (head dim, K, V) would cost ~4 s of NVRTC time each, for 784 pairs.
+// block-uniform runtime id, and only the reading is dispatched on it (FA-VEC: a jump table per chunk of 8
+// values; fa_mma: one per staged tile, around its whole dequantizing loop), so the per-format code is the
+// small reader while the arithmetic is shared. One instantiation per (head dim, K, V) would cost ~4 s of NVRTC
+// time each, for 784 pairs.
 // The ids are cupyllm.kv.formats.list_formats() order (cupyllm/attention/gpu_kernels.py FORMAT_IDS).
 enum FaFormatId : int {
     kFaF32 = 0, kFaF16, kFaBF16, kFaQ8_0, kFaQ6_0, kFaQ5_1, kFaQ5_0, kFaQ4_1, kFaQ4_0,
@@ -476,7 +477,6 @@ __device__ __forceinline__ uint4 read_chunk_f16(int id, const u8* row, int c, co
     with_format<G>(id, ReadChunkF16<Reader>{row, c, table, out});
     return out;
 }
-
 
 // ---- raw rows staged in shared memory (cp.async) -----------------------------------------------------
 // Row r of a cache (r = slot * n_kv + head) starts at byte r * row_bytes of a 16-byte aligned buffer,

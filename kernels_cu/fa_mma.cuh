@@ -110,8 +110,6 @@ __device__ __forceinline__ void stage_mma_tile(const StagedRows& LK, const Stage
     cp_async_commit();
 }
 
-
-
 // The f16 Q tile: rows r < rows_here of q [n_q][n_head][D] (row r = (query r / group, head r % group) of
 // KV head kh), zero past the end; row stride kQStride halves. Every thread of the block takes part.
 template <int D, int kRows, int kQStride>
