@@ -3,8 +3,9 @@
 fa_mma dequantizes staged cache rows into f16 tiles with Half8<Fmt> (fa_common.cuh); Half8FromFloats<Fmt> is
 the definition it must equal bit for bit (Chunk8's floats rounded to f16). This tool compiles one probe kernel
 per (format, reader) with NVRTC for one architecture, disassembles the cubin and counts the instructions of
-each probe, less those of a probe that copies the same 16 bytes without decoding them (address arithmetic,
-the shared-memory load, the store): what the reader itself issues for 8 values. The decode kernels were
+each probe (rows and tables in shared memory, as in the kernels), less those of a probe that copies the same
+16 bytes without decoding them (address arithmetic, the shared-memory load, the store): what the reader
+itself issues for 8 values. The decode kernels were
 measured issue-bound on an H200 (Nsight Compute: 94M instructions in a q8_0 decode launch against 33M on the
 f16 path), so these counts are the first-order cost of a format in fa_mma's dequantizing pass. They are counts
 of straight-line code, not timings.
@@ -44,9 +45,11 @@ PROBE_HEAD = r"""
 #include "fa_common.cuh"
 using namespace cupyllm;
 extern __shared__ __align__(16) u8 probe_rows[];
-// Each thread reads chunk c of its own row of dynamic shared memory (as fa_mma reads its staged rows).
+// Each thread reads chunk c of its own row of dynamic shared memory, the format's table in shared memory
+// after the rows (as the kernels read their staged rows and tables).
 template <template <class> class Reader, class Fmt>
-__device__ __forceinline__ void probe(const float* table, uint4* out, int c) {
+__device__ __forceinline__ void probe(const float*, uint4* out, int c) {
+    const float* table = reinterpret_cast<const float*>(probe_rows + 128 * %(stride)d);
     out[threadIdx.x] = Reader<Fmt>::read(probe_rows + threadIdx.x * %(stride)d, c, table);
 }
 extern "C" __global__ void probe_copy(const float*, uint4* out, int c) {
