@@ -560,12 +560,32 @@ struct DequantColumns : StagedTile {
     }
 };
 
+// The (row j, word w) copies of a staged tile, thread tid taking tasks tid, tid + kFaThreads, ... of the
+// row-major task list: one division per tile, then each step carries the word over into the row (a division
+// by the runtime word count per copy cost ~20 instructions).
+struct TileWalk {
+    int j, w, dj, dw, words;
+    __device__ TileWalk(int words_per_row, int tid) : words(words_per_row) {
+        j = tid / words;
+        w = tid - j * words;
+        dj = kFaThreads / words;
+        dw = kFaThreads - dj * words;
+    }
+    __device__ void next() {
+        j += dj;
+        w += dw;
+        if (w >= words) {
+            w -= words;
+            ++j;
+        }
+    }
+};
+
 template <int kWordBytes>
 __device__ __forceinline__ void stage_words(const StagedRows& L, u8* smem, const u8* cache, long long first_slot,
                                             int n_rows_tile, int n_valid, int n_kv, int head, int tid) {
-    for (int task = tid; task < n_rows_tile * L.words; task += kFaThreads) {
-        const int j = task / L.words;
-        const int w = task - j * L.words;
+    for (TileWalk walk(L.words, tid); walk.j < n_rows_tile; walk.next()) {
+        const int j = walk.j, w = walk.w;
         const bool valid = j < n_valid;
         const u8* src = cache + ((first_slot + j) * n_kv + head) * L.row_bytes + w * kWordBytes;
         cp_async<kWordBytes>(smem + j * L.slot_bytes + w * kWordBytes, valid ? src : cache, valid);
@@ -584,9 +604,8 @@ __device__ __forceinline__ void stage_rows(const StagedRows& L, u8* smem, const 
         case 4: stage_words<4>(L, smem, cache, first_slot, n_rows_tile, n_valid, n_kv, head, tid); return;
         default: break;
     }
-    for (int task = tid; task < n_rows_tile * L.words; task += kFaThreads) {
-        const int j = task / L.words;
-        const int w = task - j * L.words;
+    for (TileWalk walk(L.words, tid); walk.j < n_rows_tile; walk.next()) {
+        const int j = walk.j, w = walk.w;
         const bool valid = j < n_valid;
         const long long row = (first_slot + j) * n_kv + head;
         const u8* word = cache + row * L.row_bytes - L.offset(row) + 4 * w;
