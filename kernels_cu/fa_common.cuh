@@ -266,25 +266,17 @@ struct Half8<FmtF16> {
     __device__ static uint4 read(const u8* row, int c, const float*) { return reinterpret_cast<const uint4*>(row)[c]; }
 };
 
-// A u32 as the half2 of its low and high 16 bits, and back: a reinterpretation, no instruction (the emulator
-// copies the bytes; its __half2 is a plain struct).
-__device__ __forceinline__ __half2 u32_as_half2(u32 w) {
+// The bits of `from` as a To of the same size (a u32 as the half2 of its low and high 16 bits, and back): a
+// reinterpretation, no instruction (the emulator copies the bytes; its __half2 is a plain struct).
+template <class To, class From>
+__device__ __forceinline__ To same_bits(From from) {
+    static_assert(sizeof(To) == sizeof(From), "a reinterpretation keeps the size");
 #if defined(CUPYLLM_EMULATOR)
-    __half2 h;
-    std::memcpy(&h, &w, 4);
-    return h;
+    To to;
+    std::memcpy(&to, &from, sizeof(To));
+    return to;
 #else
-    return *reinterpret_cast<const __half2*>(&w);
-#endif
-}
-
-__device__ __forceinline__ u32 half2_as_u32(__half2 h) {
-#if defined(CUPYLLM_EMULATOR)
-    u32 w;
-    std::memcpy(&w, &h, 4);
-    return w;
-#else
-    return *reinterpret_cast<const u32*>(&h);
+    return *reinterpret_cast<const To*>(&from);
 #endif
 }
 
@@ -298,7 +290,7 @@ __device__ __forceinline__ u32 byte_pair_as_f16_mantissas(u32 w) {
 template <int kOffset>
 __device__ __forceinline__ u32 scale_f16_pair(u32 mantissas, __half2 d2) {
     const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));  // 1024 + kOffset
-    return half2_as_u32(__hmul2(__hsub2(u32_as_half2(mantissas), bias), d2));
+    return same_bits<u32>(__hmul2(__hsub2(same_bits<__half2>(mantissas), bias), d2));
 }
 
 // Four values u_i (bytes of lo: values 0-3, of hi: 4-7, each < 256) of a symmetric format as f16 (u_i - kOffset) * d.
@@ -315,7 +307,7 @@ __device__ __forceinline__ uint4 scale_f16_bytes(u32 lo, u32 hi, u16 d_bits) {
 // less 1024) and one FMA rounds d * u_i + m once, which is Chunk8's sum of the product (exact in f32: 11 + 5
 // bits) and m; then rounded to f16.
 __device__ __forceinline__ u32 affine_f16_pair(u32 mantissas, float d, float m) {
-    const float2 u = __half22float2(__hsub2(u32_as_half2(mantissas), __half2half2(__ushort_as_half(0x6400))));
+    const float2 u = __half22float2(__hsub2(same_bits<__half2>(mantissas), __half2half2(__ushort_as_half(0x6400))));
     return pack_half2(__fmaf_rn(d, u.x, m), __fmaf_rn(d, u.y, m));
 }
 
@@ -361,14 +353,21 @@ struct Half8<FmtQ4_0> {
     }
 };
 
+// The 5-bit values of chunk k of a q5 block (nibbles at qs, fifth bits in the u32 at qh), one per byte.
+__device__ __forceinline__ void five_bit_bytes_of_chunk(const u8* qh, const u8* qs, int k, u32& lo, u32& hi) {
+    const u32 high = load_u32_2aligned(qh) >> (8 * k);
+    nibble_bytes_of_chunk(qs, k, lo, hi);
+    lo |= spread_bits_to_bit4(high);
+    hi |= spread_bits_to_bit4(high >> 4);
+}
+
 template <>
 struct Half8<FmtQ5_0> {
     __device__ static uint4 read(const u8* row, int c, const float*) {
         const u8* block = row + (c >> 2) * FmtQ5_0::kBlockBytes;
-        const u32 high = load_u32_2aligned(block + 2) >> (8 * (c & 3));
         u32 lo, hi;
-        nibble_bytes_of_chunk(block + 6, c & 3, lo, hi);
-        return scale_f16_bytes<16>(lo | spread_bits_to_bit4(high), hi | spread_bits_to_bit4(high >> 4), load_u16(block));
+        five_bit_bytes_of_chunk(block + 2, block + 6, c & 3, lo, hi);
+        return scale_f16_bytes<16>(lo, hi, load_u16(block));
     }
 };
 
@@ -386,10 +385,9 @@ template <>
 struct Half8<FmtQ5_1> {
     __device__ static uint4 read(const u8* row, int c, const float*) {
         const u8* block = row + (c >> 2) * FmtQ5_1::kBlockBytes;
-        const u32 high = load_u32_2aligned(block + 4) >> (8 * (c & 3));
         u32 lo, hi;
-        nibble_bytes_of_chunk(block + 8, c & 3, lo, hi);
-        return affine_f16_bytes(lo | spread_bits_to_bit4(high), hi | spread_bits_to_bit4(high >> 4), block);
+        five_bit_bytes_of_chunk(block + 4, block + 8, c & 3, lo, hi);
+        return affine_f16_bytes(lo, hi, block);
     }
 };
 
