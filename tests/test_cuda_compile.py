@@ -153,3 +153,32 @@ def test_kernel_sources_ship_as_package_data():
     missing = on_disk - listed
     assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages in pyproject.toml"
     assert kernel_source_dir() in (REPO / "kernels_cu", REPO / "cupyllm" / "kernels_cu")
+
+
+def test_a_slow_first_compile_says_so_once(tmp_path, capsys):
+    """A kernel set whose compile takes longer than slow_compile_seconds (NVRTC on a first run; CuPy's disk cache
+    is fast) prints one line; later sets, slow or not, print nothing more."""
+    import time
+    import types
+
+    from cupyllm.cuda.registry import KernelSet
+
+    class SlowModule:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+        def compile(self):
+            time.sleep(0.05)
+
+    (tmp_path / "a.cu").write_text("// a")
+    (tmp_path / "b.cu").write_text("// b")
+    sets = [KernelSet("a.cu", ("ka<1>",)), KernelSet("b.cu", ("kb<1>",))]
+    fake_cp = types.SimpleNamespace(RawModule=SlowModule)
+    registry = KernelRegistry(sets=sets, source_dir=tmp_path, slow_compile_seconds=0.01)
+    registry._module(sets[0], "90", fake_cp)
+    registry._module(sets[1], "90", fake_cp)
+    err = capsys.readouterr().err
+    assert err.count("compiling the CUDA kernels for sm_90") == 1
+    quiet = KernelRegistry(sets=sets, source_dir=tmp_path, slow_compile_seconds=60.0)
+    quiet._module(sets[0], "90", fake_cp)
+    assert capsys.readouterr().err == ""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -152,8 +154,12 @@ class KernelRegistry:
     """
     sets: list[KernelSet] | None = None
     source_dir: Path | None = None
+    # A first run on a machine compiles each kernel set with NVRTC (seconds each, tens of seconds in all) before
+    # CuPy's disk cache serves it; the first set slower than this says so on stderr, once per registry.
+    slow_compile_seconds: float = 1.0
     _modules: dict[tuple[KernelSet, str], Any] = field(default_factory=dict, repr=False)
     _functions: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+    _said_compiling: bool = field(default=False, repr=False)
 
     def __post_init__(self):
         if self.sets is None:
@@ -194,6 +200,7 @@ class KernelRegistry:
         module = self._modules.get(key)
         if module is None:
             source = read_kernel_source(kernel_set.filename, self.source_dir)
+            start = time.perf_counter()
             try:
                 module = cp.RawModule(
                     code=source,
@@ -203,6 +210,10 @@ class KernelRegistry:
                 module.compile()
             except Exception as exc:
                 raise _compile_error(kernel_set, arch, exc) from exc
+            if not self._said_compiling and time.perf_counter() - start > self.slow_compile_seconds:
+                self._said_compiling = True
+                print(f"cupyllm: compiling the CUDA kernels for sm_{arch} as they are first used (the first run "
+                      "only: CuPy caches them)", file=sys.stderr, flush=True)
             self._modules[key] = module
         return module
 
