@@ -54,6 +54,7 @@ __device__ __forceinline__ int byte_of(u32 word, int k) { return static_cast<int
 struct WF32 {
     static constexpr int kBlockValues = 32, kBlockBytes = 128, kAlign = 16;
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
+    static constexpr bool kCodes = false;  // the GEMV multiplies the values (weight_gemv.cu)
     __device__ static int run_start(int part, int) { return 8 * part; }
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
         const float4* p = reinterpret_cast<const float4*>(block + 32 * part);
@@ -66,6 +67,7 @@ struct WF32 {
 struct WF16 {
     static constexpr int kBlockValues = 32, kBlockBytes = 64, kAlign = 16;
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
+    static constexpr bool kCodes = false;  // the GEMV multiplies the values (weight_gemv.cu)
     __device__ static int run_start(int part, int) { return 8 * part; }
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
         const uint4 v = *reinterpret_cast<const uint4*>(block + 16 * part);
@@ -81,6 +83,7 @@ struct WF16 {
 struct WBF16 {
     static constexpr int kBlockValues = 32, kBlockBytes = 64, kAlign = 16;
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
+    static constexpr bool kCodes = false;  // the GEMV multiplies the values (weight_gemv.cu)
     __device__ static int run_start(int part, int) { return 8 * part; }
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
         const uint4 v = *reinterpret_cast<const uint4*>(block + 16 * part);
@@ -101,14 +104,22 @@ struct WQ8_0 {
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
     __device__ static int run_start(int part, int) { return 8 * part; }
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        const float d = f16_bits_to_float(load_u16(block));
+        float q[8], scale[1], bias[1];
+        codes(block, part, q, scale, bias);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(q[i], scale[0]);
+    }
+    static constexpr bool kCodes = true, kBias = false;
+    __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[1], float (&bias)[1]) {
         const u32 lo = load_u32<kAlign>(block + 2 + 8 * part);
         const u32 hi = load_u32<kAlign>(block + 6 + 8 * part);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            w[i] = __fmul_rn(small_int_to_float(static_cast<i8>(byte_of(lo, i))), d);
-            w[4 + i] = __fmul_rn(small_int_to_float(static_cast<i8>(byte_of(hi, i))), d);
+            q[i] = small_int_to_float(static_cast<i8>(byte_of(lo, i)));
+            q[4 + i] = small_int_to_float(static_cast<i8>(byte_of(hi, i)));
         }
+        scale[0] = f16_bits_to_float(load_u16(block));
+        bias[0] = 0.0f;
     }
 };
 
@@ -140,11 +151,19 @@ struct NibblePairParts {
 struct WQ4_0 : NibblePairParts {
     static constexpr int kBlockBytes = 18, kAlign = 2;
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        const float d = f16_bits_to_float(load_u16(block));
-        int q[8];
-        nibble_codes(load_u32<kAlign>(block + 2 + 4 * part), q);
+        float q[8], scale[2], bias[2];
+        codes(block, part, q, scale, bias);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(small_int_to_float(q[i] - 8), d);
+        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(q[i], scale[0]);
+    }
+    static constexpr bool kCodes = true, kBias = false;
+    __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
+        int n[8];
+        nibble_codes(load_u32<kAlign>(block + 2 + 4 * part), n);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = small_int_to_float(n[i] - 8);
+        scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
+        bias[0] = bias[1] = 0.0f;
     }
 };
 
@@ -152,12 +171,19 @@ struct WQ4_0 : NibblePairParts {
 struct WQ4_1 : NibblePairParts {
     static constexpr int kBlockBytes = 20, kAlign = 4;
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        const float d = f16_bits_to_float(load_u16(block));
-        const float m = f16_bits_to_float(load_u16(block + 2));
-        int q[8];
-        nibble_codes(load_u32<kAlign>(block + 4 + 4 * part), q);
+        float q[8], scale[2], bias[2];
+        codes(block, part, q, scale, bias);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fadd_rn(__fmul_rn(small_int_to_float(q[i]), d), m);
+        for (int i = 0; i < 8; ++i) w[i] = __fadd_rn(__fmul_rn(q[i], scale[0]), bias[0]);
+    }
+    static constexpr bool kCodes = true, kBias = true;
+    __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
+        int n[8];
+        nibble_codes(load_u32<kAlign>(block + 4 + 4 * part), n);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = small_int_to_float(n[i]);
+        scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
+        bias[0] = bias[1] = f16_bits_to_float(load_u16(block + 2));
     }
 };
 
@@ -165,12 +191,20 @@ struct WQ4_1 : NibblePairParts {
 struct WQ5_0 : NibblePairParts {
     static constexpr int kBlockBytes = 22, kAlign = 2;
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        const float d = f16_bits_to_float(load_u16(block));
-        int q[8];
-        nibble_codes(load_u32<kAlign>(block + 6 + 4 * part), q);
-        add_fifth_bits(load_u32<kAlign>(block + 2), part, q);
+        float q[8], scale[2], bias[2];
+        codes(block, part, q, scale, bias);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(small_int_to_float(q[i] - 16), d);
+        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(q[i], scale[0]);
+    }
+    static constexpr bool kCodes = true, kBias = false;
+    __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
+        int n[8];
+        nibble_codes(load_u32<kAlign>(block + 6 + 4 * part), n);
+        add_fifth_bits(load_u32<kAlign>(block + 2), part, n);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = small_int_to_float(n[i] - 16);
+        scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
+        bias[0] = bias[1] = 0.0f;
     }
 };
 
@@ -178,13 +212,20 @@ struct WQ5_0 : NibblePairParts {
 struct WQ5_1 : NibblePairParts {
     static constexpr int kBlockBytes = 24, kAlign = 8;
     __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        const float d = f16_bits_to_float(load_u16(block));
-        const float m = f16_bits_to_float(load_u16(block + 2));
-        int q[8];
-        nibble_codes(load_u32<kAlign>(block + 8 + 4 * part), q);
-        add_fifth_bits(load_u32<kAlign>(block + 4), part, q);
+        float q[8], scale[2], bias[2];
+        codes(block, part, q, scale, bias);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fadd_rn(__fmul_rn(small_int_to_float(q[i]), d), m);
+        for (int i = 0; i < 8; ++i) w[i] = __fadd_rn(__fmul_rn(q[i], scale[0]), bias[0]);
+    }
+    static constexpr bool kCodes = true, kBias = true;
+    __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
+        int n[8];
+        nibble_codes(load_u32<kAlign>(block + 8 + 4 * part), n);
+        add_fifth_bits(load_u32<kAlign>(block + 4), part, n);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = small_int_to_float(n[i]);
+        scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
+        bias[0] = bias[1] = f16_bits_to_float(load_u16(block + 2));
     }
 };
 
@@ -207,29 +248,36 @@ struct KQuantParts {
     static constexpr int kBlockValues = 256;
     static constexpr int kParts = 16, kPartValues = 16, kRuns = 2, kRunLength = 8;
     __device__ static int run_start(int part, int run) { return 64 * (part >> 2) + 32 * run + 8 * (part & 3); }
-    // w = d_sub * q - m_sub with d_sub = d * sc, m_sub = dmin * mn (llama.cpp's order, each rounded)
-    __device__ static void scale_codes(const u8* block, int part, const int (&q)[16], float (&w)[16]) {
+    static constexpr bool kCodes = true, kBias = true;
+    // w = d_sub * q - m_sub with d_sub = d * sc, m_sub = dmin * mn (llama.cpp's order, each rounded): the
+    // codes as floats, scale = d_sub and bias = -m_sub per run
+    __device__ static void run_codes(const u8* block, int part, const int (&n)[16], float (&q)[16],
+                                     float (&scale)[2], float (&bias)[2]) {
         const float d = f16_bits_to_float(load_u16(block));
         const float dmin = f16_bits_to_float(load_u16(block + 2));
 #pragma unroll
         for (int run = 0; run < 2; ++run) {
             int sc, mn;
             k4_scale_min(block + 4, 2 * (part >> 2) + run, sc, mn);
-            const float d_sub = __fmul_rn(d, small_int_to_float(sc));
-            const float m_sub = __fmul_rn(dmin, small_int_to_float(mn));
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                w[8 * run + i] = __fsub_rn(__fmul_rn(d_sub, small_int_to_float(q[8 * run + i])), m_sub);
+            scale[run] = __fmul_rn(d, small_int_to_float(sc));
+            bias[run] = -__fmul_rn(dmin, small_int_to_float(mn));
         }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = small_int_to_float(n[i]);
+    }
+    __device__ static void scale_codes(const u8* block, int part, const int (&n)[16], float (&w)[16]) {
+        float q[16], scale[2], bias[2];
+        run_codes(block, part, n, q, scale, bias);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = __fadd_rn(__fmul_rn(scale[i / 8], q[i]), bias[i / 8]);
     }
 };
 
 // block_q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}
 struct WQ4_K : KQuantParts {
     static constexpr int kBlockBytes = 144, kAlign = 16;
-    __device__ static void decode(const u8* block, int part, float (&w)[16]) {
+    __device__ static void integers(const u8* block, int part, int (&q)[16]) {
         const uint2 qs = *reinterpret_cast<const uint2*>(block + 16 + 32 * (part >> 2) + 8 * (part & 3));
-        int q[16];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             q[i] = nibble(qs.x, 2 * i);
@@ -237,7 +285,16 @@ struct WQ4_K : KQuantParts {
             q[8 + i] = nibble(qs.x, 2 * i + 1);
             q[12 + i] = nibble(qs.y, 2 * i + 1);
         }
-        scale_codes(block, part, q, w);
+    }
+    __device__ static void decode(const u8* block, int part, float (&w)[16]) {
+        int n[16];
+        integers(block, part, n);
+        scale_codes(block, part, n, w);
+    }
+    __device__ static void codes(const u8* block, int part, float (&q)[16], float (&scale)[2], float (&bias)[2]) {
+        int n[16];
+        integers(block, part, n);
+        run_codes(block, part, n, q, scale, bias);
     }
 };
 
@@ -245,11 +302,10 @@ struct WQ4_K : KQuantParts {
 // value 32 s + k.
 struct WQ5_K : KQuantParts {
     static constexpr int kBlockBytes = 176, kAlign = 16;
-    __device__ static void decode(const u8* block, int part, float (&w)[16]) {
+    __device__ static void integers(const u8* block, int part, int (&q)[16]) {
         const int g = part >> 2, c = part & 3;
         const uint2 qs = *reinterpret_cast<const uint2*>(block + 48 + 32 * g + 8 * c);
         const uint2 qh = *reinterpret_cast<const uint2*>(block + 16 + 8 * c);
-        int q[16];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int h_lo = byte_of(qh.x, i), h_hi = byte_of(qh.y, i);  // qh[8c + i], qh[8c + 4 + i]
@@ -258,7 +314,16 @@ struct WQ5_K : KQuantParts {
             q[8 + i] = nibble(qs.x, 2 * i + 1) | (((h_lo >> (2 * g + 1)) & 1) << 4);
             q[12 + i] = nibble(qs.y, 2 * i + 1) | (((h_hi >> (2 * g + 1)) & 1) << 4);
         }
-        scale_codes(block, part, q, w);
+    }
+    __device__ static void decode(const u8* block, int part, float (&w)[16]) {
+        int n[16];
+        integers(block, part, n);
+        scale_codes(block, part, n, w);
+    }
+    __device__ static void codes(const u8* block, int part, float (&q)[16], float (&scale)[2], float (&bias)[2]) {
+        int n[16];
+        integers(block, part, n);
+        run_codes(block, part, n, q, scale, bias);
     }
 };
 
@@ -274,6 +339,13 @@ struct WQ6_K {
     static constexpr int kParts = 16, kPartValues = 16, kRuns = 4, kRunLength = 4;
     __device__ static int run_start(int part, int run) { return 128 * (part >> 3) + 32 * run + 4 * (part & 7); }
     __device__ static void decode(const u8* block, int part, float (&w)[16]) {
+        float q[16], scale[4], bias[4];
+        codes(block, part, q, scale, bias);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) w[i] = __fmul_rn(scale[i / 4], q[i]);
+    }
+    static constexpr bool kCodes = true, kBias = false;
+    __device__ static void codes(const u8* block, int part, float (&q)[16], float (&scale)[4], float (&bias)[4]) {
         const int h = part >> 3, l0 = 4 * (part & 7);
         const u32 ql_a = load_u32<kAlign>(block + 64 * h + l0);
         const u32 ql_b = load_u32<kAlign>(block + 64 * h + 32 + l0);
@@ -283,12 +355,13 @@ struct WQ6_K {
         for (int r = 0; r < 4; ++r) {
             const u32 ql = (r & 1) ? ql_b : ql_a;
             const int sc = static_cast<i8>(block[192 + 8 * h + 2 * r + (l0 >= 16)]);
-            const float d_sub = __fmul_rn(d, small_int_to_float(sc));
+            scale[r] = __fmul_rn(d, small_int_to_float(sc));  // d_sub
+            bias[r] = 0.0f;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int low = (r < 2) ? nibble(ql, 2 * i) : nibble(ql, 2 * i + 1);
                 const int high = (byte_of(qh, i) >> (2 * r)) & 3;
-                w[4 * r + i] = __fmul_rn(d_sub, small_int_to_float((low | (high << 4)) - 32));
+                q[4 * r + i] = small_int_to_float((low | (high << 4)) - 32);
             }
         }
     }
