@@ -26,6 +26,21 @@ constexpr int kWarpSize = 32;
 
 // ---- f16 / bf16 ---------------------------------------------------------------------------
 
+// The bits of `from` as a To of the same size (a u32 as the half2 of its low and high 16 bits, and back): a
+// reinterpretation, no instruction (the emulator copies the bytes; its __half2 is a plain struct).
+template <class To, class From>
+__device__ __forceinline__ To same_bits(From from) {
+    static_assert(sizeof(To) == sizeof(From), "a reinterpretation keeps the size");
+#if defined(CUPYLLM_EMULATOR)
+    To to;
+    std::memcpy(&to, &from, sizeof(To));
+    return to;
+#else
+    return *reinterpret_cast<const To*>(&from);
+#endif
+}
+
+
 __device__ __forceinline__ float f16_bits_to_float(u16 bits) {
     return __half2float(__ushort_as_half(bits));
 }
@@ -114,6 +129,35 @@ __device__ __forceinline__ float warp_signed_absmax_first(float v, int index) {
         index = take ? other_i : index;
     }
     return v;
+}
+
+// ---- small integers from packed nibbles and bytes ----------------------------------------------------
+// The eight nibbles of w (nibble k: bits 4k .. 4k + 3) minus kOffset as floats, exactly, out[k] for nibble
+// k: a pair of nibbles 16 bits apart becomes the mantissas of two f16 1024 + n (one LOP3 after the shift),
+// one HSUB2 takes 1024 + kOffset off both, and two f16 -> f32 conversions (full rate, unlike I2F) finish:
+// 2.5 instructions a value where extracting and converting one by one took 4.
+// The four bytes of w minus kOffset as floats, exactly, the same way (byte_perm places two bytes as mantissas).
+template <int kOffset>
+__device__ __forceinline__ void bytes_as_floats(u32 w, float (&out)[4]) {
+    const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));
+    const float2 lo = __half22float2(__hsub2(same_bits<__half2>(__byte_perm(w, 0x64646464u, 0x4140)), bias));
+    const float2 hi = __half22float2(__hsub2(same_bits<__half2>(__byte_perm(w, 0x64646464u, 0x4342)), bias));
+    out[0] = lo.x;
+    out[1] = lo.y;
+    out[2] = hi.x;
+    out[3] = hi.y;
+}
+
+template <int kOffset>
+__device__ __forceinline__ void nibbles_as_floats(u32 w, float (&out)[8]) {
+    const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {  // nibbles s and s + 4: bit 4s of bytes 0 / 2 of (w >> 4s)
+        const u32 mantissas = ((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u;
+        const float2 v = __half22float2(__hsub2(same_bits<__half2>(mantissas), bias));
+        out[s] = v.x;
+        out[s + 4] = v.y;
+    }
 }
 
 }  // namespace cupyllm

@@ -266,20 +266,6 @@ struct Half8<FmtF16> {
     __device__ static uint4 read(const u8* row, int c, const float*) { return reinterpret_cast<const uint4*>(row)[c]; }
 };
 
-// The bits of `from` as a To of the same size (a u32 as the half2 of its low and high 16 bits, and back): a
-// reinterpretation, no instruction (the emulator copies the bytes; its __half2 is a plain struct).
-template <class To, class From>
-__device__ __forceinline__ To same_bits(From from) {
-    static_assert(sizeof(To) == sizeof(From), "a reinterpretation keeps the size");
-#if defined(CUPYLLM_EMULATOR)
-    To to;
-    std::memcpy(&to, &from, sizeof(To));
-    return to;
-#else
-    return *reinterpret_cast<const To*>(&from);
-#endif
-}
-
 // The f16 pair 1024 + (byte 0, byte 1) of w (kHigh: bytes 2, 3): each byte becomes the mantissa of 0x6400.
 template <bool kHigh>
 __device__ __forceinline__ u32 byte_pair_as_f16_mantissas(u32 w) {

@@ -111,12 +111,13 @@ struct WQ8_0 {
     }
     static constexpr bool kCodes = true, kBias = false;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[1], float (&bias)[1]) {
-        const u32 lo = load_u32<kAlign>(block + 2 + 8 * part);
-        const u32 hi = load_u32<kAlign>(block + 6 + 8 * part);
+        float lo[4], hi[4];  // the int8 as (q + 128) - 128: the byte with its sign bit flipped
+        bytes_as_floats<128>(load_u32<kAlign>(block + 2 + 8 * part) ^ 0x80808080u, lo);
+        bytes_as_floats<128>(load_u32<kAlign>(block + 6 + 8 * part) ^ 0x80808080u, hi);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            q[i] = small_int_to_float(static_cast<i8>(byte_of(lo, i)));
-            q[4 + i] = small_int_to_float(static_cast<i8>(byte_of(hi, i)));
+            q[i] = lo[i];
+            q[4 + i] = hi[i];
         }
         scale[0] = f16_bits_to_float(load_u16(block));
         bias[0] = 0.0f;
@@ -135,6 +136,17 @@ struct NibblePairParts {
         for (int i = 0; i < 4; ++i) {
             q[i] = nibble(qs, 2 * i);
             q[4 + i] = nibble(qs, 2 * i + 1);
+        }
+    }
+    // the same codes minus kOffset as floats (nibbles_as_floats: no per-value extraction and conversion)
+    template <int kOffset>
+    __device__ static void nibble_floats(u32 qs, float (&q)[8]) {
+        float f[8];
+        nibbles_as_floats<kOffset>(qs, f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[i] = f[2 * i];
+            q[4 + i] = f[2 * i + 1];
         }
     }
     // 5th bits: bit j of the little-endian u32 qh is bit 4 of value j.
@@ -158,10 +170,7 @@ struct WQ4_0 : NibblePairParts {
     }
     static constexpr bool kCodes = true, kBias = false;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
-        int n[8];
-        nibble_codes(load_u32<kAlign>(block + 2 + 4 * part), n);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = small_int_to_float(n[i] - 8);
+        nibble_floats<8>(load_u32<kAlign>(block + 2 + 4 * part), q);
         scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
         bias[0] = bias[1] = 0.0f;
     }
@@ -178,10 +187,7 @@ struct WQ4_1 : NibblePairParts {
     }
     static constexpr bool kCodes = true, kBias = true;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
-        int n[8];
-        nibble_codes(load_u32<kAlign>(block + 4 + 4 * part), n);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = small_int_to_float(n[i]);
+        nibble_floats<0>(load_u32<kAlign>(block + 4 + 4 * part), q);
         scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
         bias[0] = bias[1] = f16_bits_to_float(load_u16(block + 2));
     }
@@ -251,8 +257,7 @@ struct KQuantParts {
     static constexpr bool kCodes = true, kBias = true;
     // w = d_sub * q - m_sub with d_sub = d * sc, m_sub = dmin * mn (llama.cpp's order, each rounded): the
     // codes as floats, scale = d_sub and bias = -m_sub per run
-    __device__ static void run_codes(const u8* block, int part, const int (&n)[16], float (&q)[16],
-                                     float (&scale)[2], float (&bias)[2]) {
+    __device__ static void run_scales(const u8* block, int part, float (&scale)[2], float (&bias)[2]) {
         const float d = f16_bits_to_float(load_u16(block));
         const float dmin = f16_bits_to_float(load_u16(block + 2));
 #pragma unroll
@@ -262,6 +267,10 @@ struct KQuantParts {
             scale[run] = __fmul_rn(d, small_int_to_float(sc));
             bias[run] = -__fmul_rn(dmin, small_int_to_float(mn));
         }
+    }
+    __device__ static void run_codes(const u8* block, int part, const int (&n)[16], float (&q)[16],
+                                     float (&scale)[2], float (&bias)[2]) {
+        run_scales(block, part, scale, bias);
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[i] = small_int_to_float(n[i]);
     }
@@ -292,9 +301,18 @@ struct WQ4_K : KQuantParts {
         scale_codes(block, part, n, w);
     }
     __device__ static void codes(const u8* block, int part, float (&q)[16], float (&scale)[2], float (&bias)[2]) {
-        int n[16];
-        integers(block, part, n);
-        run_codes(block, part, n, q, scale, bias);
+        const uint2 qs = *reinterpret_cast<const uint2*>(block + 16 + 32 * (part >> 2) + 8 * (part & 3));
+        float fx[8], fy[8];  // nibble k of qs.x / qs.y
+        nibbles_as_floats<0>(qs.x, fx);
+        nibbles_as_floats<0>(qs.y, fy);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // as integers(): low nibbles run 0, high nibbles run 1
+            q[i] = fx[2 * i];
+            q[4 + i] = fy[2 * i];
+            q[8 + i] = fx[2 * i + 1];
+            q[12 + i] = fy[2 * i + 1];
+        }
+        run_scales(block, part, scale, bias);
     }
 };
 
