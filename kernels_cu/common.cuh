@@ -132,27 +132,35 @@ __device__ __forceinline__ float warp_signed_absmax_first(float v, int index) {
 }
 
 // ---- small integers from packed nibbles and bytes ----------------------------------------------------
-// The eight nibbles of w (nibble k: bits 4k .. 4k + 3) minus kOffset as floats, exactly, out[k] for nibble
-// k: a pair of nibbles 16 bits apart becomes the mantissas of two f16 1024 + n (one LOP3 after the shift),
-// one HSUB2 takes 1024 + kOffset off both, and two f16 -> f32 conversions (full rate, unlike I2F) finish:
-// 2.5 instructions a value where extracting and converting one by one took 4.
-// The four bytes of w minus kOffset as floats, exactly, the same way (byte_perm places two bytes as mantissas).
+// For 0 <= u < 1024 the f16 with bits 0x6400 | u is 1024 + u: two codes placed as mantissas (one LOP3 or
+// byte_perm), one HSUB2 taking 1024 + kOffset off both (exact), two f16 -> f32 conversions (full rate,
+// unlike I2F) give the integers minus kOffset as floats: 2.5 instructions a value where extracting and
+// converting one by one took 4.
+
+// The f16 pair 1024 + (byte 0, byte 1) of w (kHigh: bytes 2, 3).
+template <bool kHigh>
+__device__ __forceinline__ u32 byte_pair_as_f16_mantissas(u32 w) {
+    return __byte_perm(w, 0x64646464u, kHigh ? 0x4342 : 0x4140);
+}
+
+// The four bytes of w minus kOffset, out[k] for byte k.
 template <int kOffset>
 __device__ __forceinline__ void bytes_as_floats(u32 w, float (&out)[4]) {
     const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));
-    const float2 lo = __half22float2(__hsub2(same_bits<__half2>(__byte_perm(w, 0x64646464u, 0x4140)), bias));
-    const float2 hi = __half22float2(__hsub2(same_bits<__half2>(__byte_perm(w, 0x64646464u, 0x4342)), bias));
+    const float2 lo = __half22float2(__hsub2(same_bits<__half2>(byte_pair_as_f16_mantissas<false>(w)), bias));
+    const float2 hi = __half22float2(__hsub2(same_bits<__half2>(byte_pair_as_f16_mantissas<true>(w)), bias));
     out[0] = lo.x;
     out[1] = lo.y;
     out[2] = hi.x;
     out[3] = hi.y;
 }
 
+// The eight nibbles of w minus kOffset, out[k] for nibble k (bits 4k .. 4k + 3).
 template <int kOffset>
 __device__ __forceinline__ void nibbles_as_floats(u32 w, float (&out)[8]) {
     const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {  // nibbles s and s + 4: bit 4s of bytes 0 / 2 of (w >> 4s)
+    for (int s = 0; s < 4; ++s) {  // nibbles s and s + 4: the low nibbles of bytes 0 and 2 of w >> 4s
         const u32 mantissas = ((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u;
         const float2 v = __half22float2(__hsub2(same_bits<__half2>(mantissas), bias));
         out[s] = v.x;

@@ -266,12 +266,6 @@ struct Half8<FmtF16> {
     __device__ static uint4 read(const u8* row, int c, const float*) { return reinterpret_cast<const uint4*>(row)[c]; }
 };
 
-// The f16 pair 1024 + (byte 0, byte 1) of w (kHigh: bytes 2, 3): each byte becomes the mantissa of 0x6400.
-template <bool kHigh>
-__device__ __forceinline__ u32 byte_pair_as_f16_mantissas(u32 w) {
-    return __byte_perm(w, 0x64646464u, kHigh ? 0x4342 : 0x4140);
-}
-
 // (u0 - kOffset, u1 - kOffset) * d in f16 for the pair 1024 + (u0, u1) (byte_pair_as_f16_mantissas).
 template <int kOffset>
 __device__ __forceinline__ u32 scale_f16_pair(u32 mantissas, __half2 d2) {

@@ -36,7 +36,7 @@ weight_dequant(const cupyllm::u8* __restrict__ weights, long long row_bytes, con
         int part;
         const u8* block = part_block<W>(weights + source_row * row_bytes, global_part, part);
         float w[W::kPartValues];
-        W::decode(block, part, w);
+        decode_part<W>(block, part, w);
         Out* out_row = out + static_cast<size_t>(row) * n_in;
 #pragma unroll
         for (int k = 0; k < W::kPartValues; ++k) store_value(out_row + part_value_column<W>(global_part, k), w[k]);

@@ -8,7 +8,14 @@
 // one part. A part's values sit at kRuns runs of kRunLength consecutive positions of the block:
 //
 //   run_start(part, r)                    block position of the first value of run r
-//   decode(block, part, w[kPartValues])   w[r * kRunLength + i] = value at run_start(part, r) + i
+//   codes(block, part, q[kPartValues], scale[kRuns], bias[kRuns])
+//                                         the value at run_start(part, r) + i is, in exact arithmetic,
+//                                         scale[r] * q[r * kRunLength + i] + bias[r]: q are the block's
+//                                         small integers as floats (exact; the float formats' own values
+//                                         with scale 1), kBias says whether any bias is nonzero
+//   decode_part<W>(block, part, w)        the values, as the reference rounds them: fl(fl(scale q) + bias)
+//
+// The GEMV sums q * x per run and applies scale and bias once per run; the dequantizers use decode_part.
 //
 // The parts are numbered so that parts [c * kPartsPer128, (c + 1) * kPartsPer128) of a row (counted
 // block by block) hold exactly its values [128 c, 128 c + 128): the prefill GEMM dequantizes 128-wide
@@ -54,22 +61,24 @@ __device__ __forceinline__ int byte_of(u32 word, int k) { return static_cast<int
 struct WF32 {
     static constexpr int kBlockValues = 32, kBlockBytes = 128, kAlign = 16;
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
-    static constexpr bool kCodes = false;  // the GEMV multiplies the values (weight_gemv.cu)
+    static constexpr bool kBias = false, kPlain = true;  // the values themselves, scale 1
     __device__ static int run_start(int part, int) { return 8 * part; }
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
+    __device__ static void codes(const u8* block, int part, float (&w)[8], float (&scale)[1], float (&bias)[1]) {
         const float4* p = reinterpret_cast<const float4*>(block + 32 * part);
         const float4 a = p[0], b = p[1];
         w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w;
         w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+        scale[0] = 1.0f;
+        bias[0] = 0.0f;
     }
 };
 
 struct WF16 {
     static constexpr int kBlockValues = 32, kBlockBytes = 64, kAlign = 16;
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
-    static constexpr bool kCodes = false;  // the GEMV multiplies the values (weight_gemv.cu)
+    static constexpr bool kBias = false, kPlain = true;  // the values themselves, scale 1
     __device__ static int run_start(int part, int) { return 8 * part; }
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
+    __device__ static void codes(const u8* block, int part, float (&w)[8], float (&scale)[1], float (&bias)[1]) {
         const uint4 v = *reinterpret_cast<const uint4*>(block + 16 * part);
         const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -77,15 +86,17 @@ struct WF16 {
             w[2 * i] = f16_bits_to_float(static_cast<u16>(words[i] & 0xFFFFu));
             w[2 * i + 1] = f16_bits_to_float(static_cast<u16>(words[i] >> 16));
         }
+        scale[0] = 1.0f;
+        bias[0] = 0.0f;
     }
 };
 
 struct WBF16 {
     static constexpr int kBlockValues = 32, kBlockBytes = 64, kAlign = 16;
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
-    static constexpr bool kCodes = false;  // the GEMV multiplies the values (weight_gemv.cu)
+    static constexpr bool kBias = false, kPlain = true;  // the values themselves, scale 1
     __device__ static int run_start(int part, int) { return 8 * part; }
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
+    __device__ static void codes(const u8* block, int part, float (&w)[8], float (&scale)[1], float (&bias)[1]) {
         const uint4 v = *reinterpret_cast<const uint4*>(block + 16 * part);
         const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -93,6 +104,8 @@ struct WBF16 {
             w[2 * i] = __uint_as_float(words[i] << 16);
             w[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
         }
+        scale[0] = 1.0f;
+        bias[0] = 0.0f;
     }
 };
 
@@ -103,13 +116,7 @@ struct WQ8_0 {
     static constexpr int kBlockValues = 32, kBlockBytes = 34, kAlign = 2;
     static constexpr int kParts = 4, kPartValues = 8, kRuns = 1, kRunLength = 8;
     __device__ static int run_start(int part, int) { return 8 * part; }
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        float q[8], scale[1], bias[1];
-        codes(block, part, q, scale, bias);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(q[i], scale[0]);
-    }
-    static constexpr bool kCodes = true, kBias = false;
+    static constexpr bool kBias = false, kPlain = false;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[1], float (&bias)[1]) {
         float lo[4], hi[4];  // the int8 as (q + 128) - 128: the byte with its sign bit flipped
         bytes_as_floats<128>(load_u32<kAlign>(block + 2 + 8 * part) ^ 0x80808080u, lo);
@@ -162,13 +169,7 @@ struct NibblePairParts {
 // block_q4_0 {f16 d; u8 qs[16]}: w = (q - 8) * d.
 struct WQ4_0 : NibblePairParts {
     static constexpr int kBlockBytes = 18, kAlign = 2;
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        float q[8], scale[2], bias[2];
-        codes(block, part, q, scale, bias);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(q[i], scale[0]);
-    }
-    static constexpr bool kCodes = true, kBias = false;
+    static constexpr bool kBias = false, kPlain = false;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
         nibble_floats<8>(load_u32<kAlign>(block + 2 + 4 * part), q);
         scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
@@ -179,13 +180,7 @@ struct WQ4_0 : NibblePairParts {
 // block_q4_1 {f16 d; f16 m; u8 qs[16]}: w = q * d + m (two roundings, as NumPy).
 struct WQ4_1 : NibblePairParts {
     static constexpr int kBlockBytes = 20, kAlign = 4;
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        float q[8], scale[2], bias[2];
-        codes(block, part, q, scale, bias);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fadd_rn(__fmul_rn(q[i], scale[0]), bias[0]);
-    }
-    static constexpr bool kCodes = true, kBias = true;
+    static constexpr bool kBias = true, kPlain = false;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
         nibble_floats<0>(load_u32<kAlign>(block + 4 + 4 * part), q);
         scale[0] = scale[1] = f16_bits_to_float(load_u16(block));
@@ -196,13 +191,7 @@ struct WQ4_1 : NibblePairParts {
 // block_q5_0 {f16 d; u8 qh[4]; u8 qs[16]}: w = (q - 16) * d.
 struct WQ5_0 : NibblePairParts {
     static constexpr int kBlockBytes = 22, kAlign = 2;
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        float q[8], scale[2], bias[2];
-        codes(block, part, q, scale, bias);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fmul_rn(q[i], scale[0]);
-    }
-    static constexpr bool kCodes = true, kBias = false;
+    static constexpr bool kBias = false, kPlain = false;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
         int n[8];
         nibble_codes(load_u32<kAlign>(block + 6 + 4 * part), n);
@@ -217,13 +206,7 @@ struct WQ5_0 : NibblePairParts {
 // block_q5_1 {f16 d; f16 m; u8 qh[4]; u8 qs[16]}: w = q * d + m.
 struct WQ5_1 : NibblePairParts {
     static constexpr int kBlockBytes = 24, kAlign = 8;
-    __device__ static void decode(const u8* block, int part, float (&w)[8]) {
-        float q[8], scale[2], bias[2];
-        codes(block, part, q, scale, bias);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = __fadd_rn(__fmul_rn(q[i], scale[0]), bias[0]);
-    }
-    static constexpr bool kCodes = true, kBias = true;
+    static constexpr bool kBias = true, kPlain = false;
     __device__ static void codes(const u8* block, int part, float (&q)[8], float (&scale)[2], float (&bias)[2]) {
         int n[8];
         nibble_codes(load_u32<kAlign>(block + 8 + 4 * part), n);
@@ -254,7 +237,7 @@ struct KQuantParts {
     static constexpr int kBlockValues = 256;
     static constexpr int kParts = 16, kPartValues = 16, kRuns = 2, kRunLength = 8;
     __device__ static int run_start(int part, int run) { return 64 * (part >> 2) + 32 * run + 8 * (part & 3); }
-    static constexpr bool kCodes = true, kBias = true;
+    static constexpr bool kBias = true, kPlain = false;
     // w = d_sub * q - m_sub with d_sub = d * sc, m_sub = dmin * mn (llama.cpp's order, each rounded): the
     // codes as floats, scale = d_sub and bias = -m_sub per run
     __device__ static void run_scales(const u8* block, int part, float (&scale)[2], float (&bias)[2]) {
@@ -274,39 +257,18 @@ struct KQuantParts {
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[i] = small_int_to_float(n[i]);
     }
-    __device__ static void scale_codes(const u8* block, int part, const int (&n)[16], float (&w)[16]) {
-        float q[16], scale[2], bias[2];
-        run_codes(block, part, n, q, scale, bias);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = __fadd_rn(__fmul_rn(scale[i / 8], q[i]), bias[i / 8]);
-    }
 };
 
 // block_q4_K {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}
 struct WQ4_K : KQuantParts {
     static constexpr int kBlockBytes = 144, kAlign = 16;
-    __device__ static void integers(const u8* block, int part, int (&q)[16]) {
-        const uint2 qs = *reinterpret_cast<const uint2*>(block + 16 + 32 * (part >> 2) + 8 * (part & 3));
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            q[i] = nibble(qs.x, 2 * i);
-            q[4 + i] = nibble(qs.y, 2 * i);
-            q[8 + i] = nibble(qs.x, 2 * i + 1);
-            q[12 + i] = nibble(qs.y, 2 * i + 1);
-        }
-    }
-    __device__ static void decode(const u8* block, int part, float (&w)[16]) {
-        int n[16];
-        integers(block, part, n);
-        scale_codes(block, part, n, w);
-    }
     __device__ static void codes(const u8* block, int part, float (&q)[16], float (&scale)[2], float (&bias)[2]) {
         const uint2 qs = *reinterpret_cast<const uint2*>(block + 16 + 32 * (part >> 2) + 8 * (part & 3));
         float fx[8], fy[8];  // nibble k of qs.x / qs.y
         nibbles_as_floats<0>(qs.x, fx);
         nibbles_as_floats<0>(qs.y, fy);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // as integers(): low nibbles run 0, high nibbles run 1
+        for (int i = 0; i < 4; ++i) {  // low nibbles: run 0, high nibbles: run 1
             q[i] = fx[2 * i];
             q[4 + i] = fy[2 * i];
             q[8 + i] = fx[2 * i + 1];
@@ -333,11 +295,6 @@ struct WQ5_K : KQuantParts {
             q[12 + i] = nibble(qs.y, 2 * i + 1) | (((h_hi >> (2 * g + 1)) & 1) << 4);
         }
     }
-    __device__ static void decode(const u8* block, int part, float (&w)[16]) {
-        int n[16];
-        integers(block, part, n);
-        scale_codes(block, part, n, w);
-    }
     __device__ static void codes(const u8* block, int part, float (&q)[16], float (&scale)[2], float (&bias)[2]) {
         int n[16];
         integers(block, part, n);
@@ -356,13 +313,7 @@ struct WQ6_K {
     static constexpr int kBlockValues = 256, kBlockBytes = 210, kAlign = 2;
     static constexpr int kParts = 16, kPartValues = 16, kRuns = 4, kRunLength = 4;
     __device__ static int run_start(int part, int run) { return 128 * (part >> 3) + 32 * run + 4 * (part & 7); }
-    __device__ static void decode(const u8* block, int part, float (&w)[16]) {
-        float q[16], scale[4], bias[4];
-        codes(block, part, q, scale, bias);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) w[i] = __fmul_rn(scale[i / 4], q[i]);
-    }
-    static constexpr bool kCodes = true, kBias = false;
+    static constexpr bool kBias = false, kPlain = false;
     __device__ static void codes(const u8* block, int part, float (&q)[16], float (&scale)[4], float (&bias)[4]) {
         const int h = part >> 3, l0 = 4 * (part & 7);
         const u32 ql_a = load_u32<kAlign>(block + 64 * h + l0);
@@ -386,6 +337,25 @@ struct WQ6_K {
 };
 
 // ---- helpers shared by the matrix kernels ------------------------------------------------------------
+
+// The values of a part as the NumPy reference rounds them: fl(fl(scale * q) + bias) per run (the float formats'
+// values as they are: no multiply by 1, which -ftz would flush for f32 subnormals).
+template <class W>
+__device__ __forceinline__ void decode_part(const u8* block, int part, float (&w)[W::kPartValues]) {
+    float q[W::kPartValues], scale[W::kRuns], bias[W::kRuns];
+    W::codes(block, part, q, scale, bias);
+#pragma unroll
+    for (int i = 0; i < W::kPartValues; ++i) {
+        const int run = i / W::kRunLength;
+        if constexpr (W::kPlain) {
+            w[i] = q[i];
+        } else if constexpr (W::kBias) {
+            w[i] = __fadd_rn(__fmul_rn(scale[run], q[i]), bias[run]);
+        } else {
+            w[i] = __fmul_rn(scale[run], q[i]);
+        }
+    }
+}
 
 template <class W>
 struct PartGeometry {

@@ -12,9 +12,9 @@
 // span's bytes are copied with coalesced 16-byte loads into a per-warp shared-memory stage (rows of
 // 2-aligned formats such as Q8_0 or Q6_K cannot be read as 16-byte vectors where they lie), then each
 // lane dequantizes kPartsPerLane parts from the stage in registers and multiplies them with the matching
-// activations (float4 loads, reused across the kRows rows); the block formats hand over their small integers
-// and each run's scale and bias (W::codes), so a run costs one FMA per value and two per run instead of
-// forming every weight first. The next span's loads are issued before the current span is computed, so a warp
+// activations (float4 loads, reused across the kRows rows); the formats hand over their small integers and
+// each run's scale and bias (W::codes), so a run costs one FMA per value and two per run instead of forming
+// every weight first. The next span's loads are issued before the current span is computed, so a warp
 // keeps one span of every row in flight. Lane sums are reduced with warp shuffles at the end.
 //
 // Launch (cupyllm/backend/gpu_kernels.py): blockDim = 32 * kGemvWarps,
@@ -109,73 +109,42 @@ weight_gemv(const cupyllm::u8* __restrict__ weights, long long row_bytes, int n_
             const int block = first_block + block_in_span;
             if (block >= n_blocks) continue;
             const float* x_block = x + static_cast<size_t>(block) * W::kBlockValues;
-            if constexpr (W::kCodes) {
-                // w = scale * q + bias per run (q the block's small integers, exact as floats): sum q * x over
-                // the run, then scale it and add bias * sum(x) once, instead of forming every w
-                float q[kRows][W::kPartValues], scale[kRows][W::kRuns], bias[kRows][W::kRuns];
+            // w = scale * q + bias per run (W::codes: q the block's small integers, exact as floats, or the
+            // float formats' values): sum q * x over the run, then scale it and add bias * sum(x) once
+            float q[kRows][W::kPartValues], scale[kRows][W::kRuns], bias[kRows][W::kRuns];
 #pragma unroll
-                for (int r = 0; r < kRows; ++r) {
-                    const u8* staged = reinterpret_cast<const u8*>(stage[warp][r]) + lead[r] +
-                                       block_in_span * W::kBlockBytes;
-                    W::codes(staged, part, q[r], scale[r], bias[r]);
-                }
+            for (int r = 0; r < kRows; ++r) {
+                const u8* staged = reinterpret_cast<const u8*>(stage[warp][r]) + lead[r] +
+                                   block_in_span * W::kBlockBytes;
+                W::codes(staged, part, q[r], scale[r], bias[r]);
+            }
 #pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    if (t >= n_tokens) break;
-                    const float* x_token = x_block + static_cast<size_t>(t) * n_in;
+            for (int t = 0; t < kTokens; ++t) {
+                if (t >= n_tokens) break;
+                const float* x_token = x_block + static_cast<size_t>(t) * n_in;
 #pragma unroll
-                    for (int run = 0; run < W::kRuns; ++run) {
-                        const float4* xr = reinterpret_cast<const float4*>(x_token + W::run_start(part, run));
-                        float qx[kRows], x_sum = 0.0f;
+                for (int run = 0; run < W::kRuns; ++run) {
+                    const float4* xr = reinterpret_cast<const float4*>(x_token + W::run_start(part, run));
+                    float qx[kRows], x_sum = 0.0f;
 #pragma unroll
-                        for (int r = 0; r < kRows; ++r) qx[r] = 0.0f;
+                    for (int r = 0; r < kRows; ++r) qx[r] = 0.0f;
 #pragma unroll
-                        for (int v = 0; v < W::kRunLength / 4; ++v) {
-                            const float4 xv = xr[v];
-                            const int k = run * W::kRunLength + 4 * v;
-                            if constexpr (W::kBias) x_sum += (xv.x + xv.y) + (xv.z + xv.w);
-#pragma unroll
-                            for (int r = 0; r < kRows; ++r) {
-                                qx[r] = fmaf(q[r][k], xv.x, qx[r]);
-                                qx[r] = fmaf(q[r][k + 1], xv.y, qx[r]);
-                                qx[r] = fmaf(q[r][k + 2], xv.z, qx[r]);
-                                qx[r] = fmaf(q[r][k + 3], xv.w, qx[r]);
-                            }
-                        }
+                    for (int v = 0; v < W::kRunLength / 4; ++v) {
+                        const float4 xv = xr[v];
+                        const int k = run * W::kRunLength + 4 * v;
+                        if constexpr (W::kBias) x_sum += (xv.x + xv.y) + (xv.z + xv.w);
 #pragma unroll
                         for (int r = 0; r < kRows; ++r) {
-                            if constexpr (W::kBias) acc[r][t] = fmaf(bias[r][run], x_sum, acc[r][t]);
-                            acc[r][t] = fmaf(scale[r][run], qx[r], acc[r][t]);
+                            qx[r] = fmaf(q[r][k], xv.x, qx[r]);
+                            qx[r] = fmaf(q[r][k + 1], xv.y, qx[r]);
+                            qx[r] = fmaf(q[r][k + 2], xv.z, qx[r]);
+                            qx[r] = fmaf(q[r][k + 3], xv.w, qx[r]);
                         }
                     }
-                }
-            } else {
-                float w[kRows][W::kPartValues];
 #pragma unroll
-                for (int r = 0; r < kRows; ++r) {
-                    const u8* staged = reinterpret_cast<const u8*>(stage[warp][r]) + lead[r] +
-                                       block_in_span * W::kBlockBytes;
-                    W::decode(staged, part, w[r]);
-                }
-#pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    if (t >= n_tokens) break;
-                    const float* x_token = x_block + static_cast<size_t>(t) * n_in;
-#pragma unroll
-                    for (int run = 0; run < W::kRuns; ++run) {
-                        const float4* xr = reinterpret_cast<const float4*>(x_token + W::run_start(part, run));
-#pragma unroll
-                        for (int v = 0; v < W::kRunLength / 4; ++v) {
-                            const float4 xv = xr[v];
-                            const int k = run * W::kRunLength + 4 * v;
-#pragma unroll
-                            for (int r = 0; r < kRows; ++r) {
-                                acc[r][t] = fmaf(w[r][k], xv.x, acc[r][t]);
-                                acc[r][t] = fmaf(w[r][k + 1], xv.y, acc[r][t]);
-                                acc[r][t] = fmaf(w[r][k + 2], xv.z, acc[r][t]);
-                                acc[r][t] = fmaf(w[r][k + 3], xv.w, acc[r][t]);
-                            }
-                        }
+                    for (int r = 0; r < kRows; ++r) {
+                        if constexpr (W::kBias) acc[r][t] = fmaf(bias[r][run], x_sum, acc[r][t]);
+                        acc[r][t] = W::kPlain ? acc[r][t] + qx[r] : fmaf(scale[r][run], qx[r], acc[r][t]);
                     }
                 }
             }

@@ -78,7 +78,7 @@ weight_mma(const cupyllm::u8* __restrict__ weights, long long row_bytes, int n_o
             int part;
             const u8* block = part_block<W>(weights + static_cast<size_t>(row) * row_bytes, global_part, part);
             float w[W::kPartValues];
-            W::decode(block, part, w);
+            decode_part<W>(block, part, w);
             const int block_col = (global_part / W::kParts) * W::kBlockValues - k0;
 #pragma unroll
             for (int run = 0; run < W::kRuns; ++run)
