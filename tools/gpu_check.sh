@@ -2,7 +2,7 @@
 # The one prepared script for the GPU machine (an H200 with cupy-cuda13x, numba, torch, transformers; no
 # network, no gguf). Run it from the repository root there, with .whl/ carried (tools/fetch_gpu_wheels.sh):
 #
-#   run(command="bash tools/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=400)
+#   run(command="bash tools/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log", carry=[".whl"], timeout_s=480)
 #
 # What comes back: $OUT/gpu_check.log, $OUT/gpu_results.tar (the result files of bench/results, packed after
 # each step: a call returns at most 8 files) and $OUT/e2e_gpu.json (rewritten after every model); here:
@@ -19,7 +19,7 @@
 # 5. packs the results into $OUT/gpu_results.tar (when OUT is set) after every step, so a run cut short keeps
 #    what it measured
 #
-# Finishes in under 7.5 minutes: each step has its own time limit.
+# Finishes in under 7.5 minutes: each step has its own time limit, cut to what is left of the run's budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -34,6 +34,10 @@ unset OUT
 STARTED=$(mktemp)  # publish() packs the result files written after this one (not those committed earlier)
 
 step() { echo; echo "=== $* ($((SECONDS - START)) s)"; }
+# A step's time limit: its own, or what is left of the run's 450 s (7.5 minutes), whichever is less (at least
+# 5 s), so the limits together never add up past the budget.
+BUDGET_S=450
+limit() { local left=$((BUDGET_S - (SECONDS - START))); [ "$left" -lt 5 ] && left=5; echo $(( $1 < left ? $1 : left )); }
 
 step "carried wheels"
 source tools/gpu_wheels.sh || exit 1
@@ -52,7 +56,7 @@ print("kernels:", kernel_source_dir(), "CUDA headers:", cuda_include_dirs())
 EOF
 
 step "compile every kernel set (parallel NVRTC; fills CuPy's kernel cache for the test processes)"
-timeout 75 "$PY" tools/compile_kernels.py
+timeout $(limit 75) "$PY" tools/compile_kernels.py
 
 step "pytest -m gpu"
 # pytest-xdist and pytest-timeout are in the device image: 12 workers (2 numba threads each, for the CPU
@@ -60,7 +64,7 @@ step "pytest -m gpu"
 pytest_args=()
 if "$PY" -c "import xdist" 2>/dev/null; then pytest_args+=(-n 12); export NUMBA_NUM_THREADS=2; fi
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then pytest_args+=(--timeout=60); fi
-timeout 150 "$PY" -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider "${pytest_args[@]}" \
+timeout $(limit 150) "$PY" -m pytest -m gpu -q -rs --tb=short -p no:cacheprovider "${pytest_args[@]}" \
     --junitxml="$RESULTS/gpu_pytest.xml" 2>&1 | tee "$RESULTS/gpu_pytest.log"
 pytest_status=${PIPESTATUS[0]}
 echo "pytest exit status: $pytest_status"
@@ -81,29 +85,29 @@ publish
 step "GPU micro-benchmarks"
 # each writes its JSON after every row and starts no new row past its --budget-s (the 64k rows first)
 echo "--- bench/attention_gpu.py"
-timeout 45 "$PY" bench/attention_gpu.py --budget-s 32 || echo "bench/attention_gpu.py failed or timed out ($?)"
+timeout $(limit 45) "$PY" bench/attention_gpu.py --budget-s 32 || echo "bench/attention_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/dequant_gpu.py (fa_mma's dequantizing pass: the Half8 readers vs Chunk8's floats rounded)"
-timeout 30 "$PY" bench/dequant_gpu.py --rows 524288 --repeats 10 || echo "bench/dequant_gpu.py failed or timed out ($?)"
+timeout $(limit 30) "$PY" bench/dequant_gpu.py --rows 524288 --repeats 10 || echo "bench/dequant_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/dca_gpu.py"
-timeout 45 "$PY" bench/dca_gpu.py --budget-s 32 || echo "bench/dca_gpu.py failed or timed out ($?)"
+timeout $(limit 45) "$PY" bench/dca_gpu.py --budget-s 32 || echo "bench/dca_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/spill_gpu.py (device window + pinned host tail vs the whole cache on the device)"
-timeout 25 "$PY" bench/spill_gpu.py --budget-s 12 || echo "bench/spill_gpu.py failed or timed out ($?)"
+timeout $(limit 25) "$PY" bench/spill_gpu.py --budget-s 12 || echo "bench/spill_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/kv_encode.py --device gpu"
-timeout 40 "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
+timeout $(limit 40) "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
 publish
 echo "--- tools/profile_decode_gpu.py (where a Gemma 3 270M decode step's device time goes)"
-timeout 40 "$PY" tools/profile_decode_gpu.py --model gemma3-270m || echo "decode profile failed or timed out ($?)"
+timeout $(limit 40) "$PY" tools/profile_decode_gpu.py --model gemma3-270m || echo "decode profile failed or timed out ($?)"
 publish
 # Small models first (~50 s with transformers beside them); the 7B (~4.7 GB GGUF written here, transformers
 # from the same weights) starts only inside --budget-s and writes its row when done.
 echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b, gemma4-e2b, qwen2.5-7b)"
 # (its JSON goes straight into $OUT when set: rewritten after every model, it comes back even if the call's
 # limit cuts the 7B short)
-timeout 140 "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b --budget-s 60 \
+timeout $(limit 140) "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b --budget-s 60 \
     --out "${RUN_OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
 [ -n "$RUN_OUT" ] && [ -e "$RUN_OUT/e2e_gpu.json" ] && cp "$RUN_OUT/e2e_gpu.json" "$RESULTS"/
 publish
