@@ -1,11 +1,11 @@
 """fa_mma's dequantizing pass alone: the Half8 readers against the definition they replace, in one run.
 
 fa_mma (prefill, and decode of every quantized KV format) stages raw cache rows in shared memory and reads them
-into f16 tiles (fa_common.cuh). `fa_dequant_bench<D, kFromFloats>` (fa_combine.cu) runs that pass, the very
-loops of fa_mma (DequantRows into a K tile, DequantColumns into a V^T tile), over a large cache of one format and
-folds the tiles into a checksum: with kFromFloats = false through Half8 (f16 arithmetic for the block formats),
-with true through Half8FromFloats (Chunk8's floats rounded), the reader the kernels used before. Both must give
-the same checksums (checked here). Reported per format and head dim: time per pass (CUDA events, median),
+into f16 tiles (fa_common.cuh). `fa_dequant_bench<D, Reader>` (fa_combine.cu) runs that pass, the very loops
+of fa_mma (DequantRows into a K tile, DequantColumns into a V^T tile), over a large cache of one format and folds
+the tiles into a checksum: through Half8 (f16 arithmetic for the block formats) and through Half8FromFloats
+(Chunk8's floats rounded), the reader the kernels used before. Both must give the same checksums (checked
+here). Reported per format and head dim: time per pass (CUDA events, median),
 values per second, and the speed-up of Half8. tools/sass_count.py gives the same comparison as static
 instruction counts (no GPU).
 

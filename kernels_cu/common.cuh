@@ -40,7 +40,6 @@ __device__ __forceinline__ To same_bits(From from) {
 #endif
 }
 
-
 __device__ __forceinline__ float f16_bits_to_float(u16 bits) {
     return __half2float(__ushort_as_half(bits));
 }
@@ -137,6 +136,13 @@ __device__ __forceinline__ float warp_signed_absmax_first(float v, int index) {
 // unlike I2F) give the integers minus kOffset as floats: 2.5 instructions a value where extracting and
 // converting one by one took 4.
 
+// The pair (u0 - kOffset, u1 - kOffset) as f16, exactly, from the mantissa pair 0x6400 | u0, 0x6400 | u1.
+template <int kOffset>
+__device__ __forceinline__ __half2 mantissa_pair_minus(u32 mantissas) {
+    const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));  // 1024 + kOffset
+    return __hsub2(same_bits<__half2>(mantissas), bias);
+}
+
 // The f16 pair 1024 + (byte 0, byte 1) of w (kHigh: bytes 2, 3).
 template <bool kHigh>
 __device__ __forceinline__ u32 byte_pair_as_f16_mantissas(u32 w) {
@@ -146,9 +152,8 @@ __device__ __forceinline__ u32 byte_pair_as_f16_mantissas(u32 w) {
 // The four bytes of w minus kOffset, out[k] for byte k.
 template <int kOffset>
 __device__ __forceinline__ void bytes_as_floats(u32 w, float (&out)[4]) {
-    const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));
-    const float2 lo = __half22float2(__hsub2(same_bits<__half2>(byte_pair_as_f16_mantissas<false>(w)), bias));
-    const float2 hi = __half22float2(__hsub2(same_bits<__half2>(byte_pair_as_f16_mantissas<true>(w)), bias));
+    const float2 lo = __half22float2(mantissa_pair_minus<kOffset>(byte_pair_as_f16_mantissas<false>(w)));
+    const float2 hi = __half22float2(mantissa_pair_minus<kOffset>(byte_pair_as_f16_mantissas<true>(w)));
     out[0] = lo.x;
     out[1] = lo.y;
     out[2] = hi.x;
@@ -158,11 +163,10 @@ __device__ __forceinline__ void bytes_as_floats(u32 w, float (&out)[4]) {
 // The eight nibbles of w minus kOffset, out[k] for nibble k (bits 4k .. 4k + 3).
 template <int kOffset>
 __device__ __forceinline__ void nibbles_as_floats(u32 w, float (&out)[8]) {
-    const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));
 #pragma unroll
     for (int s = 0; s < 4; ++s) {  // nibbles s and s + 4: the low nibbles of bytes 0 and 2 of w >> 4s
         const u32 mantissas = ((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u;
-        const float2 v = __half22float2(__hsub2(same_bits<__half2>(mantissas), bias));
+        const float2 v = __half22float2(mantissa_pair_minus<kOffset>(mantissas));
         out[s] = v.x;
         out[s + 4] = v.y;
     }

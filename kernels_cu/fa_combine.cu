@@ -3,7 +3,7 @@
 //                               up to three Q arrays into one (Dual Chunk Attention's rotations, one launch)
 //   fa_combine<kRotG, OT>       merge the split results by their LSE; unrotate O when the V format is rotated
 //   fa_chunk_check<G>           test aid: read_chunk (Chunk8) next to load_kv_value for every value of some rows
-//   fa_dequant_bench<D, kFromFloats>  benchmark aid: fa_mma's dequantizing pass alone, with Half8 or its definition
+//   fa_dequant_bench<D, Reader>  benchmark aid: fa_mma's dequantizing pass alone, with Half8 or its definition
 #include "fa_common.cuh"
 
 // ---- Q preparation: out = scale * q, rotated per group of kRotG values when the K format is rotated -------
@@ -163,12 +163,12 @@ fa_chunk_check(const cupyllm::u8* __restrict__ rows, const float* __restrict__ t
 }
 
 // Benchmark aid (bench/dequant_gpu.py): fa_mma's dequantizing pass alone, so that one run times the Half8
-// readers (kFromFloats = false) against the definition they replace, Chunk8's floats rounded (true). Each block
+// readers (Reader = Half8) against the definition they replace, Chunk8's floats rounded (Half8FromFloats). Each block
 // walks tiles of 64 rows [n_rows, row_bytes] of format `fmt` (runtime id): stages a tile in shared memory with
 // cp.async and dequantizes it into a K tile and a V^T tile exactly as fa_mma does (DequantRows,
 // DequantColumns), then folds the words of both tiles into one xor per block (checksum[block]): both variants
 // must give the same checksums.
-template <int D, bool kFromFloats>
+template <int D, template <class> class Reader>
 __global__ void __launch_bounds__(cupyllm::kFaThreads)
 fa_dequant_bench(const cupyllm::u8* __restrict__ rows, const float* __restrict__ table, cupyllm::u32* __restrict__ checksum,
                  int n_rows, int fmt, int row_bytes, int table_len) {
@@ -190,13 +190,8 @@ fa_dequant_bench(const cupyllm::u8* __restrict__ rows, const float* __restrict__
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
-        if constexpr (kFromFloats) {
-            with_format<G>(fmt, DequantRows<D, kTile, kKStride, Half8FromFloats>{{L, raw, k_s, first, 1, 0, table_s, tid}});
-            with_format<G>(fmt, DequantColumns<D, kTile, kVStride, Half8FromFloats>{{L, raw, vt_s, first, 1, 0, table_s, tid}});
-        } else {
-            with_format<G>(fmt, DequantRows<D, kTile, kKStride>{{L, raw, k_s, first, 1, 0, table_s, tid}});
-            with_format<G>(fmt, DequantColumns<D, kTile, kVStride>{{L, raw, vt_s, first, 1, 0, table_s, tid}});
-        }
+        with_format<G>(fmt, DequantRows<D, kTile, kKStride, Reader>{{L, raw, k_s, first, 1, 0, table_s, tid}});
+        with_format<G>(fmt, DequantColumns<D, kTile, kVStride, Reader>{{L, raw, vt_s, first, 1, 0, table_s, tid}});
         __syncthreads();
         const u32* k_words = reinterpret_cast<const u32*>(k_s);
         const u32* v_words = reinterpret_cast<const u32*>(vt_s);

@@ -269,8 +269,7 @@ struct Half8<FmtF16> {
 // (u0 - kOffset, u1 - kOffset) * d in f16 for the pair 1024 + (u0, u1) (byte_pair_as_f16_mantissas).
 template <int kOffset>
 __device__ __forceinline__ u32 scale_f16_pair(u32 mantissas, __half2 d2) {
-    const __half2 bias = __half2half2(__ushort_as_half(static_cast<u16>(0x6400 + kOffset)));  // 1024 + kOffset
-    return same_bits<u32>(__hmul2(__hsub2(same_bits<__half2>(mantissas), bias), d2));
+    return same_bits<u32>(__hmul2(mantissa_pair_minus<kOffset>(mantissas), d2));
 }
 
 // Four values u_i (bytes of lo: values 0-3, of hi: 4-7, each < 256) of a symmetric format as f16 (u_i - kOffset) * d.
@@ -287,7 +286,7 @@ __device__ __forceinline__ uint4 scale_f16_bytes(u32 lo, u32 hi, u16 d_bits) {
 // less 1024) and one FMA rounds d * u_i + m once, which is Chunk8's sum of the product (exact in f32: 11 + 5
 // bits) and m; then rounded to f16.
 __device__ __forceinline__ u32 affine_f16_pair(u32 mantissas, float d, float m) {
-    const float2 u = __half22float2(__hsub2(same_bits<__half2>(mantissas), __half2half2(__ushort_as_half(0x6400))));
+    const float2 u = __half22float2(mantissa_pair_minus<0>(mantissas));
     return pack_half2(__fmaf_rn(d, u.x, m), __fmaf_rn(d, u.y, m));
 }
 

@@ -390,8 +390,8 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
     if constexpr (kF16) {
         // K and V f16 (decode): the cache rows are the tiles' rows already. cp.async copies them straight into
         // K [kTile][kQStride] and V [kTile][kQStride] of a stage (no staging buffer, no dequantizing pass, no
-        // transposition: P V reads V's key pairs as two halves); two stages for D <= 128, so the copies of tile
-        // t + 1 overlap all the work on tile t.
+        // transposition: P V loads V's fragments with ldmatrix .trans); two stages for D <= 128, so the copies
+        // of tile t + 1 overlap all the work on tile t.
         using L = MmaF16Layout<D>;
         // Consecutive threads copy consecutive 16 bytes: thread tid takes chunk tid % kChunks of the tile's rows
         // tid / kChunks + i * kRowStep (kFaThreads is a multiple of kChunks), so its addresses advance by fixed

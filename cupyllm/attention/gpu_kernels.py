@@ -11,7 +11,7 @@ Kernels (fa_common.cuh has the shared semantics and layouts):
 * ``fa_prep_q<G, QT, OT>``: Q * scale, WHT-rotated per group when the K format is rotated.
 * ``fa_combine<G, OT>``: merge split results by LSE, unrotate O when the V format is rotated.
 * ``fa_chunk_check<G>``: test aid, the kernels' chunk reader next to kv_formats.cuh's per-value one.
-* ``fa_dequant_bench<D, kFromFloats>``: benchmark aid, fa_mma's dequantizing pass with the Half8 readers or
+* ``fa_dequant_bench<D, Reader>``: benchmark aid, fa_mma's dequantizing pass with the Half8 readers or
   with the definition they replace (bench/dequant_gpu.py).
 * ``fa_vec<D, R, true>``, ``fa_mma<D, kDecode, true>`` (dca_fused.cu): Dual Chunk Attention (fa_common.cuh): Q in three
   rotations, the rotation of each (query, key) pair picked by its chunk regime, one online softmax
@@ -188,7 +188,7 @@ DEQUANT_BENCH_TILE = 64  # rows per tile of fa_dequant_bench
 
 
 def dequant_bench_kernel_name(head_dim: int, from_floats: bool) -> str:
-    return f"fa_dequant_bench<{head_dim}, {'true' if from_floats else 'false'}>"
+    return f"fa_dequant_bench<{head_dim}, cupyllm::{'Half8FromFloats' if from_floats else 'Half8'}>"
 
 
 def dequant_bench_smem_bytes(head_dim: int, row_bytes: int, n_table: int) -> int:
