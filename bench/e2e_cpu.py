@@ -3,9 +3,13 @@ beside llama.cpp (llama-cpp-python, n_threads=2) and HF transformers (float32) i
 random-weight Gemma 4 E2B (tools/make_tiny_models.py preset `gemma4-e2b`, Q4_K blocks with the real shapes,
 written to ~/.cache/cupyllm/bench once: no Gemma 4 GGUF ships on PyPI) beside llama.cpp.
 
-    python bench/e2e_cpu.py [--models gemma qwen gemma4-e2b] [--skip-transformers] [--out bench/results/e2e_cpu.json]
+    python bench/e2e_cpu.py [--models gemma qwen gemma4-e2b] [--skip-transformers] [--rounds 3]
+                            [--out bench/results/e2e_cpu.json]
 
-Ratios are cupyllm / peer (above 1: cupyllm faster). Each engine is timed alone, one after the other.
+Ratios are cupyllm / peer (above 1: cupyllm faster). The engines of a model are loaded together in one process
+and timed alone, one after the other, in `--rounds` rounds whose engine order alternates, so each engine's runs
+sit beside its peers' in time; each figure is the median over the rounds (all rounds are in the JSON): on a
+shared 2-core machine one run of the same code varies by 25%.
 """
 from __future__ import annotations
 
@@ -50,64 +54,83 @@ def preset_path(name: str) -> Path:
     return path
 
 
-def bench_cupyllm(path: Path, ids: list[int]) -> dict:
+def _timed(prefill, step, ids: list[int]) -> dict:
+    """Prefill `ids`, then DECODE_TOKENS greedy steps: tokens/s of each. prefill(ids) -> last logits (starting
+    from an empty cache); step(token) -> logits."""
+    t0 = time.perf_counter()
+    logits = prefill(ids)
+    t_prefill = time.perf_counter() - t0
+    token = int(np.argmax(logits))
+    t0 = time.perf_counter()
+    for _ in range(DECODE_TOKENS):
+        token = int(np.argmax(step(token)))
+    t_decode = time.perf_counter() - t0
+    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode}
+
+
+def cupyllm_engine(path: Path, ids: list[int]):
     import cupyllm
     from cupyllm.generate import prefill
 
     model = cupyllm.load(path, device="cpu", ctx=PROMPT_TOKENS + DECODE_TOKENS + 8, progress=False)
     forward = model.transformer.forward
     prefill(forward, ids[:16], model.new_cache(), 512)  # warm up (numba kernels compiled, caches allocated)
-    cache = model.new_cache()
-    t0 = time.perf_counter()
-    logits = prefill(forward, ids, cache, 512)
-    t_prefill = time.perf_counter() - t0
-    token = int(np.argmax(logits))
-    t0 = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
+    state = {}
+
+    def run_prefill(prompt):
+        state["cache"] = model.new_cache()
+        return prefill(forward, prompt, state["cache"], 512)
+
+    def step(token):
+        cache = state["cache"]
         logits = forward(np.array([token]), np.array([cache.n_past]), cache)
         cache.n_past += 1
-        token = int(np.argmax(logits))
-    t_decode = time.perf_counter() - t0
-    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode}
+        return logits
+
+    return lambda: _timed(run_prefill, step, ids), {}
 
 
-def bench_llama_cpp(path: Path, ids: list[int]) -> dict:
+def llama_cpp_engine(path: Path, ids: list[int]):
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_threads=THREADS, n_threads_batch=THREADS, n_ctx=512, n_batch=512, verbose=False)
     llm.eval(ids[:16])
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    t_prefill = time.perf_counter() - t0
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t0 = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
+
+    def run_prefill(prompt):
+        llm.reset()
+        llm.eval(prompt)
+        return llm.scores[llm.n_tokens - 1]
+
+    def step(token):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t_decode = time.perf_counter() - t0
-    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode, "version": _version("llama_cpp")}
+        return llm.scores[llm.n_tokens - 1]
+
+    return lambda: _timed(run_prefill, step, ids), {"version": _version("llama_cpp")}
 
 
-def bench_transformers(path: Path, ids: list[int]) -> dict:
+def transformers_engine(path: Path, ids: list[int]):
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(THREADS)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    prompt = torch.tensor([ids])
     with torch.no_grad():
-        model(prompt[:, :16])
-        t0 = time.perf_counter()
-        out = model(prompt, use_cache=True)
-        t_prefill = time.perf_counter() - t0
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for _ in range(DECODE_TOKENS):
-            out = model(token, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        t_decode = time.perf_counter() - t0
-    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode, "version": _version("transformers")}
+        model(torch.tensor([ids[:16]]))
+    state = {}
+
+    @torch.no_grad()
+    def run_prefill(prompt):
+        out = model(torch.tensor([prompt]), use_cache=True)
+        state["past"] = out.past_key_values
+        return out.logits[0, -1].numpy()
+
+    @torch.no_grad()
+    def step(token):
+        out = model(torch.tensor([[token]]), past_key_values=state["past"], use_cache=True)
+        state["past"] = out.past_key_values
+        return out.logits[0, -1].numpy()
+
+    return lambda: _timed(run_prefill, step, ids), {"version": _version("transformers")}
 
 
 def _version(module: str) -> str:
@@ -123,31 +146,41 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gemma", "qwen"], choices=["gemma", "qwen", "gemma4-e2b"])
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs per engine and model (median reported)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_cpu.json")
     args = parser.parse_args(argv)
 
     import cupyllm
 
     paths = {"gemma": gemma_path, "qwen": qwen_path, "gemma4-e2b": lambda: preset_path("gemma4-e2b")}
-    engines = {"cupyllm": bench_cupyllm, "llama.cpp": bench_llama_cpp}
+    engines = {"cupyllm": cupyllm_engine, "llama.cpp": llama_cpp_engine}
     if not args.skip_transformers:
-        engines["transformers"] = bench_transformers
+        engines["transformers"] = transformers_engine
     results = {}
-    jobs = [(m, e) for m in args.models for e in engines if not (m.startswith("gemma4") and e == "transformers")]
-    for name, engine in tqdm(jobs, desc="e2e cpu bench", unit="run"):
+    for name in tqdm(args.models, desc="e2e cpu bench", unit="model"):
         path = paths[name]()
         if name.startswith("gemma4"):  # random weights: random ids of its small real vocabulary
             ids = np.random.default_rng(0).integers(4, 280, PROMPT_TOKENS).tolist()
         else:
             ids = prompt_ids(cupyllm.load(path, device="cpu", ctx=64, progress=False))
-        results.setdefault(name, {"model": path.name})[engine] = engines[engine](path, ids)
+        loaded = {e: engines[e](path, ids) for e in engines if not (name.startswith("gemma4") and e == "transformers")}
+        runs = {e: [] for e in loaded}
+        for r in tqdm(range(args.rounds), desc=name, unit="round", leave=False):
+            for engine in (list(loaded) if r % 2 == 0 else list(loaded)[::-1]):
+                runs[engine].append(loaded[engine][0]())
+        row = results.setdefault(name, {"model": path.name})
+        for engine, engine_runs in runs.items():
+            row[engine] = {k: float(np.median([run[k] for run in engine_runs])) for k in ("prefill_tps", "decode_tps")}
+            row[engine].update(loaded[engine][1], rounds=engine_runs)
+        del loaded
     for name, row in results.items():
         ours = row["cupyllm"]
         for peer in [e for e in engines if e != "cupyllm" and e in row]:
             row[f"ratio_vs_{peer}"] = {k: ours[k] / row[peer][k] for k in ("prefill_tps", "decode_tps")}
     report = {
         "bench": "e2e_cpu", "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "threads": THREADS, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
+        "threads": THREADS, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "rounds": args.rounds,
+        "figures": "median over the rounds (engines interleaved)",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

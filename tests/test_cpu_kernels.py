@@ -9,7 +9,9 @@ from numba import njit
 from cupyllm.backend.cpu_kernels import rms_norm_rows, rope_rows
 from cupyllm.config import RopeConfig
 from cupyllm.quant import simd
-from cupyllm.quant.cpu_matmul import F16_TABLE, dequantize_ids, dequantize_numba, gemv_blocks, matmul, matmul_many
+from cupyllm.quant.activations import round_activations
+from cupyllm.quant.cpu_matmul import (F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks, matmul,
+                                      matmul_many)
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
 from cupyllm.rope import apply_rope, rope_tables
 from test_weights import random_rows
@@ -56,6 +58,60 @@ def test_simd_lanes_match_numpy():
     np.testing.assert_allclose(out[72], v.astype(np.float64).sum(), rtol=1e-6)
 
 
+@njit
+def _word_lanes(raw, codes, x):
+    """Every int16-lane helper once (as int32 [16 * 8 + 8 * 2]) and the float max helpers (float32 [8 * 3 + 1])."""
+    out = np.empty(16 * 8 + 8 * 2, np.int32)
+    words = np.empty(16, np.float32)
+    u = simd.load_u8w(raw, 3)
+    i = simd.load_i8w(raw, 3)
+    c = simd.load_i16(codes, 2)
+    lanes = (u, i, c, simd.wor(simd.wand(u, 15), simd.wshl(simd.wshr(u, 6), 4)), simd.wsub(u, i),
+             simd.bit_words(np.uint32(0xA5F00F5A), 9, 16), simd.wand(u, simd.load_u8w(raw, 0)),
+             simd.wshr(u, simd.load_u8w(raw, 20)))
+    for j in range(8):  # int16 lanes out through madd against 1, 0 pairs: lane 2m -> int32 lane m
+        even = simd.madd(simd.izeros(), lanes[j], simd.load_i16(codes, 40))
+        odd = simd.madd(simd.izeros(), lanes[j], simd.load_i16(codes, 41))
+        simd.store_f32(words, 0, simd.to_f32(even))
+        simd.store_f32(words, 8, simd.to_f32(odd))
+        for m in range(8):
+            out[16 * j + 2 * m] = np.int32(words[m])
+            out[16 * j + 2 * m + 1] = np.int32(words[8 + m])
+    simd.store_f32(words, 0, simd.to_f32(simd.madd(simd.madd(simd.izeros(), i, c), u, c)))
+    for m in range(8):
+        out[128 + m] = np.int32(words[m])
+    floats = np.empty(8 * 3 + 1, np.float32)
+    v, w = simd.load_f32(x, 0), simd.load_f32(x, 8)
+    simd.store_f32(floats, 0, simd.fabs(v))
+    simd.store_f32(floats, 8, simd.fmax(v, w))
+    simd.store_f32(floats, 16, simd.fmin(v, w))
+    floats[24] = simd.hmax(v)
+    return out, floats
+
+
+def test_simd_word_lanes_match_numpy():
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, 40, dtype=np.uint8)
+    raw[20:36] = rng.integers(0, 8, 16)  # shift counts
+    codes = rng.integers(-32767, 32768, 64).astype(np.int16)
+    codes[40:58] = np.tile([1, 0], 9)  # madd against these picks even lanes (at 40) or odd lanes (at 41)
+    x = rng.standard_normal(16).astype(np.float32)
+    out, floats = _word_lanes(raw, codes, x)
+    u = raw[3:19].astype(np.int64)
+    i = raw[3:19].view(np.int8).astype(np.int64)
+    c = codes[2:18].astype(np.int64)
+    expect = [u, i, c, (u & 15) | ((u >> 6) << 4), u - i, ((0xA5F00F5A >> np.arange(9, 25)) & 1) * 16, u & raw[0:16],
+              u >> raw[20:36]]
+    for j, want in enumerate(expect):
+        np.testing.assert_array_equal(out[16 * j:16 * j + 16], want, err_msg=f"lane helper {j}")
+    np.testing.assert_array_equal(out[128:136], (i * c + u * c).reshape(8, 2).sum(1))
+    v, w = x[:8], x[8:]
+    np.testing.assert_array_equal(floats[0:8], np.abs(v))
+    np.testing.assert_array_equal(floats[8:16], np.maximum(v, w))
+    np.testing.assert_array_equal(floats[16:24], np.minimum(v, w))
+    assert floats[24] == v.max()
+
+
 @pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
 def test_gemv_matches_reference(qtype, n_in):
@@ -66,10 +122,11 @@ def test_gemv_matches_reference(qtype, n_in):
     rows = random_rows(qtype, n_out, n_in, seed=n_in)
     # activations with a large common offset: the folded block offsets/mins must not lose precision
     x = (np.random.default_rng(5).standard_normal(n_in) + 3.0).astype(np.float32)
-    reference = dequantize(rows, qtype, n_in).astype(np.float64) @ x.astype(np.float64)
+    x_hat = x if qtype in FLOAT_TYPES else round_activations(x)  # block formats multiply the 16-bit codes
+    reference = dequantize(rows, qtype, n_in).astype(np.float64) @ x_hat.astype(np.float64)
     out = np.empty(n_out, np.float32)
     gemv_blocks(np.array([fmt.code]), (rows,), x, (out,), F16_TABLE)
-    scale = np.abs(dequantize(rows, qtype, n_in)).astype(np.float64) @ np.abs(x).astype(np.float64)
+    scale = np.abs(dequantize(rows, qtype, n_in)).astype(np.float64) @ np.abs(x_hat).astype(np.float64)
     np.testing.assert_array_less(np.abs(out - reference), 2e-6 * scale + 1e-30)
 
 

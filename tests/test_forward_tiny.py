@@ -1,6 +1,7 @@
 """Tiny random-weight Qwen2, Qwen3 (dense, MoE), Gemma 3 and Gemma 4 GGUFs (our writer) against transformers models
-built from the very same tensors: float32 logits within 1e-4, through chunked prefill, sliding-window rings and
-one-token decode; all-F32 twins against llama.cpp's stored logits."""
+built from the very same tensors: float32 logits within 1e-4 through chunked prefill and sliding-window rings,
+within 1.5e-3 through one-token decode (its GEMV rounds the activations to 16-bit codes); all-F32 twins against
+llama.cpp's stored logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -45,7 +46,8 @@ def test_decode_steps_match_transformers(pair):
     for token in ids[9:]:
         steps.append(model.transformer.forward(np.array([token]), np.array([cache.n_past]), cache))
         cache.n_past += 1
-    np.testing.assert_allclose(np.concatenate(steps), hf_logits(hf, ids)[8:], atol=1e-4, rtol=0)
+    # (decode steps multiply the weights by their activations rounded to 16-bit codes: measured up to 6e-4 here)
+    np.testing.assert_allclose(np.concatenate(steps), hf_logits(hf, ids)[8:], atol=1.5e-3, rtol=0)
 
 
 def test_gemma4_shared_layers_store_no_cache(tiny_model):

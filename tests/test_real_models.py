@@ -51,7 +51,9 @@ def test_f16_cache_stays_close(loaded):
 
 
 def test_decode_equals_recompute(loaded):
-    """Prefill + one-token decode steps give the logits a from-scratch run computes for the same positions."""
+    """Prefill + one-token decode steps give the logits a from-scratch run computes for the same positions, and
+    HF's. (A decode step multiplies the weights by its activations rounded to 16-bit codes per 32 values,
+    quant/activations.py; a prefill by the float32 activations: measured, the two differ by up to ~0.005.)"""
     name, model, ref = loaded
     ids = ref["ids_1"].tolist()[:40]
     full = model.logits(ids)
@@ -62,4 +64,8 @@ def test_decode_equals_recompute(loaded):
     for token in ids[30:]:
         steps.append(model.transformer.forward(np.array([token]), np.array([cache.n_past]), cache))
         cache.n_past += 1
-    np.testing.assert_allclose(np.concatenate(steps), full[29:], atol=2e-3)
+    decoded = np.concatenate(steps)
+    np.testing.assert_allclose(decoded, full[29:], atol=1e-2)
+    top_idx, top_val = ref["top_idx_1"][29:40].astype(np.int64), ref["top_val_1"][29:40]
+    assert np.abs(np.take_along_axis(decoded, top_idx, axis=-1) - top_val).max() <= 0.02
+    np.testing.assert_array_equal(decoded.argmax(-1), top_idx[:, 0])

@@ -1,5 +1,6 @@
 """Weight block formats: our NumPy dequantization against the `gguf` package's independent one, and the numba
-matmul kernels (streamed GEMV and BLAS tiles) against the NumPy reference."""
+matmul kernels (streamed GEMV and BLAS tiles) against the NumPy reference; the activation codes the quantized
+matmuls multiply (quant/activations.py) against their definition."""
 from __future__ import annotations
 
 import gguf
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from cupyllm.quant.cpu_matmul import dequantize_numba, matmul
+from cupyllm.quant.activations import ACTIVATION_LEVELS, dequantize_activations, quantize_activations
+from cupyllm.quant.cpu_matmul import FLOAT_TYPES, TOKENS_PER_GEMV, dequantize_numba, matmul, quantize_activation_row
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
 
 QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # gguf.quants can quantize these
@@ -50,7 +52,54 @@ def test_matmul_from_blocks(qtype, n_tok):
     n_out, n_in = 300, 512  # n_out not a multiple of the row tile or thread chunk
     rows = random_rows(qtype, n_out, n_in, seed=2)
     x = np.random.default_rng(3).standard_normal((n_tok, n_in)).astype(np.float32)
-    reference = x.astype(np.float64) @ dequantize(rows, qtype, n_in).astype(np.float64).T
+    rounded = qtype not in FLOAT_TYPES and n_tok <= TOKENS_PER_GEMV  # the decode GEMV multiplies x's codes
+    x_hat = dequantize_activations(*quantize_activations(x)) if rounded else x
+    reference = x_hat.astype(np.float64) @ dequantize(rows, qtype, n_in).astype(np.float64).T
     got = matmul(x, rows, WEIGHT_FORMATS[qtype], n_in)
     assert got.dtype == np.float32 and got.shape == (n_tok, n_out)
     np.testing.assert_allclose(got, reference, rtol=2e-5, atol=2e-5 * np.abs(reference).max())
+
+
+def activation_rows() -> np.ndarray:
+    """Rows that reach every case: normal values, an all-zero block, exact halves (ties round to even), one
+    huge outlier, negative blocks, subnormals."""
+    x = np.random.default_rng(4).standard_normal((6, 256)).astype(np.float32) * 3
+    x[0, :32] = 0
+    x[1, 32:64] = np.arange(32) - 15.5  # with 32767 in the block the scale is 1: every value is a tie
+    x[1, 32] = 32767
+    x[2, 5] = 1e30
+    x[3, :64] = -np.abs(x[3, :64]) - 1000
+    x[4, 64:96] = np.float32(1e-40) * np.arange(32)
+    return x
+
+
+def test_activation_codes_follow_their_definition():
+    """quantize_activations: codes within 1/2 step of x / scale, each block's max at +-32767; all-zero blocks and
+    blocks too small for a normal scale (the subnormals) at 0."""
+    x = activation_rows()
+    codes, scales = quantize_activations(x)
+    codes = codes.reshape(6, -1, 32)
+    normal = scales >= np.finfo(np.float32).tiny
+    assert not normal[0, 0] and not normal[4, 2] and normal.sum() == normal.size - 2
+    assert np.all(codes[~normal] == 0)
+    exact = x.reshape(6, -1, 32)[normal].astype(np.float64) / scales[normal, None].astype(np.float64)
+    assert np.abs(codes[normal] - exact).max() <= 0.5 + 1e-3
+    assert np.all(np.abs(codes[normal]).max(-1) == ACTIVATION_LEVELS)
+    assert scales[1, 1] == 1  # ties go to the even code
+    np.testing.assert_array_equal(codes[1, 1, 1:], np.rint(np.arange(1, 32) - 15.5))
+    x_hat = dequantize_activations(codes.reshape(6, -1), scales).astype(np.float64)
+    bound = np.repeat(scales, 32, axis=-1) * 0.5 + np.abs(x) * 2.0 ** -23  # half a step, and x_hat's own rounding
+    assert np.all((np.abs(x_hat - x) <= bound)[np.repeat(normal, 32, axis=-1)])
+
+
+def test_numba_activation_codes_equal_reference():
+    """The GEMV's codes and scales bit for bit as NumPy's; its block sums of x_hat."""
+    x = activation_rows()
+    codes, scales = quantize_activations(x)
+    for r in range(x.shape[0]):
+        xq, xd, xsum = np.empty(256, np.int16), np.empty(8, np.float32), np.empty(8, np.float32)
+        quantize_activation_row(x[r], xq, xd, xsum)
+        np.testing.assert_array_equal(xq, codes[r])
+        np.testing.assert_array_equal(xd, scales[r])
+        np.testing.assert_allclose(xsum, (codes[r].reshape(-1, 32).astype(np.float64) * scales[r, :, None]).sum(-1),
+                                   rtol=1e-6)

@@ -1,20 +1,27 @@
-"""CPU matmul straight from GGUF blocks (numba, multithreaded, f32 accumulation, f32 activations).
+"""CPU matmul straight from GGUF blocks (numba, multithreaded, f32 accumulation).
 
 `y = x @ W.T` with W kept in its quantized blocks:
 - few tokens (decode): `gemv_blocks` walks each weight row once, unpacking block by block in registers and
-  dotting it with the token, so a decode step reads the quantized bytes only (memory-bound, as in llama.cpp);
-- many tokens (prefill): `dequantize_rows` expands a tile of rows to f32 and BLAS multiplies the tile, which is
-  compute-bound, so the tile's dequantization is amortised over all tokens.
-Both are written with the explicit 8-lane vectors of `quant/simd.py`. The row decoders reproduce the NumPy
-definitions of `quant/weights.py` bit for bit; the fused dot products sum the same values in another order.
+  multiplying the weight's integer codes with x rounded to 16-bit codes per 32 values (x_hat,
+  `quant/activations.py`; 16 products an instruction), so a decode step reads the quantized bytes with few
+  instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser);
+- many tokens (prefill): `dequantize_rows` expands a tile of rows to f32 and BLAS multiplies x itself by the
+  tile, which is compute-bound, so the tile's dequantization is amortised over all tokens and rounding x would
+  gain nothing.
+Both are written with the explicit vectors of `quant/simd.py`. The row decoders reproduce the NumPy
+definitions of `quant/weights.py` bit for bit, the activation codes those of `quant/activations.py`; the
+products are summed in another order than a float64 reference would.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .simd import (bit_lanes, f32_from_bits, fadd, fma, fmul, fsub, hsum, iand, ior, ishl, ishr, isub, load_f32, load_i8,
-                   load_u8, splat, store_f32, to_f32, zeros)
+from .activations import ACTIVATION_BLOCK, ACTIVATION_LEVELS, SMALLEST_SCALE
+from .simd import (bit_lanes, bit_words, f32_from_bits, fabs, fadd, fma, fmax, fmin, fmul, fround, fsub, halves,
+                   hmax, hsum, iand, ior, ishl, ishr, isub, izeros, lane_splat, load_f32, load_i8, load_i8w, load_i16,
+                   load_u8, load_u8w, madd, pair_lanes, splat, store_f32, store_i16, to_f32, wand, wor, wshl, wshr,
+                   wsub, zeros)
 from .weights import WEIGHT_FORMATS, WeightFormat
 from gguf import GGMLQuantizationType as T
 
@@ -26,6 +33,7 @@ C_F32, C_F16, C_BF16, C_Q8_0 = _C[T.F32], _C[T.F16], _C[T.BF16], _C[T.Q8_0]
 C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1 = _C[T.Q4_0], _C[T.Q4_1], _C[T.Q5_0], _C[T.Q5_1]
 C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
 
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
 TOKENS_PER_GEMV = 2  # up to this many tokens stream the quantized rows; more go through BLAS tiles
 ROW_TILE = 2048
 
@@ -189,199 +197,182 @@ def gather_rows(code, data, ids, out, f16):
         _deq_row(code, data[ids[i]], out[i], f16)
 
 
-# --- fused dequant-dot of one weight row with one activation vector -------------------------------
-# Written with the explicit 8-lane vectors of `simd` (numba's integer promotion defeats auto-vectorisation
-# here). Every decoder multiplies the block's integer codes with x in float32 lanes first and applies the
-# block scale once per 8-32 values; constant offsets (Q4_0's -8, Q5_0's -16, Q6_K's -32, the K-quant
-# mins and Q4_1/Q5_1's m) are folded through `xs`, the sums of x over each 16 values, so the lane loop
-# is just unpack, convert, FMA.
-
-XS_GROUP = 16  # values per entry of the activation partial sums `xs`
-
-
-@njit(inline="always")
-def _xs32(xs, k):
-    """Sum of x over the 32 values starting at k (a multiple of 32)."""
-    return xs[k // 16] + xs[k // 16 + 1]
+# --- fused dequant-dot of one weight row with one activation row of 16-bit codes ---------------------
+# The activation arrives as int16 codes `xq` with a float32 scale `xd` per 32 values and `xsum`, the sum of
+# x_hat over those 32 (quant/activations.py). A weight block's integer codes are unpacked into int16 lanes and
+# multiplied with the codes by `madd` (16 products, pairs summed into int32 lanes, exact); the weight's block
+# scale times the activation's is applied once per 32 values (16 for Q6_K) to the lanes converted to float32.
+# Constant offsets (Q4_0's -8, Q5_0's -16, Q6_K's -32) are taken off the codes in the lanes; the K-quant mins
+# and Q4_1 / Q5_1's m multiply `xsum`. So every result is sum_k W[n, k] * x_hat[k] up to float32 summation
+# order: exactly the dequantized weight times the rounded activation.
 
 
 @njit(inline="always")
-def _dot4(v0, v1, v2, v3, x, xb):
-    """v0 * x[xb:xb+8] + v1 * x[xb+8:xb+16] + ... over 32 consecutive values of x."""
-    s = fmul(v0, load_f32(x, xb))
-    s = fma(v1, load_f32(x, xb + 8), s)
-    s = fma(v2, load_f32(x, xb + 16), s)
-    return fma(v3, load_f32(x, xb + 24), s)
+def _codes16(xq, k):
+    """The activation codes k .. k+15."""
+    return load_i16(xq, k)
 
 
 @njit(inline="always")
-def _dot_q8_0(row, x, xs, f16):
+def _dot_q8_0(row, xq, xd, xsum, f16):
     acc = zeros()
-    for b in range(x.shape[0] // 32):
+    for b in range(xq.shape[0] // 32):
         o = b * 34
-        s = _dot4(to_f32(load_i8(row, o + 2)), to_f32(load_i8(row, o + 10)), to_f32(load_i8(row, o + 18)),
-                  to_f32(load_i8(row, o + 26)), x, b * 32)
-        acc = fma(splat(_half(row, o, f16)), s, acc)
+        s = madd(madd(izeros(), load_i8w(row, o + 2), _codes16(xq, 32 * b)), load_i8w(row, o + 18),
+                 _codes16(xq, 32 * b + 16))
+        acc = fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
     return hsum(acc)
 
 
 @njit(inline="always")
-def _nibbles(row, qs, x, xb):
-    """Sum over the 32 values of a 16-byte nibble field at row[qs]: low nibbles hold values 0..15, high 16..31."""
-    q0 = load_u8(row, qs)
-    q1 = load_u8(row, qs + 8)
-    return _dot4(to_f32(iand(q0, 15)), to_f32(iand(q1, 15)), to_f32(ishr(q0, 4)), to_f32(ishr(q1, 4)), x, xb)
+def _nibbles16(row, qs, xq, k, offset):
+    """Integer sum over a 32-value block of 16 nibble bytes at row[qs] (low nibbles: values 0..15, high: 16..31)."""
+    q = load_u8w(row, qs)
+    s = madd(izeros(), wsub(wand(q, 15), offset), _codes16(xq, k))
+    return madd(s, wsub(wshr(q, 4), offset), _codes16(xq, k + 16))
 
 
 @njit(inline="always")
-def _dot_q4_0(row, x, xs, f16):
+def _dot_q4_0(row, xq, xd, xsum, f16):
     acc = zeros()
-    offset = np.float32(0.0)
-    for b in range(x.shape[0] // 32):
+    for b in range(xq.shape[0] // 32):
         o = b * 18
-        d = _half(row, o, f16)
-        acc = fma(splat(d), _nibbles(row, o + 2, x, b * 32), acc)
-        offset += d * _xs32(xs, b * 32)
-    return hsum(acc) - np.float32(8.0) * offset
+        acc = fma(to_f32(_nibbles16(row, o + 2, xq, 32 * b, 8)), splat(_half(row, o, f16) * xd[b]), acc)
+    return hsum(acc)
 
 
 @njit(inline="always")
-def _dot_q4_1(row, x, xs, f16):
+def _dot_q4_1(row, xq, xd, xsum, f16):
     acc = zeros()
-    offset = np.float32(0.0)
-    for b in range(x.shape[0] // 32):
+    mins = np.float32(0.0)
+    for b in range(xq.shape[0] // 32):
         o = b * 20
-        acc = fma(splat(_half(row, o, f16)), _nibbles(row, o + 4, x, b * 32), acc)
-        offset += _half(row, o + 2, f16) * _xs32(xs, b * 32)
-    return hsum(acc) + offset
+        acc = fma(to_f32(_nibbles16(row, o + 4, xq, 32 * b, 0)), splat(_half(row, o, f16) * xd[b]), acc)
+        mins += _half(row, o + 2, f16) * xsum[b]
+    return hsum(acc) + mins
 
 
 @njit(inline="always")
-def _fives(row, qh, qs, x, xb):
-    """Sum over the 32 5-bit values of Q5_0/Q5_1: nibbles at row[qs], 5th bits in the u32 at row[qh]."""
+def _fives16(row, qh, qs, xq, k, offset):
+    """Integer sum over the 32 5-bit values of Q5_0 / Q5_1: nibbles at row[qs], 5th bits in the u32 at row[qh]."""
     h = _u32_at(row, qh)
-    q0 = load_u8(row, qs)
-    q1 = load_u8(row, qs + 8)
-    return _dot4(to_f32(ior(iand(q0, 15), bit_lanes(h, 0, 16))), to_f32(ior(iand(q1, 15), bit_lanes(h, 8, 16))),
-                 to_f32(ior(ishr(q0, 4), bit_lanes(h, 16, 16))), to_f32(ior(ishr(q1, 4), bit_lanes(h, 24, 16))),
-                 x, xb)
+    q = load_u8w(row, qs)
+    s = madd(izeros(), wsub(wor(wand(q, 15), bit_words(h, 0, 16)), offset), _codes16(xq, k))
+    return madd(s, wsub(wor(wshr(q, 4), bit_words(h, 16, 16)), offset), _codes16(xq, k + 16))
 
 
 @njit(inline="always")
-def _dot_q5_0(row, x, xs, f16):
+def _dot_q5_0(row, xq, xd, xsum, f16):
     acc = zeros()
-    offset = np.float32(0.0)
-    for b in range(x.shape[0] // 32):
+    for b in range(xq.shape[0] // 32):
         o = b * 22
-        d = _half(row, o, f16)
-        acc = fma(splat(d), _fives(row, o + 2, o + 6, x, b * 32), acc)
-        offset += d * _xs32(xs, b * 32)
-    return hsum(acc) - np.float32(16.0) * offset
+        acc = fma(to_f32(_fives16(row, o + 2, o + 6, xq, 32 * b, 16)), splat(_half(row, o, f16) * xd[b]), acc)
+    return hsum(acc)
 
 
 @njit(inline="always")
-def _dot_q5_1(row, x, xs, f16):
+def _dot_q5_1(row, xq, xd, xsum, f16):
     acc = zeros()
-    offset = np.float32(0.0)
-    for b in range(x.shape[0] // 32):
+    mins = np.float32(0.0)
+    for b in range(xq.shape[0] // 32):
         o = b * 24
-        acc = fma(splat(_half(row, o, f16)), _fives(row, o + 4, o + 8, x, b * 32), acc)
-        offset += _half(row, o + 2, f16) * _xs32(xs, b * 32)
-    return hsum(acc) + offset
+        acc = fma(to_f32(_fives16(row, o + 4, o + 8, xq, 32 * b, 0)), splat(_half(row, o, f16) * xd[b]), acc)
+        mins += _half(row, o + 2, f16) * xsum[b]
+    return hsum(acc) + mins
 
 
 @njit(inline="always")
-def _dot_q4_k(row, x, xs, f16):
+def _k_pair(lo0, lo1, hi0, hi1, xq, k):
+    """Integer sums of K-quant sub-blocks k (codes lo0 | lo1) and k + 1 (hi0 | hi1), 32 values each."""
+    lo = madd(madd(izeros(), lo0, _codes16(xq, 32 * k)), lo1, _codes16(xq, 32 * k + 16))
+    hi = madd(madd(izeros(), hi0, _codes16(xq, 32 * k + 32)), hi1, _codes16(xq, 32 * k + 48))
+    return lo, hi
+
+
+@njit(inline="always")
+def _k_scales(row, o, d, dmin, xd, xsum, k):
+    """A Q4_K / Q5_K super-block's 8 sub-block scales times their activation scales, (d * sc_j) * xd[k + j], as
+    lanes, and its mins term sum_j (dmin * m_j) * xsum[k + j]: the 6-bit (sc, m) pairs of the 12 bytes at
+    row[o + 4] decoded in lanes (j < 4: the low 6 bits of bytes j and j + 4; j >= 4: the nibbles of byte j + 4
+    under the top bits of bytes j - 4 and j), the values _scale_min_k4 gives one at a time."""
+    a = load_u8(row, o + 4)  # lane j: scale byte j
+    b = load_u8(row, o + 8)  # lane j: scale byte j + 4
+    c = load_u8(row, o)  # lane j >= 4: scale byte j - 4
+    sc = halves(iand(a, 63), ior(iand(b, 15), ishl(ishr(c, 6), 4)))
+    m = halves(iand(b, 63), ior(ishr(b, 4), ishl(ishr(a, 6), 4)))
+    scales = fmul(fmul(splat(d), to_f32(sc)), load_f32(xd, k))
+    return scales, hsum(fmul(fmul(splat(dmin), to_f32(m)), load_f32(xsum, k)))
+
+
+@njit(inline="always")
+def _dot_q4_k(row, xq, xd, xsum, f16):
     acc = zeros()
     mins = np.float32(0.0)
-    for b in range(x.shape[0] // 256):
+    for b in range(xq.shape[0] // 256):
         o = b * 144
-        d = _half(row, o, f16)
-        dmin = _half(row, o + 2, f16)
+        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        mins += block_mins
         for pair in range(4):  # 32 bytes: low nibbles are sub-block 2*pair, high nibbles 2*pair + 1
-            sc0, m0 = _scale_min_k4(2 * pair, row, o + 4)
-            sc1, m1 = _scale_min_k4(2 * pair + 1, row, o + 4)
-            qs = o + 16 + pair * 32
-            xb = b * 256 + pair * 64
-            q0 = load_u8(row, qs)
-            q1 = load_u8(row, qs + 8)
-            q2 = load_u8(row, qs + 16)
-            q3 = load_u8(row, qs + 24)
-            lo = _dot4(to_f32(iand(q0, 15)), to_f32(iand(q1, 15)), to_f32(iand(q2, 15)), to_f32(iand(q3, 15)), x, xb)
-            hi = _dot4(to_f32(ishr(q0, 4)), to_f32(ishr(q1, 4)), to_f32(ishr(q2, 4)), to_f32(ishr(q3, 4)), x, xb + 32)
-            acc = fma(splat(d * np.float32(sc0)), lo, acc)
-            acc = fma(splat(d * np.float32(sc1)), hi, acc)
-            mins += (dmin * np.float32(m0)) * _xs32(xs, xb) + (dmin * np.float32(m1)) * _xs32(xs, xb + 32)
+            q0 = load_u8w(row, o + 16 + pair * 32)
+            q1 = load_u8w(row, o + 32 + pair * 32)
+            lo, hi = _k_pair(wand(q0, 15), wand(q1, 15), wshr(q0, 4), wshr(q1, 4), xq, b * 8 + 2 * pair)
+            acc = fma(to_f32(lo), lane_splat(scales, 2 * pair), acc)
+            acc = fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc)
     return hsum(acc) - mins
 
 
 @njit(inline="always")
-def _dot_q5_k(row, x, xs, f16):
+def _dot_q5_k(row, xq, xd, xsum, f16):
     acc = zeros()
     mins = np.float32(0.0)
-    for b in range(x.shape[0] // 256):
+    for b in range(xq.shape[0] // 256):
         o = b * 176
-        d = _half(row, o, f16)
-        dmin = _half(row, o + 2, f16)
-        for pair in range(4):  # bit 2*pair / 2*pair + 1 of qh[l] is the 5th bit of sub-block 2*pair / 2*pair + 1
-            sc0, m0 = _scale_min_k4(2 * pair, row, o + 4)
-            sc1, m1 = _scale_min_k4(2 * pair + 1, row, o + 4)
-            qs = o + 48 + pair * 32
-            xb = b * 256 + pair * 64
-            lo = zeros()
-            hi = zeros()
-            for g in range(4):
-                q = load_u8(row, qs + 8 * g)
-                h = load_u8(row, o + 16 + 8 * g)
-                v_lo = ior(iand(q, 15), ishl(iand(ishr(h, 2 * pair), 1), 4))
-                v_hi = ior(ishr(q, 4), ishl(iand(ishr(h, 2 * pair + 1), 1), 4))
-                lo = fma(to_f32(v_lo), load_f32(x, xb + 8 * g), lo)
-                hi = fma(to_f32(v_hi), load_f32(x, xb + 32 + 8 * g), hi)
-            acc = fma(splat(d * np.float32(sc0)), lo, acc)
-            acc = fma(splat(d * np.float32(sc1)), hi, acc)
-            mins += (dmin * np.float32(m0)) * _xs32(xs, xb) + (dmin * np.float32(m1)) * _xs32(xs, xb + 32)
+        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        mins += block_mins
+        h0 = load_u8w(row, o + 16)  # bit 2*pair / 2*pair + 1 of qh[l]: the 5th bit of sub-block 2*pair / +1
+        h1 = load_u8w(row, o + 32)
+        for pair in range(4):
+            q0 = load_u8w(row, o + 48 + pair * 32)
+            q1 = load_u8w(row, o + 64 + pair * 32)
+            lo, hi = _k_pair(wor(wand(q0, 15), wshl(wand(wshr(h0, 2 * pair), 1), 4)),
+                             wor(wand(q1, 15), wshl(wand(wshr(h1, 2 * pair), 1), 4)),
+                             wor(wshr(q0, 4), wshl(wand(wshr(h0, 2 * pair + 1), 1), 4)),
+                             wor(wshr(q1, 4), wshl(wand(wshr(h1, 2 * pair + 1), 1), 4)), xq, b * 8 + 2 * pair)
+            acc = fma(to_f32(lo), lane_splat(scales, 2 * pair), acc)
+            acc = fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc)
     return hsum(acc) - mins
 
 
 @njit(inline="always")
-def _dot_q6_k(row, x, xs, f16):
+def _q6_part(v, xq, k, scale, acc):
+    """acc + (v - 32) . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
+    return fma(to_f32(madd(izeros(), wsub(v, 32), _codes16(xq, k))), scale, acc)
+
+
+@njit(inline="always")
+def _dot_q6_k(row, xq, xd, xsum, f16):
     acc = zeros()
-    offset = np.float32(0.0)
-    for b in range(x.shape[0] // 256):
+    for b in range(xq.shape[0] // 256):
         o = b * 210
         d = _half(row, o + 208, f16)
         for half in range(2):
             ql = o + half * 64
             qh = o + 128 + half * 32
-            sc = o + 192 + half * 8
             xb = b * 256 + half * 128
+            # lane sub + 2i: (d * sc[sub + 2i]) * xd of the half's 32-value block i (xd is padded for the read)
+            scales = fmul(fmul(splat(d), to_f32(load_i8(row, o + 192 + half * 8))), pair_lanes(load_f32(xd, xb // 32)))
             for sub in range(2):  # lanes l = 16*sub .. 16*sub+15 of each of the four 32-value groups share a scale
                 l = 16 * sub
-                h0 = load_u8(row, qh + l)
-                h1 = load_u8(row, qh + l + 8)
-                a0 = load_u8(row, ql + l)
-                a1 = load_u8(row, ql + l + 8)
-                c0 = load_u8(row, ql + 32 + l)
-                c1 = load_u8(row, ql + 32 + l + 8)
-                s1 = fma(to_f32(ior(iand(a1, 15), ishl(iand(h1, 3), 4))), load_f32(x, xb + l + 8),
-                         fmul(to_f32(ior(iand(a0, 15), ishl(iand(h0, 3), 4))), load_f32(x, xb + l)))
-                s2 = fma(to_f32(ior(iand(c1, 15), ishl(iand(h1, 12), 2))), load_f32(x, xb + 32 + l + 8),
-                         fmul(to_f32(ior(iand(c0, 15), ishl(iand(h0, 12), 2))), load_f32(x, xb + 32 + l)))
-                s3 = fma(to_f32(ior(ishr(a1, 4), iand(h1, 48))), load_f32(x, xb + 64 + l + 8),
-                         fmul(to_f32(ior(ishr(a0, 4), iand(h0, 48))), load_f32(x, xb + 64 + l)))
-                s4 = fma(to_f32(ior(ishr(c1, 4), iand(ishr(h1, 2), 48))), load_f32(x, xb + 96 + l + 8),
-                         fmul(to_f32(ior(ishr(c0, 4), iand(ishr(h0, 2), 48))), load_f32(x, xb + 96 + l)))
-                d1 = d * _i8(row[sc + sub])
-                d2 = d * _i8(row[sc + sub + 2])
-                d3 = d * _i8(row[sc + sub + 4])
-                d4 = d * _i8(row[sc + sub + 6])
-                acc = fma(splat(d1), s1, acc)
-                acc = fma(splat(d2), s2, acc)
-                acc = fma(splat(d3), s3, acc)
-                acc = fma(splat(d4), s4, acc)
-                g = (xb + l) // XS_GROUP
-                offset += d1 * xs[g] + d2 * xs[g + 2] + d3 * xs[g + 4] + d4 * xs[g + 6]
-    return hsum(acc) - np.float32(32.0) * offset
+                h = load_u8w(row, qh + l)
+                a = load_u8w(row, ql + l)
+                c = load_u8w(row, ql + 32 + l)
+                acc = _q6_part(wor(wand(a, 15), wshl(wand(h, 3), 4)), xq, xb + l, lane_splat(scales, sub), acc)
+                acc = _q6_part(wor(wand(c, 15), wshl(wand(h, 12), 2)), xq, xb + 32 + l, lane_splat(scales, sub + 2),
+                               acc)
+                acc = _q6_part(wor(wshr(a, 4), wand(h, 48)), xq, xb + 64 + l, lane_splat(scales, sub + 4), acc)
+                acc = _q6_part(wor(wshr(c, 4), wand(wshr(h, 2), 48)), xq, xb + 96 + l, lane_splat(scales, sub + 6),
+                               acc)
+    return hsum(acc)
 
 
 @njit(inline="always")
@@ -394,43 +385,75 @@ def _dot_plain(code, row, x, f16):
 
 
 @njit(inline="always")
-def _dot_row(code, row, x, xs, f16):
+def _dot_row(code, row, x, xq, xd, xsum, f16):
     if code == C_Q8_0:
-        return _dot_q8_0(row, x, xs, f16)
+        return _dot_q8_0(row, xq, xd, xsum, f16)
     if code == C_Q5_0:
-        return _dot_q5_0(row, x, xs, f16)
+        return _dot_q5_0(row, xq, xd, xsum, f16)
     if code == C_Q4_K:
-        return _dot_q4_k(row, x, xs, f16)
+        return _dot_q4_k(row, xq, xd, xsum, f16)
     if code == C_Q6_K:
-        return _dot_q6_k(row, x, xs, f16)
+        return _dot_q6_k(row, xq, xd, xsum, f16)
     if code == C_Q5_K:
-        return _dot_q5_k(row, x, xs, f16)
+        return _dot_q5_k(row, xq, xd, xsum, f16)
     if code == C_Q5_1:
-        return _dot_q5_1(row, x, xs, f16)
+        return _dot_q5_1(row, xq, xd, xsum, f16)
     if code == C_Q4_0:
-        return _dot_q4_0(row, x, xs, f16)
+        return _dot_q4_0(row, xq, xd, xsum, f16)
     if code == C_Q4_1:
-        return _dot_q4_1(row, x, xs, f16)
+        return _dot_q4_1(row, xq, xd, xsum, f16)
     return _dot_plain(code, row, x, f16)
 
 
+# --- activation rounding (quant/activations.py's definition, the same float32 operations) -------------
+
 @njit(inline="always")
-def _partial_sums(x, xs):
-    """xs[g] = sum of x[16g:16g+16] (float32, pairwise in lanes)."""
-    for g in range(x.shape[0] // XS_GROUP):
-        xs[g] = hsum(fadd(load_f32(x, XS_GROUP * g), load_f32(x, XS_GROUP * g + 8)))
+def _block_scale(x, k):
+    """scale and 1 / scale of the 32 activation values x[k:k+32] (0 where the scale is not normal)."""
+    amax = hmax(fmax(fmax(fabs(load_f32(x, k)), fabs(load_f32(x, k + 8))),
+                     fmax(fabs(load_f32(x, k + 16)), fabs(load_f32(x, k + 24)))))
+    scale = amax / np.float32(ACTIVATION_LEVELS)
+    return scale, (np.float32(1.0) / scale if scale >= SMALLEST_SCALE else np.float32(0.0))
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(inline="always")
+def _codes8(x, i, inv):
+    """The codes of x[i:i+8] as float32 integers in [-32767, 32767]: rint(x * inv), clamped."""
+    q = fround(fmul(load_f32(x, i), splat(inv)))
+    return fmin(fmax(q, splat(-ACTIVATION_LEVELS)), splat(ACTIVATION_LEVELS))
+
+
+@njit(cache=True, nogil=True)
+def quantize_activation_row(x, xq, xd, xsum):
+    """xq, xd: quantize_activations(x); xsum[b]: the sum of x_hat over block b (x: one row, whole blocks)."""
+    for b in range(x.shape[0] // ACTIVATION_BLOCK):
+        k = b * ACTIVATION_BLOCK
+        scale, inv = _block_scale(x, k)
+        total = zeros()
+        for i in range(k, k + ACTIVATION_BLOCK, 8):
+            q = _codes8(x, i, inv)
+            total = fadd(total, q)  # (integers below 2**20: exact in any order)
+            store_i16(xq, i, q)
+        total = hsum(total)
+        xd[b] = scale
+        xsum[b] = total * scale
+
+
+@njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
 def gemv_blocks(codes, datas, x, outs, f16):
-    """outs[i][n] = sum_k x[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i]) that
-    reads the one activation vector x: each row read once, all weights in ONE parallel region, so q/k/v and
-    gate/up cost a decode step one thread wake-up per group, not one per weight."""
-    xs = np.empty(max(x.shape[0] // XS_GROUP, 1), np.float32)
-    if x.shape[0] % XS_GROUP == 0:
-        _partial_sums(x, xs)
+    """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
+    that reads the one activation vector x (x_hat: x rounded to 16-bit codes per 32 values; float weights
+    take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
+    decode step one thread wake-up per group, not one per weight."""
+    n_in = x.shape[0]
+    xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
+    xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
+    xsum = np.empty_like(xd)
+    if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
+        quantize_activation_row(x, xq, xd, xsum)
     n_weights = len(datas)
-    chunk_start = np.zeros(n_weights + 1, np.int64)  # row chunks of weight i: [chunk_start[i], chunk_start[i+1])
+    chunk_start = np.empty(n_weights + 1, np.int64)  # row chunks of weight i: [chunk_start[i], chunk_start[i+1])
+    chunk_start[0] = 0
     for i in range(n_weights):
         chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 256)
     for c in prange(chunk_start[n_weights]):
@@ -440,11 +463,11 @@ def gemv_blocks(codes, datas, x, outs, f16):
         data, out, code = datas[i], outs[i], codes[i]
         n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
         for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
-            out[n] = _dot_row(code, data[n], x, xs, f16)
+            out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16)
 
 
 def _gemv(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
-    """[x @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous)."""
+    """[x_hat @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous)."""
     datas = tuple(data for data, _ in weights)
     codes = np.array([fmt.code for _, fmt in weights], np.int64)
     outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas]
@@ -465,7 +488,8 @@ def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n
 
 
 def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:
-    """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]."""
+    """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out];
+    up to TOKENS_PER_GEMV tokens multiply the weight blocks by x's 16-bit codes (gemv_blocks)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     n_tok, n_out = x.shape[0], data.shape[0]
     if fmt.qtype == T.F32:

@@ -1,4 +1,5 @@
-"""Eight-lane SIMD values for numba kernels: `f32x8` (float32) and `i32x8` (int32) that live in registers.
+"""Eight-lane SIMD values for numba kernels: `f32x8` (float32) and `i32x8` (int32) that live in registers, and
+`i16x16` (sixteen int16 lanes) for the integer dot products of the decode GEMV.
 
 Why: numba widens every integer expression to 64 bits and LLVM's auto-vectoriser gives up on the short,
 byte-shuffling loops of the GGUF block decoders (measured: 1 value/cycle, scalar or 4-lane code). These
@@ -7,8 +8,9 @@ LLVM splits the vectors for narrower targets, so the code stays portable, only s
 
 Each function below is a numba intrinsic: call it only from @njit code. Loads take an array and an element
 index and read `8` consecutive elements from there without bounds checks (callers keep indices in range).
-Float arithmetic is plain IEEE float32, rounded after every operation like NumPy's (the @njit fastmath flags
-do not reach these); only `fma` lets LLVM contract `a * b + c` into one instruction.
+Float arithmetic is plain IEEE float32, rounded after every operation like NumPy's, inside functions compiled
+without fastmath: numba's fastmath pass puts its flags on every float instruction of a function that has none,
+these included. Only `fma` (flagged `contract`) lets LLVM contract `a * b + c` into one instruction.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ LANES = 8
 _I32 = ir.IntType(32)
 _VF = ir.VectorType(ir.FloatType(), LANES)
 _VI = ir.VectorType(_I32, LANES)
+_I16 = ir.IntType(16)
+_VW = ir.VectorType(_I16, 2 * LANES)
 
 
 class F32x8Type(types.Type):
@@ -33,8 +37,14 @@ class I32x8Type(types.Type):
         super().__init__(name="i32x8")
 
 
+class I16x16Type(types.Type):
+    def __init__(self):
+        super().__init__(name="i16x16")
+
+
 f32x8 = F32x8Type()
 i32x8 = I32x8Type()
+i16x16 = I16x16Type()
 
 
 @register_model(F32x8Type)
@@ -49,16 +59,22 @@ class _I32x8Model(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _VI)
 
 
+@register_model(I16x16Type)
+class _I16x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VW)
+
+
 # --- helpers (code generation) ---------------------------------------------------------------------
-def _lane_ptr(context, builder, arr_type, arr, index, lane_type):
-    """Pointer to arr.data[index] as a pointer to a vector of LANES `lane_type`."""
+def _lane_ptr(context, builder, arr_type, arr, index, lane_type, lanes=LANES):
+    """Pointer to arr.data[index] as a pointer to a vector of `lanes` `lane_type`."""
     data = context.make_array(arr_type)(context, builder, arr).data
-    return builder.bitcast(builder.gep(data, [index]), ir.VectorType(lane_type, LANES).as_pointer())
+    return builder.bitcast(builder.gep(data, [index]), ir.VectorType(lane_type, lanes).as_pointer())
 
 
 def _splat(builder, value, vec_type):
     vec = builder.insert_element(ir.Constant(vec_type, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, LANES), [0] * LANES))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, vec_type.count), [0] * vec_type.count))
 
 
 def _int32(context, builder, value, value_type):
@@ -149,6 +165,17 @@ def ishl(typingctx, v, s):
 
 
 @intrinsic
+def halves(typingctx, low, high):
+    """Lanes 0-3 of `low`, then lanes 4-7 of `high` (int32 lanes)."""
+    if not (low == i32x8 and high == i32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[1], ir.Constant(_VI, [0, 1, 2, 3, 12, 13, 14, 15]))
+    return i32x8(low, high), codegen
+
+
+@intrinsic
 def bit_lanes(typingctx, word, first_bit, value):
     """Lane i: `value` where bit (first_bit + i) of the 32-bit `word` is set, else 0 (first_bit + 7 <= 31)."""
     if not (_is_int(word) and _is_int(first_bit) and _is_int(value)):
@@ -226,6 +253,49 @@ def fma(typingctx, x, y, z):
     return _float_op((x, y, z), lambda b, x, y, z: b.fadd(b.fmul(x, y, flags=("contract",)), z, flags=("contract",)))
 
 
+def _float_intrinsic(name, vs):
+    def build(builder, *args):
+        fnty = ir.FunctionType(_VF, [_VF] * len(args))
+        return builder.call(builder.module.declare_intrinsic(f"{name}.v8f32", fnty=fnty), list(args))
+    return _float_op(vs, build)
+
+
+@intrinsic
+def fabs(typingctx, x):
+    """|x|"""
+    return _float_intrinsic("llvm.fabs", (x,))
+
+
+@intrinsic
+def fmax(typingctx, x, y):
+    """max(x, y) per lane (IEEE maxNum: a NaN lane takes the other operand)."""
+    return _float_intrinsic("llvm.maxnum", (x, y))
+
+
+@intrinsic
+def fmin(typingctx, x, y):
+    """min(x, y) per lane (IEEE minNum)."""
+    return _float_intrinsic("llvm.minnum", (x, y))
+
+
+@intrinsic
+def fround(typingctx, x):
+    """x rounded to the nearest integer, ties to even (np.rint), as float32 lanes."""
+    return _float_intrinsic("llvm.roundeven", (x,))
+
+
+@intrinsic
+def hmax(typingctx, v):
+    """The largest of the 8 lanes as float32."""
+    if v != f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.FloatType(), [_VF])
+        return builder.call(builder.module.declare_intrinsic("llvm.vector.reduce.fmax.v8f32", fnty=fnty), [args[0]])
+    return types.float32(v), codegen
+
+
 @intrinsic
 def hsum(typingctx, v):
     """Sum of the 8 lanes as float32 (pairwise: (l0+l4 + l2+l6) + (l1+l5 + l3+l7))."""
@@ -240,6 +310,29 @@ def hsum(typingctx, v):
         return builder.fadd(builder.extract_element(s2, ir.Constant(_I32, 0)),
                             builder.extract_element(s2, ir.Constant(_I32, 1)))
     return types.float32(v), codegen
+
+
+@intrinsic
+def pair_lanes(typingctx, v):
+    """Lanes 0, 0, 1, 1, 2, 2, 3, 3 of v."""
+    if v != f32x8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[0], ir.Constant(_VI, [0, 0, 1, 1, 2, 2, 3, 3]))
+    return f32x8(v), codegen
+
+
+@intrinsic
+def lane_splat(typingctx, v, lane):
+    """Lane `lane` of v (a constant 0..7 once unrolled) in every lane."""
+    if not (v == f32x8 and _is_int(lane)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        value = builder.extract_element(args[0], _int32(context, builder, args[1], sig.args[1]))
+        return _splat(builder, value, _VF)
+    return f32x8(v, lane), codegen
 
 
 @intrinsic
@@ -263,3 +356,135 @@ def f32_from_bits(typingctx, bits):
     def codegen(context, builder, sig, args):
         return builder.bitcast(_int32(context, builder, args[0], sig.args[0]), ir.FloatType())
     return types.float32(bits), codegen
+
+
+# --- int16 lanes: the decode GEMV's integer dot products --------------------------------------------
+# Weight codes (at most 8 bits) times 16-bit activation codes, pairs summed into int32 lanes: LLVM turns
+# `madd` into one vpmaddwd (AVX2) or vpdpwssd (AVX-512 VNNI / AVX-VNNI), 16 products an instruction.
+
+def _word_load(arr, index, extend):
+    if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        raw = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8), 2 * LANES),
+                           align=1)
+        return getattr(builder, extend)(raw, _VW)
+    return i16x16(arr, index), codegen
+
+
+@intrinsic
+def load_u8w(typingctx, arr, index):
+    """arr[index:index+16] of a byte array, zero-extended to int16 lanes (0..255)."""
+    return _word_load(arr, index, "zext")
+
+
+@intrinsic
+def load_i8w(typingctx, arr, index):
+    """arr[index:index+16] of a byte array read as int8, sign-extended to int16 lanes (-128..127)."""
+    return _word_load(arr, index, "sext")
+
+
+@intrinsic
+def load_i16(typingctx, arr, index):
+    """arr[index:index+16] of an int16 array."""
+    if not (_is_array(arr, types.int16) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16, 2 * LANES), align=2)
+    return i16x16(arr, index), codegen
+
+
+def _word_binop(v, other, op):
+    if not (v == i16x16 and (_is_int(other) or other == i16x16)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        rhs = args[1] if sig.args[1] == i16x16 else _splat(
+            builder, context.cast(builder, args[1], sig.args[1], types.int16), _VW)
+        return getattr(builder, op)(args[0], rhs)
+    return i16x16(v, other), codegen
+
+
+@intrinsic
+def wand(typingctx, v, m):
+    """v & m on int16 lanes (m: i16x16, or an integer for every lane)."""
+    return _word_binop(v, m, "and_")
+
+
+@intrinsic
+def wor(typingctx, v, m):
+    """v | m on int16 lanes."""
+    return _word_binop(v, m, "or_")
+
+
+@intrinsic
+def wsub(typingctx, v, m):
+    """v - m on int16 lanes."""
+    return _word_binop(v, m, "sub")
+
+
+@intrinsic
+def wshr(typingctx, v, s):
+    """v >> s on int16 lanes, logical."""
+    return _word_binop(v, s, "lshr")
+
+
+@intrinsic
+def wshl(typingctx, v, s):
+    """v << s on int16 lanes."""
+    return _word_binop(v, s, "shl")
+
+
+@intrinsic
+def bit_words(typingctx, word, first_bit, value):
+    """Lane i of 16: `value` where bit (first_bit + i) of the 32-bit `word` is set, else 0 (first_bit + 15 <= 31)."""
+    if not (_is_int(word) and _is_int(first_bit) and _is_int(value)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = builder.trunc(builder.lshr(_int32(context, builder, args[0], sig.args[0]),
+                                       _int32(context, builder, args[1], sig.args[1])), _I16)
+        lane_bits = [1 << i if i < 15 else -(1 << 15) for i in range(2 * LANES)]  # (bit 15 as an int16: negative)
+        bits = builder.and_(_splat(builder, w, _VW), ir.Constant(_VW, lane_bits))
+        is_set = builder.icmp_unsigned("!=", bits, ir.Constant(_VW, [0] * (2 * LANES)))
+        value = _splat(builder, builder.trunc(_int32(context, builder, args[2], sig.args[2]), _I16), _VW)
+        return builder.select(is_set, value, ir.Constant(_VW, [0] * (2 * LANES)))
+    return i16x16(word, first_bit, value), codegen
+
+
+@intrinsic
+def store_i16(typingctx, arr, index, v):
+    """arr[index:index+8] = v for float32 lanes holding integers in int16's range (int16 array)."""
+    if not (_is_array(arr, types.int16) and _is_int(index) and v == f32x8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        words = builder.fptosi(args[2], ir.VectorType(_I16, LANES))
+        builder.store(words, _lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16), align=2)
+        return context.get_dummy_value()
+    return types.none(arr, index, v), codegen
+
+
+@intrinsic
+def izeros(typingctx):
+    """int32 zeros."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI, [0] * LANES)
+    return i32x8(), codegen
+
+
+@intrinsic
+def madd(typingctx, acc, a, b):
+    """acc + (a[2i] * b[2i] + a[2i+1] * b[2i+1]) in int32 lane i (exact while the sums fit in int32)."""
+    if not (acc == i32x8 and a == i16x16 and b == i16x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        wide = ir.VectorType(_I32, 2 * LANES)
+        prod = builder.mul(builder.sext(args[1], wide), builder.sext(args[2], wide))
+        even = builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(0, 2 * LANES, 2))))
+        odd = builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(1, 2 * LANES, 2))))
+        return builder.add(args[0], builder.add(even, odd))
+    return i32x8(acc, a, b), codegen
