@@ -66,9 +66,9 @@ def _word_lanes(raw, codes, x):
     u = simd.load_u8w(raw, 3)
     i = simd.load_i8w(raw, 3)
     c = simd.load_i16(codes, 2)
-    lanes = (u, i, c, simd.wor(simd.wand(u, 15), simd.wshl(simd.wshr(u, 6), 4)), simd.wsub(u, i),
-             simd.bit_words(np.uint32(0xA5F00F5A), 9, 16), simd.wand(u, simd.load_u8w(raw, 0)),
-             simd.wshr(u, simd.load_u8w(raw, 20)))
+    lanes = (u, i, c, simd.ior(simd.iand(u, 15), simd.ishl(simd.ishr(u, 6), 4)), simd.isub(u, i),
+             simd.bit_words(np.uint32(0xA5F00F5A), 9, 16), simd.iand(u, simd.load_u8w(raw, 0)),
+             simd.ishr(u, simd.load_u8w(raw, 20)))
     for j in range(8):  # int16 lanes out through madd against 1, 0 pairs: lane 2m -> int32 lane m
         even = simd.madd(simd.izeros(), lanes[j], simd.load_i16(codes, 40))
         odd = simd.madd(simd.izeros(), lanes[j], simd.load_i16(codes, 41))

@@ -20,8 +20,7 @@ from numba import njit, prange
 from .activations import ACTIVATION_BLOCK, ACTIVATION_LEVELS, SMALLEST_SCALE
 from .simd import (bit_lanes, bit_words, f32_from_bits, fabs, fadd, fma, fmax, fmin, fmul, fround, fsub, halves,
                    hmax, hsum, iand, ior, ishl, ishr, isub, izeros, lane_splat, load_f32, load_i8, load_i8w, load_i16,
-                   load_u8, load_u8w, madd, pair_lanes, splat, store_f32, store_i16, to_f32, wand, wor, wshl, wshr,
-                   wsub, zeros)
+                   load_u8, load_u8w, madd, pair_lanes, splat, store_f32, store_i16, to_f32, zeros)
 from .weights import WEIGHT_FORMATS, WeightFormat
 from gguf import GGMLQuantizationType as T
 
@@ -228,8 +227,8 @@ def _dot_q8_0(row, xq, xd, xsum, f16):
 def _nibbles16(row, qs, xq, k, offset):
     """Integer sum over a 32-value block of 16 nibble bytes at row[qs] (low nibbles: values 0..15, high: 16..31)."""
     q = load_u8w(row, qs)
-    s = madd(izeros(), wsub(wand(q, 15), offset), _codes16(xq, k))
-    return madd(s, wsub(wshr(q, 4), offset), _codes16(xq, k + 16))
+    s = madd(izeros(), isub(iand(q, 15), offset), _codes16(xq, k))
+    return madd(s, isub(ishr(q, 4), offset), _codes16(xq, k + 16))
 
 
 @njit(inline="always")
@@ -257,8 +256,8 @@ def _fives16(row, qh, qs, xq, k, offset):
     """Integer sum over the 32 5-bit values of Q5_0 / Q5_1: nibbles at row[qs], 5th bits in the u32 at row[qh]."""
     h = _u32_at(row, qh)
     q = load_u8w(row, qs)
-    s = madd(izeros(), wsub(wor(wand(q, 15), bit_words(h, 0, 16)), offset), _codes16(xq, k))
-    return madd(s, wsub(wor(wshr(q, 4), bit_words(h, 16, 16)), offset), _codes16(xq, k + 16))
+    s = madd(izeros(), isub(ior(iand(q, 15), bit_words(h, 0, 16)), offset), _codes16(xq, k))
+    return madd(s, isub(ior(ishr(q, 4), bit_words(h, 16, 16)), offset), _codes16(xq, k + 16))
 
 
 @njit(inline="always")
@@ -315,7 +314,7 @@ def _dot_q4_k(row, xq, xd, xsum, f16):
         for pair in range(4):  # 32 bytes: low nibbles are sub-block 2*pair, high nibbles 2*pair + 1
             q0 = load_u8w(row, o + 16 + pair * 32)
             q1 = load_u8w(row, o + 32 + pair * 32)
-            lo, hi = _k_pair(wand(q0, 15), wand(q1, 15), wshr(q0, 4), wshr(q1, 4), xq, b * 8 + 2 * pair)
+            lo, hi = _k_pair(iand(q0, 15), iand(q1, 15), ishr(q0, 4), ishr(q1, 4), xq, b * 8 + 2 * pair)
             acc = fma(to_f32(lo), lane_splat(scales, 2 * pair), acc)
             acc = fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc)
     return hsum(acc) - mins
@@ -334,10 +333,10 @@ def _dot_q5_k(row, xq, xd, xsum, f16):
         for pair in range(4):
             q0 = load_u8w(row, o + 48 + pair * 32)
             q1 = load_u8w(row, o + 64 + pair * 32)
-            lo, hi = _k_pair(wor(wand(q0, 15), wshl(wand(wshr(h0, 2 * pair), 1), 4)),
-                             wor(wand(q1, 15), wshl(wand(wshr(h1, 2 * pair), 1), 4)),
-                             wor(wshr(q0, 4), wshl(wand(wshr(h0, 2 * pair + 1), 1), 4)),
-                             wor(wshr(q1, 4), wshl(wand(wshr(h1, 2 * pair + 1), 1), 4)), xq, b * 8 + 2 * pair)
+            lo, hi = _k_pair(ior(iand(q0, 15), ishl(iand(ishr(h0, 2 * pair), 1), 4)),
+                             ior(iand(q1, 15), ishl(iand(ishr(h1, 2 * pair), 1), 4)),
+                             ior(ishr(q0, 4), ishl(iand(ishr(h0, 2 * pair + 1), 1), 4)),
+                             ior(ishr(q1, 4), ishl(iand(ishr(h1, 2 * pair + 1), 1), 4)), xq, b * 8 + 2 * pair)
             acc = fma(to_f32(lo), lane_splat(scales, 2 * pair), acc)
             acc = fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc)
     return hsum(acc) - mins
@@ -346,7 +345,7 @@ def _dot_q5_k(row, xq, xd, xsum, f16):
 @njit(inline="always")
 def _q6_part(v, xq, k, scale, acc):
     """acc + (v - 32) . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
-    return fma(to_f32(madd(izeros(), wsub(v, 32), _codes16(xq, k))), scale, acc)
+    return fma(to_f32(madd(izeros(), isub(v, 32), _codes16(xq, k))), scale, acc)
 
 
 @njit(inline="always")
@@ -366,11 +365,11 @@ def _dot_q6_k(row, xq, xd, xsum, f16):
                 h = load_u8w(row, qh + l)
                 a = load_u8w(row, ql + l)
                 c = load_u8w(row, ql + 32 + l)
-                acc = _q6_part(wor(wand(a, 15), wshl(wand(h, 3), 4)), xq, xb + l, lane_splat(scales, sub), acc)
-                acc = _q6_part(wor(wand(c, 15), wshl(wand(h, 12), 2)), xq, xb + 32 + l, lane_splat(scales, sub + 2),
+                acc = _q6_part(ior(iand(a, 15), ishl(iand(h, 3), 4)), xq, xb + l, lane_splat(scales, sub), acc)
+                acc = _q6_part(ior(iand(c, 15), ishl(iand(h, 12), 2)), xq, xb + 32 + l, lane_splat(scales, sub + 2),
                                acc)
-                acc = _q6_part(wor(wshr(a, 4), wand(h, 48)), xq, xb + 64 + l, lane_splat(scales, sub + 4), acc)
-                acc = _q6_part(wor(wshr(c, 4), wand(wshr(h, 2), 48)), xq, xb + 96 + l, lane_splat(scales, sub + 6),
+                acc = _q6_part(ior(ishr(a, 4), iand(h, 48)), xq, xb + 64 + l, lane_splat(scales, sub + 4), acc)
+                acc = _q6_part(ior(ishr(c, 4), iand(ishr(h, 2), 48)), xq, xb + 96 + l, lane_splat(scales, sub + 6),
                                acc)
     return hsum(acc)
 

@@ -65,6 +65,9 @@ class _I16x16Model(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _VW)
 
 
+_INT_LANES = {i32x8: (_VI, types.int32), i16x16: (_VW, types.int16)}  # lane type -> (LLVM vector, scalar)
+
+
 # --- helpers (code generation) ---------------------------------------------------------------------
 def _lane_ptr(context, builder, arr_type, arr, index, lane_type, lanes=LANES):
     """Pointer to arr.data[index] as a pointer to a vector of `lanes` `lane_type`."""
@@ -101,14 +104,18 @@ def load_f32(typingctx, arr, index):
     return f32x8(arr, index), codegen
 
 
-def _byte_load(arr, index, extend):
+def _byte_load(arr, index, extend, lanes=None):
+    """Bytes arr[index:], as many as `lanes` (i32x8 by default, or i16x16) has, widened by `extend`."""
+    lanes = lanes or i32x8
     if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
         return None
+    vec_type = _INT_LANES[lanes][0]
 
     def codegen(context, builder, sig, args):
-        raw = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8)), align=1)
-        return getattr(builder, extend)(raw, _VI)
-    return i32x8(arr, index), codegen
+        raw = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8), vec_type.count),
+                           align=1)
+        return getattr(builder, extend)(raw, vec_type)
+    return lanes(arr, index), codegen
 
 
 @intrinsic
@@ -123,44 +130,46 @@ def load_i8(typingctx, arr, index):
     return _byte_load(arr, index, "sext")
 
 
-# --- int32 lanes -----------------------------------------------------------------------------------
+# --- integer lanes: int32 (i32x8) or int16 (i16x16), the same operations ---------------------------
 def _int_binop(v, other, op):
-    if not (v == i32x8 and (_is_int(other) or other == i32x8)):
+    if not (v in _INT_LANES and (_is_int(other) or other == v)):
         return None
+    vec_type, scalar = _INT_LANES[v]
 
     def codegen(context, builder, sig, args):
-        rhs = args[1] if sig.args[1] == i32x8 else _splat(builder, _int32(context, builder, args[1], sig.args[1]), _VI)
+        rhs = args[1] if sig.args[1] == v else _splat(builder, context.cast(builder, args[1], sig.args[1], scalar),
+                                                       vec_type)
         return getattr(builder, op)(args[0], rhs)
-    return i32x8(v, other), codegen
+    return v(v, other), codegen
 
 
 @intrinsic
 def iand(typingctx, v, m):
-    """v & m (m: i32x8, or an integer for every lane)."""
+    """v & m (m: lanes of v's type, or an integer for every lane)."""
     return _int_binop(v, m, "and_")
 
 
 @intrinsic
 def ior(typingctx, v, m):
-    """v | m (m: i32x8, or an integer for every lane)."""
+    """v | m (m: lanes of v's type, or an integer for every lane)."""
     return _int_binop(v, m, "or_")
 
 
 @intrinsic
 def isub(typingctx, v, m):
-    """v - m (m: i32x8, or an integer for every lane)."""
+    """v - m (m: lanes of v's type, or an integer for every lane)."""
     return _int_binop(v, m, "sub")
 
 
 @intrinsic
 def ishr(typingctx, v, s):
-    """v >> s, logical (s: i32x8, or an integer 0..31 for every lane)."""
+    """v >> s, logical (s: lanes of v's type, or an integer below the lane width for every lane)."""
     return _int_binop(v, s, "lshr")
 
 
 @intrinsic
 def ishl(typingctx, v, s):
-    """v << s (s: i32x8, or an integer 0..31 for every lane)."""
+    """v << s (s: lanes of v's type, or an integer below the lane width for every lane)."""
     return _int_binop(v, s, "shl")
 
 
@@ -362,27 +371,16 @@ def f32_from_bits(typingctx, bits):
 # Weight codes (at most 8 bits) times 16-bit activation codes, pairs summed into int32 lanes: LLVM turns
 # `madd` into one vpmaddwd (AVX2) or vpdpwssd (AVX-512 VNNI / AVX-VNNI), 16 products an instruction.
 
-def _word_load(arr, index, extend):
-    if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        raw = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8), 2 * LANES),
-                           align=1)
-        return getattr(builder, extend)(raw, _VW)
-    return i16x16(arr, index), codegen
-
-
 @intrinsic
 def load_u8w(typingctx, arr, index):
     """arr[index:index+16] of a byte array, zero-extended to int16 lanes (0..255)."""
-    return _word_load(arr, index, "zext")
+    return _byte_load(arr, index, "zext", i16x16)
 
 
 @intrinsic
 def load_i8w(typingctx, arr, index):
     """arr[index:index+16] of a byte array read as int8, sign-extended to int16 lanes (-128..127)."""
-    return _word_load(arr, index, "sext")
+    return _byte_load(arr, index, "sext", i16x16)
 
 
 @intrinsic
@@ -394,47 +392,6 @@ def load_i16(typingctx, arr, index):
     def codegen(context, builder, sig, args):
         return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16, 2 * LANES), align=2)
     return i16x16(arr, index), codegen
-
-
-def _word_binop(v, other, op):
-    if not (v == i16x16 and (_is_int(other) or other == i16x16)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        rhs = args[1] if sig.args[1] == i16x16 else _splat(
-            builder, context.cast(builder, args[1], sig.args[1], types.int16), _VW)
-        return getattr(builder, op)(args[0], rhs)
-    return i16x16(v, other), codegen
-
-
-@intrinsic
-def wand(typingctx, v, m):
-    """v & m on int16 lanes (m: i16x16, or an integer for every lane)."""
-    return _word_binop(v, m, "and_")
-
-
-@intrinsic
-def wor(typingctx, v, m):
-    """v | m on int16 lanes."""
-    return _word_binop(v, m, "or_")
-
-
-@intrinsic
-def wsub(typingctx, v, m):
-    """v - m on int16 lanes."""
-    return _word_binop(v, m, "sub")
-
-
-@intrinsic
-def wshr(typingctx, v, s):
-    """v >> s on int16 lanes, logical."""
-    return _word_binop(v, s, "lshr")
-
-
-@intrinsic
-def wshl(typingctx, v, s):
-    """v << s on int16 lanes."""
-    return _word_binop(v, s, "shl")
 
 
 @intrinsic
