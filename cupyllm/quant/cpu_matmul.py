@@ -55,12 +55,16 @@ def _i8(byte):
 
 
 @njit(inline="always")
-def _scale_min_k4(j, row, off):
-    if j < 4:
-        return np.int32(row[off + j]) & 63, np.int32(row[off + j + 4]) & 63
-    sc = (np.int32(row[off + j + 4]) & 0x0F) | ((np.int32(row[off + j - 4]) >> 6) << 4)
-    mn = (np.int32(row[off + j + 4]) >> 4) | ((np.int32(row[off + j]) >> 6) << 4)
-    return sc, mn
+def _k_scale_mins(row, o):
+    """The 6-bit (sc, m) pairs of the 8 sub-blocks of the Q4_K / Q5_K super-block at row[o], as int32 lanes
+    j = 0..7, from its 12 scale bytes at row[o + 4] (llama.cpp's get_scale_min_k4, eight at once): j < 4: the
+    low 6 bits of bytes j and j + 4; j >= 4: the nibbles of byte j + 4 under the top bits of bytes j - 4 and j."""
+    a = load_u8(row, o + 4)  # lane j: scale byte j
+    b = load_u8(row, o + 8)  # lane j: scale byte j + 4
+    c = load_u8(row, o)  # lane j >= 4: scale byte j - 4
+    sc = halves(iand(a, 63), ior(iand(b, 15), ishl(ishr(c, 6), 4)))
+    m = halves(iand(b, 63), ior(ishr(b, 4), ishl(ishr(a, 6), 4)))
+    return sc, m
 
 
 # --- dequantization of whole rows (prefill tiles, embedding lookups) ---------------------------------
@@ -80,8 +84,8 @@ def _store_affine(dst, i, q, d, m):
 
 @njit(inline="always")
 def _store_k(dst, i, q, d_sub, m_sub):
-    """dst[i:i+8] = d_sub * float(q) - m_sub (K-quant sub-block)"""
-    store_f32(dst, i, fsub(fmul(splat(d_sub), to_f32(q)), splat(m_sub)))
+    """dst[i:i+8] = d_sub * float(q) - m_sub (K-quant sub-block; d_sub, m_sub: the value in every lane)"""
+    store_f32(dst, i, fsub(fmul(d_sub, to_f32(q)), m_sub))
 
 
 @njit(inline="always")
@@ -128,11 +132,10 @@ def _deq_row(code, row, dst, f16):
         size, qs0 = (144, 16) if code == C_Q4_K else (176, 48)
         for b in range(n // 256):
             o = b * size
-            d = _half(row, o, f16)
-            dmin = _half(row, o + 2, f16)
+            sc, m = _k_scale_mins(row, o)
+            scales = fmul(splat(_half(row, o, f16)), to_f32(sc))  # d * sc_j, dmin * m_j as in the reference
+            mins = fmul(splat(_half(row, o + 2, f16)), to_f32(m))
             for pair in range(4):
-                sc0, m0 = _scale_min_k4(2 * pair, row, o + 4)
-                sc1, m1 = _scale_min_k4(2 * pair + 1, row, o + 4)
                 base = b * 256 + pair * 64
                 for g in range(4):
                     q = load_u8(row, o + qs0 + pair * 32 + 8 * g)
@@ -142,8 +145,9 @@ def _deq_row(code, row, dst, f16):
                         h = load_u8(row, o + 16 + 8 * g)
                         lo = ior(lo, ishl(iand(ishr(h, 2 * pair), 1), 4))
                         hi = ior(hi, ishl(iand(ishr(h, 2 * pair + 1), 1), 4))
-                    _store_k(dst, base + 8 * g, lo, d * np.float32(sc0), dmin * np.float32(m0))
-                    _store_k(dst, base + 32 + 8 * g, hi, d * np.float32(sc1), dmin * np.float32(m1))
+                    _store_k(dst, base + 8 * g, lo, lane_splat(scales, 2 * pair), lane_splat(mins, 2 * pair))
+                    _store_k(dst, base + 32 + 8 * g, hi, lane_splat(scales, 2 * pair + 1),
+                             lane_splat(mins, 2 * pair + 1))
     elif code == C_Q6_K:
         for b in range(n // 256):
             o = b * 210
@@ -291,14 +295,8 @@ def _k_pair(lo0, lo1, hi0, hi1, xq, k):
 @njit(inline="always")
 def _k_scales(row, o, d, dmin, xd, xsum, k):
     """A Q4_K / Q5_K super-block's 8 sub-block scales times their activation scales, (d * sc_j) * xd[k + j], as
-    lanes, and its mins term sum_j (dmin * m_j) * xsum[k + j]: the 6-bit (sc, m) pairs of the 12 bytes at
-    row[o + 4] decoded in lanes (j < 4: the low 6 bits of bytes j and j + 4; j >= 4: the nibbles of byte j + 4
-    under the top bits of bytes j - 4 and j), the values _scale_min_k4 gives one at a time."""
-    a = load_u8(row, o + 4)  # lane j: scale byte j
-    b = load_u8(row, o + 8)  # lane j: scale byte j + 4
-    c = load_u8(row, o)  # lane j >= 4: scale byte j - 4
-    sc = halves(iand(a, 63), ior(iand(b, 15), ishl(ishr(c, 6), 4)))
-    m = halves(iand(b, 63), ior(ishr(b, 4), ishl(ishr(a, 6), 4)))
+    lanes, and its mins term sum_j (dmin * m_j) * xsum[k + j]."""
+    sc, m = _k_scale_mins(row, o)
     scales = fmul(fmul(splat(d), to_f32(sc)), load_f32(xd, k))
     return scales, hsum(fmul(fmul(splat(dmin), to_f32(m)), load_f32(xsum, k)))
 
