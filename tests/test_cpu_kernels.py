@@ -1,5 +1,5 @@
-"""CPU numba kernels against their NumPy definitions: the SIMD lane helpers, the fused GEMV and the row
-dequantization of every weight format, RoPE, RMSNorm."""
+"""CPU numba kernels against their NumPy definitions: the SIMD lane helpers, the fused GEMV, the prefill GEMM and
+the row dequantization of every weight format, RoPE, RMSNorm."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +10,9 @@ from cupyllm.backend.cpu_kernels import rms_norm_rows, rope_rows
 from cupyllm.config import RopeConfig
 from cupyllm.quant import simd
 from cupyllm.quant.activations import round_activations
-from cupyllm.quant.cpu_matmul import (F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks, matmul,
-                                      matmul_many)
+from cupyllm.quant.cpu_gemm import gemm_many
+from cupyllm.quant.cpu_linear import matmul, matmul_many
+from cupyllm.quant.cpu_matmul import F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
 from cupyllm.rope import apply_rope, rope_tables
 from test_weights import random_rows
@@ -19,8 +20,8 @@ from test_weights import random_rows
 
 @njit
 def _lanes(raw, x):
-    """Every simd helper once, written to a float32 array [8 * 9] (+ one horizontal sum)."""
-    out = np.empty(8 * 9 + 1, np.float32)
+    """Every simd helper once, written to a float32 array [8 * 9] (+ one horizontal sum, + a broadcast load)."""
+    out = np.empty(8 * 10 + 1, np.float32)
     u = simd.load_u8(raw, 3)
     i = simd.load_i8(raw, 3)
     simd.store_f32(out, 0, simd.to_f32(u))
@@ -34,6 +35,7 @@ def _lanes(raw, x):
     simd.store_f32(out, 56, simd.to_f32(simd.iand(u, simd.load_u8(raw, 0))))
     simd.store_f32(out, 64, simd.to_f32(simd.ishr(u, simd.load_u8(raw, 20))))
     out[72] = simd.hsum(v)
+    simd.store_f32(out, 73, simd.splat_at(x, 5))
     return out
 
 
@@ -56,20 +58,23 @@ def test_simd_lanes_match_numpy():
     np.testing.assert_array_equal(out[56:64], u & raw[0:8])
     np.testing.assert_array_equal(out[64:72], u >> raw[20:28])
     np.testing.assert_allclose(out[72], v.astype(np.float64).sum(), rtol=1e-6)
+    np.testing.assert_array_equal(out[73:81], np.full(8, x[5]))
 
 
 @njit
 def _word_lanes(raw, codes, x):
-    """Every int16-lane helper once (as int32 [16 * 8 + 8 * 2]) and the float max helpers (float32 [8 * 3 + 1])."""
-    out = np.empty(16 * 8 + 8 * 2, np.int32)
+    """Every int16-lane helper once (as int32 [16 * 9 + 8]) and the float max helpers (float32 [8 * 3 + 1])."""
+    out = np.empty(16 * 9 + 8, np.int32)
     words = np.empty(16, np.float32)
     u = simd.load_u8w(raw, 3)
     i = simd.load_i8w(raw, 3)
     c = simd.load_i16(codes, 2)
-    lanes = (u, i, c, simd.ior(simd.iand(u, 15), simd.ishl(simd.ishr(u, 6), 4)), simd.isub(u, i),
+    stored = np.zeros(20, np.int16)
+    simd.store_i16(stored, 3, simd.isub(u, i))  # int16 lanes stored as they are: back through load_i16
+    lanes = (u, i, c, simd.ior(simd.iand(u, 15), simd.ishl(simd.ishr(u, 6), 4)), simd.load_i16(stored, 3),
              simd.bit_words(np.uint32(0xA5F00F5A), 9, 16), simd.iand(u, simd.load_u8w(raw, 0)),
-             simd.ishr(u, simd.load_u8w(raw, 20)))
-    for j in range(8):  # int16 lanes out through madd against 1, 0 pairs: lane 2m -> int32 lane m
+             simd.ishr(u, simd.load_u8w(raw, 20)), simd.splat_pair(codes, 5))
+    for j in range(9):  # int16 lanes out through madd against 1, 0 pairs: lane 2m -> int32 lane m
         even = simd.madd(simd.izeros(), lanes[j], simd.load_i16(codes, 40))
         odd = simd.madd(simd.izeros(), lanes[j], simd.load_i16(codes, 41))
         simd.store_f32(words, 0, simd.to_f32(even))
@@ -79,7 +84,7 @@ def _word_lanes(raw, codes, x):
             out[16 * j + 2 * m + 1] = np.int32(words[8 + m])
     simd.store_f32(words, 0, simd.to_f32(simd.madd(simd.madd(simd.izeros(), i, c), u, c)))
     for m in range(8):
-        out[128 + m] = np.int32(words[m])
+        out[144 + m] = np.int32(words[m])
     floats = np.empty(8 * 3 + 1, np.float32)
     v, w = simd.load_f32(x, 0), simd.load_f32(x, 8)
     simd.store_f32(floats, 0, simd.fabs(v))
@@ -101,10 +106,10 @@ def test_simd_word_lanes_match_numpy():
     i = raw[3:19].view(np.int8).astype(np.int64)
     c = codes[2:18].astype(np.int64)
     expect = [u, i, c, (u & 15) | ((u >> 6) << 4), u - i, ((0xA5F00F5A >> np.arange(9, 25)) & 1) * 16, u & raw[0:16],
-              u >> raw[20:36]]
+              u >> raw[20:36], np.tile(codes[5:7].astype(np.int64), 8)]
     for j, want in enumerate(expect):
         np.testing.assert_array_equal(out[16 * j:16 * j + 16], want, err_msg=f"lane helper {j}")
-    np.testing.assert_array_equal(out[128:136], (i * c + u * c).reshape(8, 2).sum(1))
+    np.testing.assert_array_equal(out[144:152], (i * c + u * c).reshape(8, 2).sum(1))
     v, w = x[:8], x[8:]
     np.testing.assert_array_equal(floats[0:8], np.abs(v))
     np.testing.assert_array_equal(floats[8:16], np.maximum(v, w))
@@ -114,23 +119,32 @@ def test_simd_word_lanes_match_numpy():
 
 @pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
-def test_gemv_matches_reference(qtype, n_in):
+def test_gemv_and_gemm_match_reference(qtype, n_in):
+    """The decode GEMV (one token) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 37
+    rows: a padded row quad) against float64 products of the dequantized weight and x_hat, each result within
+    2e-6 of the sum of its products' magnitudes."""
     fmt = WEIGHT_FORMATS[qtype]
     if n_in % fmt.block_values:
         pytest.skip("row length not a whole number of blocks")
     n_out = 37
     rows = random_rows(qtype, n_out, n_in, seed=n_in)
     # activations with a large common offset: the folded block offsets/mins must not lose precision
-    x = (np.random.default_rng(5).standard_normal(n_in) + 3.0).astype(np.float32)
+    x = (np.random.default_rng(5).standard_normal((35, n_in)) + 3.0).astype(np.float32)
+    x[7, :64] = 0  # all-zero blocks: zero codes and scale
     x_hat = x if qtype in FLOAT_TYPES else round_activations(x)  # block formats multiply the 16-bit codes
-    reference = dequantize(rows, qtype, n_in).astype(np.float64) @ x_hat.astype(np.float64)
+    weight = dequantize(rows, qtype, n_in).astype(np.float64)
+    reference = x_hat.astype(np.float64) @ weight.T
+    scale = np.abs(x_hat).astype(np.float64) @ np.abs(weight).T
     out = np.empty(n_out, np.float32)
-    gemv_blocks(np.array([fmt.code]), (rows,), x, (out,), F16_TABLE)
-    scale = np.abs(dequantize(rows, qtype, n_in)).astype(np.float64) @ np.abs(x_hat).astype(np.float64)
-    np.testing.assert_array_less(np.abs(out - reference), 2e-6 * scale + 1e-30)
+    gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE)
+    np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)
+    if qtype not in FLOAT_TYPES:  # (float weights go to BLAS)
+        got = gemm_many(x, [(rows, fmt)])[0]
+        assert got.shape == (35, n_out)
+        np.testing.assert_array_less(np.abs(got - reference), 2e-6 * scale + 1e-30)
 
 
-@pytest.mark.parametrize("n_tok", [1, 2, 5])  # one parallel GEMV for all weights; two tokens; BLAS tiles
+@pytest.mark.parametrize("n_tok", [1, 2, 5])  # one parallel GEMV for all weights; two tokens; one GEMM
 def test_matmul_many_equals_one_matmul_per_weight(n_tok):
     """q/k/v and gate/up share one call: mixed formats and row counts give the very values of separate calls."""
     from gguf import GGMLQuantizationType as T

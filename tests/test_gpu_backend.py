@@ -213,12 +213,12 @@ def test_rope_variants(backend, cp, case):
 
 
 def test_activations_and_softcap(backend, cp):
-    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.backend.cpu import gelu_tanh, silu
     rng = np.random.default_rng(10)
     x = (rng.standard_normal((7, 300)) * 4).astype(np.float32)
     up = rng.standard_normal((7, 300)).astype(np.float32)
     # GELU's 1 + tanh(.) cancels for negative x: a 2-ulp tanh (CUDA's tanhf) moves it by ~2.4e-7 * |x| / 2
-    for name, ref, atol in (("silu", CPUBackend.silu, 1e-7), ("gelu_tanh", CPUBackend.gelu_tanh, 4e-6)):
+    for name, ref, atol in (("silu", silu, 1e-7), ("gelu_tanh", gelu_tanh, 4e-6)):
         got = cp.asnumpy(getattr(backend, name)(cp.asarray(x)))
         np.testing.assert_allclose(got, ref(x), rtol=1e-6, atol=atol)
         gated = cp.asnumpy(backend.gated_act(cp.asarray(x), cp.asarray(up), name))
@@ -350,16 +350,16 @@ def _run(ops, path, ids, chunk: int, kv_type: str = "f16", decode_steps=(), norm
 def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch, monkeypatch):
     """Prefill in GEMV-sized chunks, then decode steps (gemma3's 6-token window is crossed), against the CPU
     engine; then both prefill paths (f16 W and x) over the whole prompt. The CPU engine runs every matmul through
-    its float32 tiles here (TOKENS_PER_GEMV = 0): the GPU's GEMVs multiply float32 activations, the CPU's
+    its float32 tiles here (ACTIVATION_CODES off): the GPU's GEMVs multiply float32 activations, the CPU's
     16-bit codes, and a near-tied expert choice of the MoE models can flip on that difference."""
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.backend.gpu import GPUBackend
-    from cupyllm.quant import cpu_matmul
+    from cupyllm.quant import cpu_linear
     path, _, _ = tiny_model(arch)
     ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
     steps = [9, 120, 4]
     with monkeypatch.context() as patch:
-        patch.setattr(cpu_matmul, "TOKENS_PER_GEMV", 0)
+        patch.setattr(cpu_linear, "ACTIVATION_CODES", False)
         want = _run(CPUBackend(), path, ids, chunk=4, decode_steps=steps)
     scale = np.abs(want).max()
     got = _run(GPUBackend(attention="decode"), path, ids, chunk=4, decode_steps=steps)

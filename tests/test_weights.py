@@ -1,5 +1,5 @@
 """Weight block formats: our NumPy dequantization against the `gguf` package's independent one, and the numba
-matmul kernels (streamed GEMV and BLAS tiles) against the NumPy reference; the activation codes the quantized
+matmul kernels (streamed GEMV, integer GEMM and BLAS tiles) against the NumPy reference; the activation codes the quantized
 matmuls multiply (quant/activations.py) against their definition."""
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from cupyllm.quant.activations import ACTIVATION_LEVELS, dequantize_activations, quantize_activations
-from cupyllm.quant.cpu_matmul import FLOAT_TYPES, TOKENS_PER_GEMV, dequantize_numba, matmul, quantize_activation_row
+from cupyllm.quant import cpu_linear
+from cupyllm.quant.cpu_linear import matmul
+from cupyllm.quant.cpu_matmul import FLOAT_TYPES, dequantize_numba, quantize_activation_row
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
 
 QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # gguf.quants can quantize these
@@ -46,13 +48,17 @@ def test_numba_dequant_equals_reference(qtype):
     np.testing.assert_allclose(dequantize_numba(rows, fmt, 512), dequantize(rows, qtype, 512), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("n_tok", [1, 2, 7])
+@pytest.mark.parametrize("codes", [True, False], ids=["codes", "tiles"])
+@pytest.mark.parametrize("n_tok", [1, 2, 7, 40])  # GEMV; GEMM (a padded tile; a whole one and a padded one)
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
-def test_matmul_from_blocks(qtype, n_tok):
-    n_out, n_in = 300, 512  # n_out not a multiple of the row tile or thread chunk
+def test_matmul_from_blocks(qtype, n_tok, codes, monkeypatch):
+    """Every kernel `matmul` picks against float64 products: the GEMV and GEMM multiply x_hat (x's 16-bit codes),
+    the f32 tiles (ACTIVATION_CODES off) and float weights x itself."""
+    monkeypatch.setattr(cpu_linear, "ACTIVATION_CODES", codes)
+    n_out, n_in = 302, 512  # n_out not a multiple of the row tile, thread chunk or GEMM row quad
     rows = random_rows(qtype, n_out, n_in, seed=2)
     x = np.random.default_rng(3).standard_normal((n_tok, n_in)).astype(np.float32)
-    rounded = qtype not in FLOAT_TYPES and n_tok <= TOKENS_PER_GEMV  # the decode GEMV multiplies x's codes
+    rounded = qtype not in FLOAT_TYPES and codes  # the integer kernels multiply x's codes
     x_hat = dequantize_activations(*quantize_activations(x)) if rounded else x
     reference = x_hat.astype(np.float64) @ dequantize(rows, qtype, n_in).astype(np.float64).T
     got = matmul(x, rows, WEIGHT_FORMATS[qtype], n_in)

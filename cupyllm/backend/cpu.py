@@ -10,8 +10,10 @@ from ..attention.reference import attend_chunks, causal_mask
 from ..kv.cache import KVCache, LayerKV
 from . import compile_notice
 from .cpu_kernels import rms_norm_rows, rope_rows
+from .cpu_threads import RowThreads
 from ..errors import CupyllmError
-from ..quant.cpu_matmul import dequantize_ids, matmul, matmul_many
+from ..quant.cpu_linear import matmul, matmul_many
+from ..quant.cpu_matmul import dequantize_ids
 from ..rope import apply_rope, rope_tables
 from ..weights import Weight
 
@@ -25,6 +27,7 @@ class CPUBackend:
 
     def __init__(self):
         self._rope_tables = {}
+        self._threads = RowThreads()
         compile_notice.install()  # the first run compiles the numba kernels for about a minute: say so
 
     def asarray(self, x, dtype=None):
@@ -85,14 +88,11 @@ class CPUBackend:
         rms_norm_rows(rows, weight, np.float32(eps), out)
         return out.reshape(x.shape)
 
-    @staticmethod
-    def silu(x: np.ndarray) -> np.ndarray:
-        return x / (np.float32(1.0) + np.exp(-x))
+    def silu(self, x: np.ndarray) -> np.ndarray:
+        return self._threads.rows(silu, x)
 
-    @staticmethod
-    def gelu_tanh(x: np.ndarray) -> np.ndarray:
-        c = np.float32(np.sqrt(2.0 / np.pi))
-        return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+    def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
+        return self._threads.rows(gelu_tanh, x)
 
     def rope(self, x: np.ndarray, rope_cfg, positions: np.ndarray) -> np.ndarray:
         key = (rope_cfg, np.asarray(positions).tobytes())
@@ -108,28 +108,38 @@ class CPUBackend:
         return out
 
     # --- attention --------------------------------------------------------------------------------
-    @staticmethod
-    def attention(q: np.ndarray, q_pos: np.ndarray, layer_kv: LayerKV, *, scale: float, window: int = 0,
+    def attention(self, q: np.ndarray, q_pos: np.ndarray, layer_kv: LayerKV, *, scale: float, window: int = 0,
                   softcap: float = 0.0) -> np.ndarray:
         """Causal (optionally sliding-window) attention of q [n, n_head, d] over everything the layer caches."""
         if q.shape[0] <= MAX_QUERIES and layer_kv.mirror:  # decode: one numba pass over the float32 mirror
             k, v, k_pos = layer_kv.decode(0, layer_kv.n_used)
             return attend_few(q, k, v, q_pos, k_pos, scale=scale, window=window, softcap=softcap)[0]
 
-        def chunks():
-            for k, v, k_pos in layer_kv.chunks(KEY_CHUNK):
-                yield k, v, causal_mask(q_pos, k_pos, window)
+        def rows(start, stop):  # query rows are independent: blocks of them stream the cache on the threads
+            chunks = ((k, v, causal_mask(q_pos[start:stop], k_pos, window))
+                      for k, v, k_pos in layer_kv.chunks(KEY_CHUNK))
+            return attend_chunks(q[start:stop], chunks, scale=scale, softcap=softcap, dv=layer_kv.v_head_dim)[0]
+        return np.concatenate(self._threads.map_rows(rows, q.shape[0]))
 
-        out, _ = attend_chunks(q, chunks(), scale=scale, softcap=softcap, dv=layer_kv.v_head_dim)
-        return out
-
-    @staticmethod
-    def dca_attention(q_intra, q_successive, q_inter, q_pos: np.ndarray, layer_kv: LayerKV, dca, *, scale: float,
-                      softcap: float = 0.0) -> np.ndarray:
+    def dca_attention(self, q_intra, q_successive, q_inter, q_pos: np.ndarray, layer_kv: LayerKV, dca, *,
+                      scale: float, softcap: float = 0.0) -> np.ndarray:
         """Dual Chunk Attention over the layer's cache (keys cached at their in-chunk rope positions)."""
         if q_intra.shape[0] <= MAX_QUERIES and layer_kv.mirror:
             k, v, k_pos = layer_kv.decode(0, layer_kv.n_used)
             return dca_few(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca, scale=scale, softcap=softcap)[0]
-        out, _ = dca_stream(q_intra, q_successive, q_inter, layer_kv.chunks(KEY_CHUNK), q_pos, dca, scale=scale,
-                            softcap=softcap)
-        return out
+
+        def rows(a, b):
+            return dca_stream(q_intra[a:b], q_successive[a:b], q_inter[a:b], layer_kv.chunks(KEY_CHUNK), q_pos[a:b],
+                              dca, scale=scale, softcap=softcap)[0]
+        return np.concatenate(self._threads.map_rows(rows, q_intra.shape[0]))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), float32 (the definition the GPU kernels are tested against)."""
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation, float32."""
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))

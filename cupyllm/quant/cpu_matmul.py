@@ -1,13 +1,11 @@
-"""CPU matmul straight from GGUF blocks (numba, multithreaded, f32 accumulation).
+"""CPU block kernels for GGUF weights (numba, multithreaded, f32 accumulation): the decode GEMV and the row
+dequantization (`quant/cpu_linear.py` picks between them and the prefill GEMM of `quant/cpu_gemm.py`).
 
-`y = x @ W.T` with W kept in its quantized blocks:
-- few tokens (decode): `gemv_blocks` walks each weight row once, unpacking block by block in registers and
+- `gemv_blocks` (few tokens, decode) walks each weight row once, unpacking block by block in registers and
   multiplying the weight's integer codes with x rounded to 16-bit codes per 32 values (x_hat,
   `quant/activations.py`; 16 products an instruction), so a decode step reads the quantized bytes with few
   instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser);
-- many tokens (prefill): `dequantize_rows` expands a tile of rows to f32 and BLAS multiplies x itself by the
-  tile, which is compute-bound, so the tile's dequantization is amortised over all tokens and rounding x would
-  gain nothing.
+- `dequantize_rows` / `gather_rows` expand rows to f32 (embedding lookups; float-weight tiles for BLAS).
 Both are written with the explicit vectors of `quant/simd.py`. The row decoders reproduce the NumPy
 definitions of `quant/weights.py` bit for bit, the activation codes those of `quant/activations.py`; the
 products are summed in another order than a float64 reference would.
@@ -33,8 +31,6 @@ C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1 = _C[T.Q4_0], _C[T.Q4_1], _C[T.Q5_0], _C[T.Q5_1]
 C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
 
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
-TOKENS_PER_GEMV = 2  # up to this many tokens stream the quantized rows; more go through BLAS tiles
-ROW_TILE = 2048
 
 
 @njit(inline="always")
@@ -463,44 +459,15 @@ def gemv_blocks(codes, datas, x, outs, f16):
             out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16)
 
 
-def _gemv(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
-    """[x_hat @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous)."""
+def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
+    """[x_hat @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous;
+    the weights' arrays all of one type)."""
     datas = tuple(data for data, _ in weights)
     codes = np.array([fmt.code for _, fmt in weights], np.int64)
     outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas]
     for t in range(x.shape[0]):
         gemv_blocks(codes, datas, x[t], tuple(out[t] for out in outs), F16_TABLE)
     return outs
-
-
-def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int) -> list[np.ndarray]:
-    """[x @ W.T for W in weights]; decode-sized x with quantized weights of one array type goes through one
-    parallel GEMV, anything else weight by weight."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    one_call = (x.shape[0] <= TOKENS_PER_GEMV and all(fmt.qtype != T.F32 for _, fmt in weights)
-                and len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d, _ in weights}) == 1)
-    if one_call:  # (one numba tuple type: the same array type for every weight)
-        return _gemv(x, weights)
-    return [matmul(x, data, fmt, n_in) for data, fmt in weights]
-
-
-def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:
-    """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out];
-    up to TOKENS_PER_GEMV tokens multiply the weight blocks by x's 16-bit codes (gemv_blocks)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    n_tok, n_out = x.shape[0], data.shape[0]
-    if fmt.qtype == T.F32:
-        return x @ data.view(np.float32).T
-    if n_tok <= TOKENS_PER_GEMV:  # re-reading the rows per token beats expanding them to f32
-        return _gemv(x, [(data, fmt)])[0]
-    out = np.empty((n_tok, n_out), np.float32)
-    tile = np.empty((min(ROW_TILE, n_out), n_in), np.float32)
-    for start in range(0, n_out, ROW_TILE):
-        stop = min(start + ROW_TILE, n_out)
-        rows = tile[:stop - start]
-        dequantize_rows(fmt.code, data, start, stop, rows, F16_TABLE)
-        out[:, start:stop] = x @ rows.T  # (matmul into a strided `out=` would skip BLAS)
-    return out
 
 
 def dequantize_numba(data: np.ndarray, fmt: WeightFormat, n_in: int, rows: slice | None = None) -> np.ndarray:

@@ -219,6 +219,18 @@ def zeros(typingctx):
 
 
 @intrinsic
+def splat_at(typingctx, arr, index):
+    """arr[index] (a float32 array) in all 8 lanes: one broadcast load, no index checks."""
+    if not (_is_array(arr, types.float32) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return _splat(builder, builder.load(builder.gep(data, [args[1]]), align=4), _VF)
+    return f32x8(arr, index), codegen
+
+
+@intrinsic
 def splat(typingctx, scalar):
     """`scalar` (cast to float32) in every lane."""
     if not isinstance(scalar, (types.Float, types.Integer)):
@@ -413,15 +425,33 @@ def bit_words(typingctx, word, first_bit, value):
 
 @intrinsic
 def store_i16(typingctx, arr, index, v):
-    """arr[index:index+8] = v for float32 lanes holding integers in int16's range (int16 array)."""
-    if not (_is_array(arr, types.int16) and _is_int(index) and v == f32x8):
+    """arr[index:index+8] = v for float32 lanes holding integers in int16's range, or arr[index:index+16] = v
+    for int16 lanes (int16 array)."""
+    if not (_is_array(arr, types.int16) and _is_int(index) and v in (f32x8, i16x16)):
         return None
 
     def codegen(context, builder, sig, args):
-        words = builder.fptosi(args[2], ir.VectorType(_I16, LANES))
-        builder.store(words, _lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16), align=2)
+        if sig.args[2] == f32x8:
+            words, lanes = builder.fptosi(args[2], ir.VectorType(_I16, LANES)), LANES
+        else:
+            words, lanes = args[2], 2 * LANES
+        builder.store(words, _lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16, lanes), align=2)
         return context.get_dummy_value()
     return types.none(arr, index, v), codegen
+
+
+@intrinsic
+def splat_pair(typingctx, arr, index):
+    """The int16 pair arr[index], arr[index+1] in each of the 8 lane pairs of an i16x16 (one 32-bit broadcast):
+    `madd` of it with 8 other pairs multiplies that one pair into 8 sums at once."""
+    if not (_is_array(arr, types.int16) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        pair = builder.load(builder.bitcast(builder.gep(data, [args[1]]), _I32.as_pointer()), align=2)
+        return builder.bitcast(_splat(builder, pair, _VI), _VW)
+    return i16x16(arr, index), codegen
 
 
 @intrinsic

@@ -1,0 +1,47 @@
+"""NumPy work on row blocks, spread over a few Python threads (the CPU backend's prefill attention and
+activations).
+
+Why threads and not BLAS's own: the prefill matmuls run in numba's thread pool, and OpenBLAS's workers, once
+woken, spin for a long while after every call (about 0.1 s), so numba's threads and BLAS's fight for the cores
+(measured: a 128-token Qwen2.5-0.5B prefill took 2.4x as long). Here BLAS is held to one thread (threadpoolctl,
+only while the work runs) and the rows are split instead: NumPy releases the GIL inside matmul and the ufuncs,
+so the blocks run in parallel, elementwise work included, and idle Python threads sleep.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+MIN_ROWS_PER_BLOCK = 16  # fewer rows than this per thread run on the calling thread alone
+
+
+class RowThreads:
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or numba.get_num_threads()
+        self._pool = None
+        self._blas = None
+
+    def blocks(self, n_rows: int) -> list[tuple[int, int]]:
+        """Row ranges [start, stop), two per thread (rows late in a causal prefill see more keys)."""
+        parts = max(1, min(2 * self.threads, n_rows // MIN_ROWS_PER_BLOCK))
+        bounds = np.linspace(0, n_rows, parts + 1).astype(int)
+        return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+    def map_rows(self, fn, n_rows: int) -> list:
+        """[fn(start, stop) for each row block], the blocks run on the threads with BLAS single-threaded."""
+        blocks = self.blocks(n_rows)
+        if len(blocks) == 1 or self.threads == 1:
+            return [fn(0, n_rows)]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cupyllm-rows")
+            self._blas = ThreadpoolController()
+        with self._blas.limit(limits=1, user_api="blas"):
+            return list(self._pool.map(lambda block: fn(*block), blocks))
+
+    def rows(self, fn, x: np.ndarray) -> np.ndarray:
+        """fn(x) for an elementwise fn, computed block by block on the threads."""
+        parts = self.map_rows(lambda a, b: fn(x[a:b]), x.shape[0])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -1,0 +1,274 @@
+"""CPU prefill matmul on integer codes (numba): `y = x_hat @ W.T` for many tokens, W in its GGUF blocks.
+
+The decode GEMV (`cpu_matmul.gemv_blocks`) multiplies a weight row's integer codes with the activation's 16-bit
+codes (`quant/activations.py`). This is the same product for a tile of tokens, arranged so that each `madd`
+instruction (vpdpwssd: 16 int16 products summed in pairs into 8 int32 lanes) serves eight tokens at once:
+
+- the activations are packed once per matmul pair-major, `xp[p, t] = (code[t, 2p], code[t, 2p+1])`, so one
+  vector load holds one pair of positions for eight consecutive tokens;
+- each thread unpacks a tile of weight rows to int16 codes (the block decoders of the GEMV, stored instead of
+  multiplied) plus one float scale per 32 values (16 for Q6_K) and, for the affine formats, one min term per 32;
+- the micro-kernel keeps 4 rows x 32 tokens of int32 sums in registers, broadcasts a row's code pair against the
+  tokens' pairs, and at the end of every scale group converts the sums and adds them times weight scale x
+  activation scale to float32 accumulators (and the min term times the block's activation sum).
+
+Integer sums are exact (|code| <= 32767 times |weight code| <= 128 over 32 values stays below 2**31), so each
+result is sum_k W[n, k] * x_hat[k] up to float32 summation order: the GEMV's value, reached in another order.
+Against BLAS on dequantized f32 tiles it does twice the multiply-adds per instruction and never writes the f32
+weights; everything runs in one numba parallel region (a numba region next to OpenBLAS's threads makes both
+spin for the cores).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .activations import ACTIVATION_BLOCK
+from .cpu_matmul import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _half, _i8,
+                         _k_scale_mins, _u32_at, quantize_activation_row)
+from .simd import (bit_words, fadd, fma, fmul, fsub, iand, ior, ishl, ishr, isub, izeros, load_f32, load_i16,
+                   load_i8w, load_u8w, madd, splat, splat_at, splat_pair, store_f32, store_i16, to_f32, zeros)
+from .weights import WeightFormat
+
+TOKEN_TILE = 32  # tokens per micro-kernel: four vectors of eight
+ROW_QUAD = 4  # weight rows per micro-kernel
+ROWS_PER_TASK = 32  # weight rows a thread unpacks and multiplies at a time
+GEMM_CODES = (C_Q8_0, C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1, C_Q4_K, C_Q5_K, C_Q6_K)
+
+
+def group_values(code: int) -> int:
+    """Values per weight scale in the unpacked tile: Q6_K's scales cover 16 values, every other format's 32."""
+    return 16 if code == C_Q6_K else 32
+
+
+# --- weight rows -> int16 codes, scales per group, min terms per 32 values ------------------------------
+# Every value of the row is scale[k // group] * code[k] + min[k // 32], as in the NumPy definitions.
+
+@njit(inline="always")
+def _unpack_row(code, row, n_in, q, qo, scales, so, mins, mo, f16):
+    """Row `row` into q[qo:qo+n_in] (codes), scales[so:] (per group) and mins[mo:] (per 32 values; affine
+    formats only)."""
+    if code == C_Q8_0:
+        for b in range(n_in // 32):
+            o = b * 34
+            scales[so + b] = _half(row, o, f16)
+            store_i16(q, qo + 32 * b, load_i8w(row, o + 2))
+            store_i16(q, qo + 32 * b + 16, load_i8w(row, o + 18))
+    elif code == C_Q4_0 or code == C_Q4_1:
+        size, qs, offset = (18, 2, 8) if code == C_Q4_0 else (20, 4, 0)
+        for b in range(n_in // 32):
+            o = b * size
+            scales[so + b] = _half(row, o, f16)
+            if code == C_Q4_1:
+                mins[mo + b] = _half(row, o + 2, f16)
+            v = load_u8w(row, o + qs)
+            store_i16(q, qo + 32 * b, isub(iand(v, 15), offset))
+            store_i16(q, qo + 32 * b + 16, isub(ishr(v, 4), offset))
+    elif code == C_Q5_0 or code == C_Q5_1:
+        size, qh, offset = (22, 2, 16) if code == C_Q5_0 else (24, 4, 0)
+        for b in range(n_in // 32):
+            o = b * size
+            scales[so + b] = _half(row, o, f16)
+            if code == C_Q5_1:
+                mins[mo + b] = _half(row, o + 2, f16)
+            h = _u32_at(row, o + qh)
+            v = load_u8w(row, o + qh + 4)
+            store_i16(q, qo + 32 * b, isub(ior(iand(v, 15), bit_words(h, 0, 16)), offset))
+            store_i16(q, qo + 32 * b + 16, isub(ior(ishr(v, 4), bit_words(h, 16, 16)), offset))
+    elif code == C_Q4_K or code == C_Q5_K:
+        size = 144 if code == C_Q4_K else 176
+        for b in range(n_in // 256):
+            o = b * size
+            sc, m = _k_scale_mins(row, o)
+            store_f32(scales, so + 8 * b, fmul(splat(_half(row, o, f16)), to_f32(sc)))  # d * sc_j
+            store_f32(mins, mo + 8 * b, fsub(zeros(), fmul(splat(_half(row, o + 2, f16)), to_f32(m))))  # -dmin*m_j
+            base = qo + 256 * b
+            for pair in range(4):  # 32 bytes: low nibbles are sub-block 2*pair, high nibbles 2*pair + 1
+                if code == C_Q4_K:
+                    q0 = load_u8w(row, o + 16 + pair * 32)
+                    q1 = load_u8w(row, o + 32 + pair * 32)
+                    lo0, lo1, hi0, hi1 = iand(q0, 15), iand(q1, 15), ishr(q0, 4), ishr(q1, 4)
+                else:
+                    h0 = load_u8w(row, o + 16)  # bit 2*pair / 2*pair + 1: the 5th bit of sub-block 2*pair / +1
+                    h1 = load_u8w(row, o + 32)
+                    q0 = load_u8w(row, o + 48 + pair * 32)
+                    q1 = load_u8w(row, o + 64 + pair * 32)
+                    lo0 = ior(iand(q0, 15), ishl(iand(ishr(h0, 2 * pair), 1), 4))
+                    lo1 = ior(iand(q1, 15), ishl(iand(ishr(h1, 2 * pair), 1), 4))
+                    hi0 = ior(ishr(q0, 4), ishl(iand(ishr(h0, 2 * pair + 1), 1), 4))
+                    hi1 = ior(ishr(q1, 4), ishl(iand(ishr(h1, 2 * pair + 1), 1), 4))
+                store_i16(q, base + 64 * pair, lo0)
+                store_i16(q, base + 64 * pair + 16, lo1)
+                store_i16(q, base + 64 * pair + 32, hi0)
+                store_i16(q, base + 64 * pair + 48, hi1)
+    else:  # Q6_K: its 16 int8 scales are in the order of its 16-value groups
+        for b in range(n_in // 256):
+            o = b * 210
+            d = _half(row, o + 208, f16)
+            for i in range(16):
+                scales[so + 16 * b + i] = d * _i8(row[o + 192 + i])
+            for half in range(2):
+                ql = o + half * 64
+                qh = o + 128 + half * 32
+                base = qo + 256 * b + 128 * half
+                for sub in range(2):
+                    l = 16 * sub
+                    h = load_u8w(row, qh + l)
+                    a = load_u8w(row, ql + l)
+                    c = load_u8w(row, ql + 32 + l)
+                    store_i16(q, base + l, isub(ior(iand(a, 15), ishl(iand(h, 3), 4)), 32))
+                    store_i16(q, base + 32 + l, isub(ior(iand(c, 15), ishl(iand(h, 12), 2)), 32))
+                    store_i16(q, base + 64 + l, isub(ior(ishr(a, 4), iand(h, 48)), 32))
+                    store_i16(q, base + 96 + l, isub(ior(ishr(c, 4), iand(ishr(h, 2), 48)), 32))
+
+
+# --- the micro-kernel: 4 rows x 32 tokens ------------------------------------------------------------
+# 16 independent int32 sums (4 rows x 4 vectors of 8 tokens) keep two vpdpwssd a cycle busy past their latency;
+# the float accumulators live in `acc` (a group's end touches them once per 16 code pairs).
+
+@njit(inline="always")
+def _group_end(acc, i, s, xd, w, affine, xs, m):
+    """acc[8i:8i+8] += float(s) * (xd * w) (+ xs * m for the affine formats): a group's integer sums times weight
+    scale x activation scale into the float accumulators, plus the block's min term."""
+    f = fma(to_f32(s), fmul(xd, w), load_f32(acc, 8 * i))
+    store_f32(acc, 8 * i, fma(xs, m, f) if affine else f)
+
+
+@njit(inline="always")
+def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, xp, xd, xs, t0, tokens,
+                    acc):
+    """acc[8 * (4 * j + v) + l] = sum over k of the codes of row j (j < 4; rows at q[qo + j * n_in:], scales
+    at scales[so + j * n_groups:], mins at mins[mo + j * n_in // 32:]) times token t0 + 8 * v + l's x_hat."""
+    n_blocks = n_in // ACTIVATION_BLOCK
+    for i in range(16):
+        store_f32(acc, 8 * i, zeros())
+    m0 = m1 = m2 = m3 = zeros()
+    e0 = e1 = e2 = e3 = zeros()
+    for g in range(n_groups):
+        s00, s01, s02, s03 = izeros(), izeros(), izeros(), izeros()
+        s10, s11, s12, s13 = izeros(), izeros(), izeros(), izeros()
+        s20, s21, s22, s23 = izeros(), izeros(), izeros(), izeros()
+        s30, s31, s32, s33 = izeros(), izeros(), izeros(), izeros()
+        for p in range(g * group_pairs, (g + 1) * group_pairs):
+            xo = 2 * (p * tokens + t0)
+            x0, x1, x2, x3 = load_i16(xp, xo), load_i16(xp, xo + 16), load_i16(xp, xo + 32), load_i16(xp, xo + 48)
+            k = qo + 2 * p
+            w = splat_pair(q, k)
+            s00, s01, s02, s03 = madd(s00, w, x0), madd(s01, w, x1), madd(s02, w, x2), madd(s03, w, x3)
+            w = splat_pair(q, k + n_in)
+            s10, s11, s12, s13 = madd(s10, w, x0), madd(s11, w, x1), madd(s12, w, x2), madd(s13, w, x3)
+            w = splat_pair(q, k + 2 * n_in)
+            s20, s21, s22, s23 = madd(s20, w, x0), madd(s21, w, x1), madd(s22, w, x2), madd(s23, w, x3)
+            w = splat_pair(q, k + 3 * n_in)
+            s30, s31, s32, s33 = madd(s30, w, x0), madd(s31, w, x1), madd(s32, w, x2), madd(s33, w, x3)
+        b = (g * group_pairs * 2) // ACTIVATION_BLOCK
+        xo = b * tokens + t0
+        d0, d1, d2, d3 = load_f32(xd, xo), load_f32(xd, xo + 8), load_f32(xd, xo + 16), load_f32(xd, xo + 24)
+        if affine:  # (affine formats have 32-value groups: group g is block b)
+            e0, e1, e2, e3 = load_f32(xs, xo), load_f32(xs, xo + 8), load_f32(xs, xo + 16), load_f32(xs, xo + 24)
+            m0, m1 = splat_at(mins, mo + b), splat_at(mins, mo + n_blocks + b)
+            m2, m3 = splat_at(mins, mo + 2 * n_blocks + b), splat_at(mins, mo + 3 * n_blocks + b)
+        w = splat_at(scales, so + g)
+        _group_end(acc, 0, s00, d0, w, affine, e0, m0), _group_end(acc, 1, s01, d1, w, affine, e1, m0)
+        _group_end(acc, 2, s02, d2, w, affine, e2, m0), _group_end(acc, 3, s03, d3, w, affine, e3, m0)
+        w = splat_at(scales, so + n_groups + g)
+        _group_end(acc, 4, s10, d0, w, affine, e0, m1), _group_end(acc, 5, s11, d1, w, affine, e1, m1)
+        _group_end(acc, 6, s12, d2, w, affine, e2, m1), _group_end(acc, 7, s13, d3, w, affine, e3, m1)
+        w = splat_at(scales, so + 2 * n_groups + g)
+        _group_end(acc, 8, s20, d0, w, affine, e0, m2), _group_end(acc, 9, s21, d1, w, affine, e1, m2)
+        _group_end(acc, 10, s22, d2, w, affine, e2, m2), _group_end(acc, 11, s23, d3, w, affine, e3, m2)
+        w = splat_at(scales, so + 3 * n_groups + g)
+        _group_end(acc, 12, s30, d0, w, affine, e0, m3), _group_end(acc, 13, s31, d1, w, affine, e1, m3)
+        _group_end(acc, 14, s32, d2, w, affine, e2, m3), _group_end(acc, 15, s33, d3, w, affine, e3, m3)
+
+
+@njit(parallel=True, cache=True, nogil=True)  # (no fastmath: see quant/simd.py)
+def gemm_blocks(codes, datas, xp, xd, xs, n_tok, outs, f16):
+    """outs[i][t, n] = sum_k x_hat[t, k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format
+    codes[i]) that reads the packed activations (xp, xd, xs: `pack_activations`); one parallel region over
+    tiles of ROWS_PER_TASK rows of all the weights."""
+    tokens = xd.shape[1]
+    n_in = xp.shape[0] // (2 * tokens) * 2
+    n_blocks = n_in // ACTIVATION_BLOCK
+    n_weights = len(datas)
+    task_start = np.empty(n_weights + 1, np.int64)  # row tiles of weight i: [task_start[i], task_start[i+1])
+    task_start[0] = 0
+    for i in range(n_weights):
+        task_start[i + 1] = task_start[i] + (datas[i].shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(task_start[n_weights]):
+        i = 0
+        while task >= task_start[i + 1]:
+            i += 1
+        data, out, code = datas[i], outs[i], codes[i]
+        group_pairs = 8 if code == C_Q6_K else 16
+        n_groups = n_in // (2 * group_pairs)
+        affine = code == C_Q4_1 or code == C_Q5_1 or code == C_Q4_K or code == C_Q5_K
+        r0 = (task - task_start[i]) * ROWS_PER_TASK
+        n_rows = min(ROWS_PER_TASK, data.shape[0] - r0)
+        padded = (n_rows + ROW_QUAD - 1) // ROW_QUAD * ROW_QUAD
+        q = np.empty(padded * n_in, np.int16)
+        scales = np.empty(padded * n_groups + 8, np.float32)  # (+ 8: whole-lane stores of the K-quant scales)
+        mins = np.empty(padded * n_blocks + 8, np.float32)
+        for r in range(n_rows):
+            _unpack_row(code, data[r0 + r], n_in, q, r * n_in, scales, r * n_groups, mins, r * n_blocks, f16)
+        for r in range(n_rows, padded):  # rows past the weight's end: zero codes, results dropped
+            q[r * n_in:(r + 1) * n_in] = 0
+            scales[r * n_groups:(r + 1) * n_groups] = 0
+            mins[r * n_blocks:(r + 1) * n_blocks] = 0
+        acc = np.empty(ROW_QUAD * TOKEN_TILE, np.float32)
+        for t0 in range(0, tokens, TOKEN_TILE):
+            for j0 in range(0, padded, ROW_QUAD):
+                _rows4_tokens32(q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins, j0 * n_blocks, affine,
+                                group_pairs, xp, xd, xs, t0, tokens, acc)
+                for j in range(min(ROW_QUAD, n_rows - j0)):
+                    for l in range(min(TOKEN_TILE, n_tok - t0)):
+                        out[t0 + l, r0 + j0 + j] = acc[TOKEN_TILE * j + l]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _pack_activations(x, xp, xd, xs):
+    """Token t's codes into xp as int32 pairs xp[p * tokens + t], its block scales and sums into xd[b, t],
+    xs[b, t]; the padding tokens past x's rows are zero. Eight tokens a task: each pair's eight tokens are
+    one 32-byte write."""
+    n_tok, n_in = x.shape
+    tokens = xd.shape[1]
+    n_blocks = n_in // ACTIVATION_BLOCK
+    pairs = xp.view(np.int32)
+    for group in prange(tokens // 8):
+        codes = np.zeros((8, n_in), np.int16)
+        scales = np.zeros((8, n_blocks + 8), np.float32)
+        sums = np.zeros((8, n_blocks + 8), np.float32)
+        t0 = 8 * group
+        for l in range(min(8, n_tok - t0)):
+            quantize_activation_row(x[t0 + l], codes[l], scales[l], sums[l])
+        code_pairs = codes.reshape(-1).view(np.int32)
+        for p in range(n_in // 2):
+            for l in range(8):
+                pairs[p * tokens + t0 + l] = code_pairs[l * (n_in // 2) + p]
+        for b in range(n_blocks):
+            for l in range(8):
+                xd[b, t0 + l] = scales[l, b]
+                xs[b, t0 + l] = sums[l, b]
+
+
+def pack_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x f32 [n_tok, n_in] -> (xp int16 [n_in // 2 * tokens * 2]: code pairs, pair-major; xd, xs f32
+    [n_in // 32, tokens]: block scales and block sums of x_hat), tokens = n_tok padded to TOKEN_TILE with
+    zero codes."""
+    n_tok, n_in = x.shape
+    tokens = (n_tok + TOKEN_TILE - 1) // TOKEN_TILE * TOKEN_TILE
+    xp = np.empty(n_in * tokens, np.int16)
+    xd = np.empty((n_in // ACTIVATION_BLOCK, tokens), np.float32)
+    xs = np.empty_like(xd)
+    _pack_activations(np.ascontiguousarray(x, dtype=np.float32), xp, xd, xs)
+    return xp, xd, xs
+
+
+def gemm_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
+    """[x_hat @ W.T for W in weights] (block-quantized W of GEMM_CODES, all with the same array type)."""
+    xp, xd, xs = pack_activations(x)
+    datas = tuple(data for data, _ in weights)
+    codes = np.array([fmt.code for _, fmt in weights], np.int64)
+    outs = tuple(np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas)
+    gemm_blocks(codes, datas, xp, xd, xs, x.shape[0], outs, F16_TABLE)
+    return list(outs)
