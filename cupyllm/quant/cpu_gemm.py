@@ -33,6 +33,7 @@ from .weights import WeightFormat
 TOKEN_TILE = 32  # tokens per micro-kernel: four vectors of eight
 ROW_QUAD = 4  # weight rows per micro-kernel
 ROWS_PER_TASK = 32  # weight rows a thread unpacks and multiplies at a time
+K_CHUNK = 1024  # values of a row per pass over the token tiles: the pass's codes and activations stay in cache
 GEMM_CODES = (C_Q8_0, C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1, C_Q4_K, C_Q5_K, C_Q6_K)
 
 
@@ -128,23 +129,22 @@ def _unpack_row(code, row, n_in, q, qo, scales, so, mins, mo, f16):
 
 @njit(inline="always")
 def _group_end(acc, i, s, xd, w, affine, xs, m):
-    """acc[8i:8i+8] += float(s) * (xd * w) (+ xs * m for the affine formats): a group's integer sums times weight
+    """acc[i:i+8] += float(s) * (xd * w) (+ xs * m for the affine formats): a group's integer sums times weight
     scale x activation scale into the float accumulators, plus the block's min term."""
-    f = fma(to_f32(s), fmul(xd, w), load_f32(acc, 8 * i))
-    store_f32(acc, 8 * i, fma(xs, m, f) if affine else f)
+    f = fma(to_f32(s), fmul(xd, w), load_f32(acc, i))
+    store_f32(acc, i, fma(xs, m, f) if affine else f)
 
 
 @njit(inline="always")
-def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, xp, xd, xs, t0, tokens,
-                    acc):
-    """acc[8 * (4 * j + v) + l] = sum over k of the codes of row j (j < 4; rows at q[qo + j * n_in:], scales
-    at scales[so + j * n_groups:], mins at mins[mo + j * n_in // 32:]) times token t0 + 8 * v + l's x_hat."""
+def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd, xs,
+                    t0, tokens, acc, ao):
+    """acc[ao + 8 * (4 * j + v) + l] += the sum over groups [g_start, g_end) of the codes of row j (j < 4; rows
+    at q[qo + j * n_in:], scales at scales[so + j * n_groups:], mins at mins[mo + j * n_in // 32:]) times token
+    t0 + 8 * v + l's x_hat."""
     n_blocks = n_in // ACTIVATION_BLOCK
-    for i in range(16):
-        store_f32(acc, 8 * i, zeros())
     m0 = m1 = m2 = m3 = zeros()
     e0 = e1 = e2 = e3 = zeros()
-    for g in range(n_groups):
+    for g in range(g_start, g_end):
         s00, s01, s02, s03 = izeros(), izeros(), izeros(), izeros()
         s10, s11, s12, s13 = izeros(), izeros(), izeros(), izeros()
         s20, s21, s22, s23 = izeros(), izeros(), izeros(), izeros()
@@ -169,17 +169,17 @@ def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_p
             m0, m1 = splat_at(mins, mo + b), splat_at(mins, mo + n_blocks + b)
             m2, m3 = splat_at(mins, mo + 2 * n_blocks + b), splat_at(mins, mo + 3 * n_blocks + b)
         w = splat_at(scales, so + g)
-        _group_end(acc, 0, s00, d0, w, affine, e0, m0), _group_end(acc, 1, s01, d1, w, affine, e1, m0)
-        _group_end(acc, 2, s02, d2, w, affine, e2, m0), _group_end(acc, 3, s03, d3, w, affine, e3, m0)
+        _group_end(acc, ao + 0, s00, d0, w, affine, e0, m0), _group_end(acc, ao + 8, s01, d1, w, affine, e1, m0)
+        _group_end(acc, ao + 16, s02, d2, w, affine, e2, m0), _group_end(acc, ao + 24, s03, d3, w, affine, e3, m0)
         w = splat_at(scales, so + n_groups + g)
-        _group_end(acc, 4, s10, d0, w, affine, e0, m1), _group_end(acc, 5, s11, d1, w, affine, e1, m1)
-        _group_end(acc, 6, s12, d2, w, affine, e2, m1), _group_end(acc, 7, s13, d3, w, affine, e3, m1)
+        _group_end(acc, ao + 32, s10, d0, w, affine, e0, m1), _group_end(acc, ao + 40, s11, d1, w, affine, e1, m1)
+        _group_end(acc, ao + 48, s12, d2, w, affine, e2, m1), _group_end(acc, ao + 56, s13, d3, w, affine, e3, m1)
         w = splat_at(scales, so + 2 * n_groups + g)
-        _group_end(acc, 8, s20, d0, w, affine, e0, m2), _group_end(acc, 9, s21, d1, w, affine, e1, m2)
-        _group_end(acc, 10, s22, d2, w, affine, e2, m2), _group_end(acc, 11, s23, d3, w, affine, e3, m2)
+        _group_end(acc, ao + 64, s20, d0, w, affine, e0, m2), _group_end(acc, ao + 72, s21, d1, w, affine, e1, m2)
+        _group_end(acc, ao + 80, s22, d2, w, affine, e2, m2), _group_end(acc, ao + 88, s23, d3, w, affine, e3, m2)
         w = splat_at(scales, so + 3 * n_groups + g)
-        _group_end(acc, 12, s30, d0, w, affine, e0, m3), _group_end(acc, 13, s31, d1, w, affine, e1, m3)
-        _group_end(acc, 14, s32, d2, w, affine, e2, m3), _group_end(acc, 15, s33, d3, w, affine, e3, m3)
+        _group_end(acc, ao + 96, s30, d0, w, affine, e0, m3), _group_end(acc, ao + 104, s31, d1, w, affine, e1, m3)
+        _group_end(acc, ao + 112, s32, d2, w, affine, e2, m3), _group_end(acc, ao + 120, s33, d3, w, affine, e3, m3)
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: see quant/simd.py)
@@ -215,14 +215,20 @@ def gemm_blocks(codes, datas, xp, xd, xs, n_tok, outs, f16):
             q[r * n_in:(r + 1) * n_in] = 0
             scales[r * n_groups:(r + 1) * n_groups] = 0
             mins[r * n_blocks:(r + 1) * n_blocks] = 0
-        acc = np.empty(ROW_QUAD * TOKEN_TILE, np.float32)
+        acc = np.zeros(tokens // TOKEN_TILE * padded * TOKEN_TILE, np.float32)
+        chunk_groups = K_CHUNK // (2 * group_pairs)
+        for g0 in range(0, n_groups, chunk_groups):  # K_CHUNK values of the rows and tokens at a time: in cache
+            for t0 in range(0, tokens, TOKEN_TILE):
+                for j0 in range(0, padded, ROW_QUAD):
+                    _rows4_tokens32(q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins, j0 * n_blocks, affine,
+                                    group_pairs, g0, min(g0 + chunk_groups, n_groups), xp, xd, xs, t0, tokens, acc,
+                                    (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE)
         for t0 in range(0, tokens, TOKEN_TILE):
             for j0 in range(0, padded, ROW_QUAD):
-                _rows4_tokens32(q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins, j0 * n_blocks, affine,
-                                group_pairs, xp, xd, xs, t0, tokens, acc)
+                a = (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE
                 for j in range(min(ROW_QUAD, n_rows - j0)):
                     for l in range(min(TOKEN_TILE, n_tok - t0)):
-                        out[t0 + l, r0 + j0 + j] = acc[TOKEN_TILE * j + l]
+                        out[t0 + l, r0 + j0 + j] = acc[a + TOKEN_TILE * j + l]
 
 
 @njit(parallel=True, cache=True, nogil=True)
