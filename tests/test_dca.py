@@ -133,7 +133,7 @@ def test_dca_prefill_and_decode_agree_past_the_chunk(arch, tiny_model, gemma6):
         steps.append(model.transformer.forward(np.array([token]), np.array([cache.n_past]), cache))
         cache.n_past += 1
     decoded = np.concatenate(steps)
-    # decode steps multiply the weights by 16-bit activation codes (quant/activations.py): up to ~2e-4 off the
-    # prefill here, far below what the remap changes (asserted to be 10x more at these positions)
+    # decode (GEMV) and prefill (GEMM) multiply the same 16-bit activation codes, summed in other orders: far
+    # below what the remap changes (asserted to be 10x more at these positions)
     np.testing.assert_allclose(decoded, full[36:], atol=1.5e-3)
     assert np.abs(decoded - plain[36:]).max() > 10 * np.abs(decoded - full[36:]).max()

@@ -1,8 +1,9 @@
-"""16-bit activation codes: what the CPU's decode GEMV multiplies the weight blocks with (NumPy reference).
+"""16-bit activation codes: what the CPU's quantized matmuls (decode GEMV, prefill GEMM) multiply the weight
+blocks with (NumPy reference).
 
 A quantized weight times a float activation is a float multiply per value; times a 16-bit integer code it is
 an integer multiply-add, sixteen per instruction (vpmaddwd / vpdpwssd), and the block scales are applied once
-per 32 values. So before a decode step's quantized matmuls the CPU backend rounds the activation row, per 32
+per 32 values. So before its quantized matmuls the CPU backend rounds each activation row, per 32
 values, to `scale * code` with `code` an int16 in [-32767, 32767] and `scale = max|x| / 32767` (float32):
 
     scale = amax / 32767;  inv = 1 / scale;  code = rint(x * inv);  x_hat = code * scale
@@ -13,8 +14,8 @@ with inv = 0 (all codes 0) for a block whose scale is not a normal float32 (amax
 The rounding is at most scale / 2 = amax / 65534 per value: 256 times finer than the 8-bit codes llama.cpp's
 CPU path uses. Measured on the two real models against transformers (float32, same weights): rounding every
 matmul's input this way moves the logits by at most 0.005 and no argmax; 8-bit codes move them by up to 1.4 and
-flip 1-7% of the argmaxes. Prefill (BLAS over many tokens, compute-bound) multiplies x itself: rounding would
-save it nothing. Float weights (F32 / F16 / BF16) multiply x itself too.
+flip 1-7% of the argmaxes. Prefill multiplies the same codes (cpu_gemm.py: twice the products an instruction
+of float32 BLAS, and the weights never expanded to float32). Float weights (F32 / F16 / BF16) multiply x itself.
 """
 from __future__ import annotations
 

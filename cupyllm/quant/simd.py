@@ -379,7 +379,7 @@ def f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
-# --- int16 lanes: the decode GEMV's integer dot products --------------------------------------------
+# --- int16 lanes: the integer dot products of the decode GEMV and the prefill GEMM ------------------
 # Weight codes (at most 8 bits) times 16-bit activation codes, pairs summed into int32 lanes: LLVM turns
 # `madd` into one vpmaddwd (AVX2) or vpdpwssd (AVX-512 VNNI / AVX-VNNI), 16 products an instruction.
 
