@@ -55,25 +55,18 @@ def _unpack_row(code, row, n_in, q, qo, scales, so, mins, mo, f16):
             scales[so + b] = _half(row, o, f16)
             store_i16(q, qo + 32 * b, load_i8w(row, o + 2))
             store_i16(q, qo + 32 * b + 16, load_i8w(row, o + 18))
-    elif code == C_Q4_0 or code == C_Q4_1:
-        size, qs, offset = (18, 2, 8) if code == C_Q4_0 else (20, 4, 0)
+    elif code == C_Q4_0 or code == C_Q4_1 or code == C_Q5_0 or code == C_Q5_1:
+        five_bit = code == C_Q5_0 or code == C_Q5_1  # (their 5th bits: the u32 before the nibbles)
+        affine = code == C_Q4_1 or code == C_Q5_1  # (their m: the half after d)
+        size = 18 + 2 * affine + 4 * five_bit
+        qs, offset = size - 16, (16 if five_bit else 8) * (1 - affine)
         for b in range(n_in // 32):
             o = b * size
             scales[so + b] = _half(row, o, f16)
-            if code == C_Q4_1:
+            if affine:
                 mins[mo + b] = _half(row, o + 2, f16)
+            h = _u32_at(row, o + qs - 4) if five_bit else np.uint32(0)
             v = load_u8w(row, o + qs)
-            store_i16(q, qo + 32 * b, isub(iand(v, 15), offset))
-            store_i16(q, qo + 32 * b + 16, isub(ishr(v, 4), offset))
-    elif code == C_Q5_0 or code == C_Q5_1:
-        size, qh, offset = (22, 2, 16) if code == C_Q5_0 else (24, 4, 0)
-        for b in range(n_in // 32):
-            o = b * size
-            scales[so + b] = _half(row, o, f16)
-            if code == C_Q5_1:
-                mins[mo + b] = _half(row, o + 2, f16)
-            h = _u32_at(row, o + qh)
-            v = load_u8w(row, o + qh + 4)
             store_i16(q, qo + 32 * b, isub(ior(iand(v, 15), bit_words(h, 0, 16)), offset))
             store_i16(q, qo + 32 * b + 16, isub(ior(ishr(v, 4), bit_words(h, 16, 16)), offset))
     elif code == C_Q4_K or code == C_Q5_K:
