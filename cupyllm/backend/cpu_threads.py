@@ -32,9 +32,9 @@ class RowThreads:
 
     def map_rows(self, fn, n_rows: int) -> list:
         """[fn(start, stop) for each row block], the blocks run on the threads with BLAS single-threaded."""
-        blocks = self.blocks(n_rows)
-        if len(blocks) == 1 or self.threads == 1:
+        if n_rows < 2 * MIN_ROWS_PER_BLOCK or self.threads == 1:  # (decode: no block planning per call)
             return [fn(0, n_rows)]
+        blocks = self.blocks(n_rows)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cupyllm-rows")
             self._blas = ThreadpoolController()

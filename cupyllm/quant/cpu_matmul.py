@@ -214,13 +214,13 @@ def _codes16(xq, k):
 
 @njit(inline="always")
 def _dot_q8_0(row, xq, xd, xsum, f16):
-    acc = zeros()
+    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 34
         s = madd(madd(izeros(), load_i8w(row, o + 2), _codes16(xq, 32 * b)), load_i8w(row, o + 18),
                  _codes16(xq, 32 * b + 16))
-        acc = fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
-    return hsum(acc)
+        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+    return hsum(fadd(acc, acc_next))
 
 
 @njit(inline="always")
@@ -233,22 +233,24 @@ def _nibbles16(row, qs, xq, k, offset):
 
 @njit(inline="always")
 def _dot_q4_0(row, xq, xd, xsum, f16):
-    acc = zeros()
+    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 18
-        acc = fma(to_f32(_nibbles16(row, o + 2, xq, 32 * b, 8)), splat(_half(row, o, f16) * xd[b]), acc)
-    return hsum(acc)
+        s = _nibbles16(row, o + 2, xq, 32 * b, 8)
+        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+    return hsum(fadd(acc, acc_next))
 
 
 @njit(inline="always")
 def _dot_q4_1(row, xq, xd, xsum, f16):
-    acc = zeros()
-    mins = np.float32(0.0)
+    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
+    mins, mins_next = np.float32(0.0), np.float32(0.0)
     for b in range(xq.shape[0] // 32):
         o = b * 20
-        acc = fma(to_f32(_nibbles16(row, o + 4, xq, 32 * b, 0)), splat(_half(row, o, f16) * xd[b]), acc)
-        mins += _half(row, o + 2, f16) * xsum[b]
-    return hsum(acc) + mins
+        s = _nibbles16(row, o + 4, xq, 32 * b, 0)
+        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+        mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
+    return hsum(fadd(acc, acc_next)) + (mins + mins_next)
 
 
 @njit(inline="always")
@@ -262,22 +264,24 @@ def _fives16(row, qh, qs, xq, k, offset):
 
 @njit(inline="always")
 def _dot_q5_0(row, xq, xd, xsum, f16):
-    acc = zeros()
+    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 22
-        acc = fma(to_f32(_fives16(row, o + 2, o + 6, xq, 32 * b, 16)), splat(_half(row, o, f16) * xd[b]), acc)
-    return hsum(acc)
+        s = _fives16(row, o + 2, o + 6, xq, 32 * b, 16)
+        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+    return hsum(fadd(acc, acc_next))
 
 
 @njit(inline="always")
 def _dot_q5_1(row, xq, xd, xsum, f16):
-    acc = zeros()
-    mins = np.float32(0.0)
+    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
+    mins, mins_next = np.float32(0.0), np.float32(0.0)
     for b in range(xq.shape[0] // 32):
         o = b * 24
-        acc = fma(to_f32(_fives16(row, o + 4, o + 8, xq, 32 * b, 0)), splat(_half(row, o, f16) * xd[b]), acc)
-        mins += _half(row, o + 2, f16) * xsum[b]
-    return hsum(acc) + mins
+        s = _fives16(row, o + 4, o + 8, xq, 32 * b, 0)
+        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+        mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
+    return hsum(fadd(acc, acc_next)) + (mins + mins_next)
 
 
 @njit(inline="always")
@@ -290,38 +294,38 @@ def _k_pair(lo0, lo1, hi0, hi1, xq, k):
 
 @njit(inline="always")
 def _k_scales(row, o, d, dmin, xd, xsum, k):
-    """A Q4_K / Q5_K super-block's 8 sub-block scales times their activation scales, (d * sc_j) * xd[k + j], as
-    lanes, and its mins term sum_j (dmin * m_j) * xsum[k + j]."""
+    """A Q4_K / Q5_K super-block's 8 sub-block scales times their activation scales, (d * sc_j) * xd[k + j], and
+    its mins terms (dmin * m_j) * xsum[k + j], as lanes j."""
     sc, m = _k_scale_mins(row, o)
     scales = fmul(fmul(splat(d), to_f32(sc)), load_f32(xd, k))
-    return scales, hsum(fmul(fmul(splat(dmin), to_f32(m)), load_f32(xsum, k)))
+    return scales, fmul(fmul(splat(dmin), to_f32(m)), load_f32(xsum, k))
 
 
 @njit(inline="always")
 def _dot_q4_k(row, xq, xd, xsum, f16):
-    acc = zeros()
-    mins = np.float32(0.0)
+    acc_lo, acc_hi, next_lo, next_hi = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
+    mins = zeros()
     for b in range(xq.shape[0] // 256):
         o = b * 144
         scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
-        mins += block_mins
+        mins = fadd(mins, block_mins)
         for pair in range(4):  # 32 bytes: low nibbles are sub-block 2*pair, high nibbles 2*pair + 1
             q0 = load_u8w(row, o + 16 + pair * 32)
             q1 = load_u8w(row, o + 32 + pair * 32)
             lo, hi = _k_pair(iand(q0, 15), iand(q1, 15), ishr(q0, 4), ishr(q1, 4), xq, b * 8 + 2 * pair)
-            acc = fma(to_f32(lo), lane_splat(scales, 2 * pair), acc)
-            acc = fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc)
-    return hsum(acc) - mins
+            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi, fma(to_f32(lo), lane_splat(scales, 2 * pair), acc_lo),
+                                                fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc_hi))
+    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
 
 
 @njit(inline="always")
 def _dot_q5_k(row, xq, xd, xsum, f16):
-    acc = zeros()
-    mins = np.float32(0.0)
+    acc_lo, acc_hi, next_lo, next_hi = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
+    mins = zeros()
     for b in range(xq.shape[0] // 256):
         o = b * 176
         scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
-        mins += block_mins
+        mins = fadd(mins, block_mins)
         h0 = load_u8w(row, o + 16)  # bit 2*pair / 2*pair + 1 of qh[l]: the 5th bit of sub-block 2*pair / +1
         h1 = load_u8w(row, o + 32)
         for pair in range(4):
@@ -331,9 +335,9 @@ def _dot_q5_k(row, xq, xd, xsum, f16):
                              ior(iand(q1, 15), ishl(iand(ishr(h1, 2 * pair), 1), 4)),
                              ior(ishr(q0, 4), ishl(iand(ishr(h0, 2 * pair + 1), 1), 4)),
                              ior(ishr(q1, 4), ishl(iand(ishr(h1, 2 * pair + 1), 1), 4)), xq, b * 8 + 2 * pair)
-            acc = fma(to_f32(lo), lane_splat(scales, 2 * pair), acc)
-            acc = fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc)
-    return hsum(acc) - mins
+            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi, fma(to_f32(lo), lane_splat(scales, 2 * pair), acc_lo),
+                                                fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc_hi))
+    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
 
 
 @njit(inline="always")
@@ -344,7 +348,7 @@ def _q6_part(v, xq, k, scale, acc):
 
 @njit(inline="always")
 def _dot_q6_k(row, xq, xd, xsum, f16):
-    acc = zeros()
+    acc0, acc1, acc2, acc3 = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
     for b in range(xq.shape[0] // 256):
         o = b * 210
         d = _half(row, o + 208, f16)
@@ -359,13 +363,13 @@ def _dot_q6_k(row, xq, xd, xsum, f16):
                 h = load_u8w(row, qh + l)
                 a = load_u8w(row, ql + l)
                 c = load_u8w(row, ql + 32 + l)
-                acc = _q6_part(ior(iand(a, 15), ishl(iand(h, 3), 4)), xq, xb + l, lane_splat(scales, sub), acc)
-                acc = _q6_part(ior(iand(c, 15), ishl(iand(h, 12), 2)), xq, xb + 32 + l, lane_splat(scales, sub + 2),
-                               acc)
-                acc = _q6_part(ior(ishr(a, 4), iand(h, 48)), xq, xb + 64 + l, lane_splat(scales, sub + 4), acc)
-                acc = _q6_part(ior(ishr(c, 4), iand(ishr(h, 2), 48)), xq, xb + 96 + l, lane_splat(scales, sub + 6),
-                               acc)
-    return hsum(acc)
+                acc0 = _q6_part(ior(iand(a, 15), ishl(iand(h, 3), 4)), xq, xb + l, lane_splat(scales, sub), acc0)
+                acc1 = _q6_part(ior(iand(c, 15), ishl(iand(h, 12), 2)), xq, xb + 32 + l, lane_splat(scales, sub + 2),
+                                acc1)
+                acc2 = _q6_part(ior(ishr(a, 4), iand(h, 48)), xq, xb + 64 + l, lane_splat(scales, sub + 4), acc2)
+                acc3 = _q6_part(ior(ishr(c, 4), iand(ishr(h, 2), 48)), xq, xb + 96 + l, lane_splat(scales, sub + 6),
+                                acc3)
+    return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
 
 
 @njit(inline="always")
