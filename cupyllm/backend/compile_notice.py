@@ -1,6 +1,6 @@
 """One line on stderr when numba starts compiling cupyllm's CPU kernels.
 
-The first run on a machine spends about a minute compiling them (later runs load numba's cache in
+The first run on a machine spends a minute or two compiling them (later runs load numba's cache in
 milliseconds); without a word, a first `cupyllm generate` looks hung in its prefill. numba broadcasts a
 "numba:compile" event only when it really compiles, so a cached run prints nothing.
 """
@@ -11,7 +11,7 @@ import threading
 
 from numba.core import event
 
-NOTICE = ("cupyllm: compiling the CPU kernels for this machine (the first run only, about a minute on two cores; "
+NOTICE = ("cupyllm: compiling the CPU kernels for this machine (the first run only, a minute or two on two cores; "
           "numba caches them)")
 
 

@@ -28,7 +28,7 @@ class CPUBackend:
     def __init__(self):
         self._rope_tables = {}
         self._threads = RowThreads()
-        compile_notice.install()  # the first run compiles the numba kernels for about a minute: say so
+        compile_notice.install()  # the first run compiles the numba kernels for a minute or two: say so
 
     def asarray(self, x, dtype=None):
         return np.asarray(x, dtype=dtype)

@@ -176,27 +176,19 @@ def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_p
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: see quant/simd.py)
-def gemm_blocks(codes, datas, xp, xd, xs, n_tok, outs, f16):
-    """outs[i][t, n] = sum_k x_hat[t, k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format
-    codes[i]) that reads the packed activations (xp, xd, xs: `pack_activations`); one parallel region over
-    tiles of ROWS_PER_TASK rows of all the weights."""
+def gemm_blocks(code, data, xp, xd, xs, n_tok, out, f16):
+    """out[t, n] = sum_k x_hat[t, k] * W[n, k] for the weight W (quantized rows `data`, format `code`) and the
+    packed activations (xp, xd, xs: `pack_activations`); one parallel region over tiles of ROWS_PER_TASK rows.
+    (One weight a call, unlike the GEMV: every prefill weight fills the cores alone, and a tuple of weights
+    would compile the kernel again for each tuple length.)"""
     tokens = xd.shape[1]
     n_in = xp.shape[0] // (2 * tokens) * 2
     n_blocks = n_in // ACTIVATION_BLOCK
-    n_weights = len(datas)
-    task_start = np.empty(n_weights + 1, np.int64)  # row tiles of weight i: [task_start[i], task_start[i+1])
-    task_start[0] = 0
-    for i in range(n_weights):
-        task_start[i + 1] = task_start[i] + (datas[i].shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(task_start[n_weights]):
-        i = 0
-        while task >= task_start[i + 1]:
-            i += 1
-        data, out, code = datas[i], outs[i], codes[i]
+    for task in prange((data.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
         group_pairs = 8 if code == C_Q6_K else 16
         n_groups = n_in // (2 * group_pairs)
         affine = code == C_Q4_1 or code == C_Q5_1 or code == C_Q4_K or code == C_Q5_K
-        r0 = (task - task_start[i]) * ROWS_PER_TASK
+        r0 = task * ROWS_PER_TASK
         n_rows = min(ROWS_PER_TASK, data.shape[0] - r0)
         padded = (n_rows + ROW_QUAD - 1) // ROW_QUAD * ROW_QUAD
         q = np.empty(padded * n_in, np.int16)
@@ -264,10 +256,11 @@ def pack_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def gemm_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
-    """[x_hat @ W.T for W in weights] (block-quantized W of GEMM_CODES, all with the same array type)."""
+    """[x_hat @ W.T for W in weights] (block-quantized W of GEMM_CODES), x packed once for all of them."""
     xp, xd, xs = pack_activations(x)
-    datas = tuple(data for data, _ in weights)
-    codes = np.array([fmt.code for _, fmt in weights], np.int64)
-    outs = tuple(np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas)
-    gemm_blocks(codes, datas, xp, xd, xs, x.shape[0], outs, F16_TABLE)
-    return list(outs)
+    outs = []
+    for data, fmt in weights:
+        out = np.empty((x.shape[0], data.shape[0]), np.float32)
+        gemm_blocks(fmt.code, data, xp, xd, xs, x.shape[0], out, F16_TABLE)
+        outs.append(out)
+    return outs

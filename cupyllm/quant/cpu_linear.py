@@ -37,14 +37,15 @@ def _kernel(n_tok: int, fmts: list[WeightFormat]) -> str:
 
 
 def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int) -> list[np.ndarray]:
-    """[x @ W.T for W in weights]: weights that read the same x go through one parallel GEMV or GEMM call
-    (one thread wake-up for q/k/v or gate/up) when their arrays share a numba type; else weight by weight."""
+    """[x @ W.T for W in weights]: a decode step's weights that read the same x go through one parallel GEMV
+    (one thread wake-up for q/k/v or gate/up) when their arrays share a numba type; a prefill's GEMMs share the
+    packing of x; else weight by weight."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     kernel = _kernel(x.shape[0], [fmt for _, fmt in weights])
     one_type = len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d, _ in weights}) == 1
     if kernel == "gemv" and one_type:
         return gemv_many(x, weights)
-    if kernel == "gemm" and one_type:
+    if kernel == "gemm":
         return gemm_many(x, weights)
     return [matmul(x, data, fmt, n_in) for data, fmt in weights]
 
