@@ -49,7 +49,7 @@ def test_numba_dequant_equals_reference(qtype):
 
 
 @pytest.mark.parametrize("codes", [True, False], ids=["codes", "tiles"])
-@pytest.mark.parametrize("n_tok", [1, 2, 7, 40])  # GEMV; GEMM (a padded tile; a whole one and a padded one)
+@pytest.mark.parametrize("n_tok", [1, 2, 9, 40])  # GEMV; GEMM (a padded tile; a whole one and a padded one)
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
 def test_matmul_from_blocks(qtype, n_tok, codes, monkeypatch):
     """Every kernel `matmul` picks against float64 products: the GEMV and GEMM multiply x_hat (x's 16-bit codes),
