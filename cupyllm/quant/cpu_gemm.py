@@ -8,15 +8,18 @@ instruction (vpdpwssd: 16 int16 products summed in pairs into 8 int32 lanes) ser
   vector load holds one pair of positions for eight consecutive tokens;
 - each thread unpacks a tile of weight rows to int16 codes (the block decoders of the GEMV, stored instead of
   multiplied) plus one float scale per 32 values (16 for Q6_K) and, for the affine formats, one min term per 32;
-- the micro-kernel keeps 4 rows x 32 tokens of int32 sums in registers, broadcasts a row's code pair against the
-  tokens' pairs, and at the end of every scale group converts the sums and adds them times weight scale x
-  activation scale to float32 accumulators (and the min term times the block's activation sum).
+- the micro-kernel keeps 4 rows x 32 tokens of int32 sums in registers (16 independent vpdpwssd chains),
+  broadcasts a row's code pair against the tokens' pairs, and at the end of every scale group converts the sums
+  and adds them times weight scale x activation scale to float32 accumulators (and the min term times the
+  block's activation sum); rows are walked K_CHUNK values at a time over all token tiles, so a pass's codes and
+  activations stay in L2.
 
 Integer sums are exact (|code| <= 32767 times |weight code| <= 128 over 32 values stays below 2**31), so each
 result is sum_k W[n, k] * x_hat[k] up to float32 summation order: the GEMV's value, reached in another order.
 Against BLAS on dequantized f32 tiles it does twice the multiply-adds per instruction and never writes the f32
-weights; everything runs in one numba parallel region (a numba region next to OpenBLAS's threads makes both
-spin for the cores).
+weights. Each weight is one numba parallel region over row tiles; the prefill's attention runs beside it in
+Python threads with BLAS held to one thread (backend/cpu_threads.py), since a numba region next to OpenBLAS's
+spinning workers makes both fight for the cores.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from numba import njit, prange
 from .activations import ACTIVATION_BLOCK
 from .cpu_matmul import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _half, _i8,
                          _k_scale_mins, _u32_at, quantize_activation_row)
-from .simd import (bit_words, fadd, fma, fmul, fsub, iand, ior, ishl, ishr, isub, izeros, load_f32, load_i16,
+from .simd import (bit_words, fma, fmul, fsub, iand, ior, ishl, ishr, isub, izeros, load_f32, load_i16,
                    load_i8w, load_u8w, madd, splat, splat_at, splat_pair, store_f32, store_i16, to_f32, zeros)
 from .weights import WeightFormat
 
@@ -35,11 +38,6 @@ ROW_QUAD = 4  # weight rows per micro-kernel
 ROWS_PER_TASK = 32  # weight rows a thread unpacks and multiplies at a time
 K_CHUNK = 1024  # values of a row per pass over the token tiles: the pass's codes and activations stay in cache
 GEMM_CODES = (C_Q8_0, C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1, C_Q4_K, C_Q5_K, C_Q6_K)
-
-
-def group_values(code: int) -> int:
-    """Values per weight scale in the unpacked tile: Q6_K's scales cover 16 values, every other format's 32."""
-    return 16 if code == C_Q6_K else 32
 
 
 # --- weight rows -> int16 codes, scales per group, min terms per 32 values ------------------------------
