@@ -120,8 +120,8 @@ def test_simd_word_lanes_match_numpy():
 @pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
 def test_gemv_and_gemm_match_reference(qtype, n_in):
-    """The decode GEMV (one token) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 37
-    rows: a padded row quad) against float64 products of the dequantized weight and x_hat, each result within
+    """The decode GEMV (one token) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 20
+    tokens; 37 rows: a padded row quad) against float64 products of the dequantized weight and x_hat, each result within
     2e-6 of the sum of its products' magnitudes."""
     fmt = WEIGHT_FORMATS[qtype]
     if n_in % fmt.block_values:
@@ -139,9 +139,10 @@ def test_gemv_and_gemm_match_reference(qtype, n_in):
     gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE)
     np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)
     if qtype not in FLOAT_TYPES:  # (float weights go to BLAS)
-        got = gemm_many(x, [(rows, fmt)])[0]
-        assert got.shape == (35, n_out)
-        np.testing.assert_array_less(np.abs(got - reference), 2e-6 * scale + 1e-30)
+        for n_tok in (35, 20):  # a last tile of 3 tokens (the half-width kernel), one tile of 20 (full width)
+            got = gemm_many(x[:n_tok], [(rows, fmt)])[0]
+            assert got.shape == (n_tok, n_out)
+            np.testing.assert_array_less(np.abs(got - reference[:n_tok]), 2e-6 * scale[:n_tok] + 1e-30)
 
 
 @pytest.mark.parametrize("n_tok", [1, 2, 9])  # one parallel GEMV for all weights; two tokens; the GEMMs

@@ -128,10 +128,11 @@ def _group_end(acc, i, s, xd, w, affine, xs, m):
 
 @njit(inline="always")
 def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd, xs,
-                    t0, tokens, acc, ao):
+                    t0, tokens, acc, ao, half):
     """acc[ao + 8 * (4 * j + v) + l] += the sum over groups [g_start, g_end) of the codes of row j (j < 4; rows
     at q[qo + j * n_in:], scales at scales[so + j * n_groups:], mins at mins[mo + j * n_in // 32:]) times token
-    t0 + 8 * v + l's x_hat."""
+    t0 + 8 * v + l's x_hat; `half` (a constant at each call site, so the branches fold away): only v < 2, for a
+    last tile of at most 16 tokens."""
     n_blocks = n_in // ACTIVATION_BLOCK
     m0 = m1 = m2 = m3 = zeros()
     e0 = e1 = e2 = e3 = zeros()
@@ -142,16 +143,16 @@ def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_p
         s30, s31, s32, s33 = izeros(), izeros(), izeros(), izeros()
         for p in range(g * group_pairs, (g + 1) * group_pairs):
             xo = 2 * (p * tokens + t0)
-            x0, x1, x2, x3 = load_i16(xp, xo), load_i16(xp, xo + 16), load_i16(xp, xo + 32), load_i16(xp, xo + 48)
+            x0, x1 = load_i16(xp, xo), load_i16(xp, xo + 16)
             k = qo + 2 * p
-            w = splat_pair(q, k)
-            s00, s01, s02, s03 = madd(s00, w, x0), madd(s01, w, x1), madd(s02, w, x2), madd(s03, w, x3)
-            w = splat_pair(q, k + n_in)
-            s10, s11, s12, s13 = madd(s10, w, x0), madd(s11, w, x1), madd(s12, w, x2), madd(s13, w, x3)
-            w = splat_pair(q, k + 2 * n_in)
-            s20, s21, s22, s23 = madd(s20, w, x0), madd(s21, w, x1), madd(s22, w, x2), madd(s23, w, x3)
-            w = splat_pair(q, k + 3 * n_in)
-            s30, s31, s32, s33 = madd(s30, w, x0), madd(s31, w, x1), madd(s32, w, x2), madd(s33, w, x3)
+            w0, w1, w2, w3 = splat_pair(q, k), splat_pair(q, k + n_in), splat_pair(q, k + 2 * n_in), splat_pair(
+                q, k + 3 * n_in)
+            s00, s01, s10, s11 = madd(s00, w0, x0), madd(s01, w0, x1), madd(s10, w1, x0), madd(s11, w1, x1)
+            s20, s21, s30, s31 = madd(s20, w2, x0), madd(s21, w2, x1), madd(s30, w3, x0), madd(s31, w3, x1)
+            if not half:
+                x2, x3 = load_i16(xp, xo + 32), load_i16(xp, xo + 48)
+                s02, s03, s12, s13 = madd(s02, w0, x2), madd(s03, w0, x3), madd(s12, w1, x2), madd(s13, w1, x3)
+                s22, s23, s32, s33 = madd(s22, w2, x2), madd(s23, w2, x3), madd(s32, w3, x2), madd(s33, w3, x3)
         b = (g * group_pairs * 2) // ACTIVATION_BLOCK
         xo = b * tokens + t0
         d0, d1, d2, d3 = load_f32(xd, xo), load_f32(xd, xo + 8), load_f32(xd, xo + 16), load_f32(xd, xo + 24)
@@ -159,18 +160,18 @@ def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_p
             e0, e1, e2, e3 = load_f32(xs, xo), load_f32(xs, xo + 8), load_f32(xs, xo + 16), load_f32(xs, xo + 24)
             m0, m1 = splat_at(mins, mo + b), splat_at(mins, mo + n_blocks + b)
             m2, m3 = splat_at(mins, mo + 2 * n_blocks + b), splat_at(mins, mo + 3 * n_blocks + b)
-        w = splat_at(scales, so + g)
-        _group_end(acc, ao + 0, s00, d0, w, affine, e0, m0), _group_end(acc, ao + 8, s01, d1, w, affine, e1, m0)
-        _group_end(acc, ao + 16, s02, d2, w, affine, e2, m0), _group_end(acc, ao + 24, s03, d3, w, affine, e3, m0)
-        w = splat_at(scales, so + n_groups + g)
-        _group_end(acc, ao + 32, s10, d0, w, affine, e0, m1), _group_end(acc, ao + 40, s11, d1, w, affine, e1, m1)
-        _group_end(acc, ao + 48, s12, d2, w, affine, e2, m1), _group_end(acc, ao + 56, s13, d3, w, affine, e3, m1)
-        w = splat_at(scales, so + 2 * n_groups + g)
-        _group_end(acc, ao + 64, s20, d0, w, affine, e0, m2), _group_end(acc, ao + 72, s21, d1, w, affine, e1, m2)
-        _group_end(acc, ao + 80, s22, d2, w, affine, e2, m2), _group_end(acc, ao + 88, s23, d3, w, affine, e3, m2)
-        w = splat_at(scales, so + 3 * n_groups + g)
-        _group_end(acc, ao + 96, s30, d0, w, affine, e0, m3), _group_end(acc, ao + 104, s31, d1, w, affine, e1, m3)
-        _group_end(acc, ao + 112, s32, d2, w, affine, e2, m3), _group_end(acc, ao + 120, s33, d3, w, affine, e3, m3)
+        c0, c1 = splat_at(scales, so + g), splat_at(scales, so + n_groups + g)
+        c2, c3 = splat_at(scales, so + 2 * n_groups + g), splat_at(scales, so + 3 * n_groups + g)
+        _group_end(acc, ao + 0, s00, d0, c0, affine, e0, m0), _group_end(acc, ao + 8, s01, d1, c0, affine, e1, m0)
+        _group_end(acc, ao + 32, s10, d0, c1, affine, e0, m1), _group_end(acc, ao + 40, s11, d1, c1, affine, e1, m1)
+        _group_end(acc, ao + 64, s20, d0, c2, affine, e0, m2), _group_end(acc, ao + 72, s21, d1, c2, affine, e1, m2)
+        _group_end(acc, ao + 96, s30, d0, c3, affine, e0, m3), _group_end(acc, ao + 104, s31, d1, c3, affine, e1, m3)
+        if not half:
+            _group_end(acc, ao + 16, s02, d2, c0, affine, e2, m0), _group_end(acc, ao + 24, s03, d3, c0, affine, e3, m0)
+            _group_end(acc, ao + 48, s12, d2, c1, affine, e2, m1), _group_end(acc, ao + 56, s13, d3, c1, affine, e3, m1)
+            _group_end(acc, ao + 80, s22, d2, c2, affine, e2, m2), _group_end(acc, ao + 88, s23, d3, c2, affine, e3, m2)
+            _group_end(acc, ao + 112, s32, d2, c3, affine, e2, m3), _group_end(acc, ao + 120, s33, d3, c3, affine, e3,
+                                                                               m3)
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: see quant/simd.py)
@@ -201,11 +202,16 @@ def gemm_blocks(code, data, xp, xd, xs, n_tok, out, f16):
         acc = np.zeros(tokens // TOKEN_TILE * padded * TOKEN_TILE, np.float32)
         chunk_groups = K_CHUNK // (2 * group_pairs)
         for g0 in range(0, n_groups, chunk_groups):  # K_CHUNK values of the rows and tokens at a time: in cache
+            g1 = min(g0 + chunk_groups, n_groups)
             for t0 in range(0, tokens, TOKEN_TILE):
                 for j0 in range(0, padded, ROW_QUAD):
-                    _rows4_tokens32(q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins, j0 * n_blocks, affine,
-                                    group_pairs, g0, min(g0 + chunk_groups, n_groups), xp, xd, xs, t0, tokens, acc,
-                                    (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE)
+                    a = (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE
+                    if n_tok - t0 > TOKEN_TILE // 2:
+                        _rows4_tokens32(q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins, j0 * n_blocks,
+                                        affine, group_pairs, g0, g1, xp, xd, xs, t0, tokens, acc, a, False)
+                    else:  # a last tile of at most 16 tokens: half the work
+                        _rows4_tokens32(q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins, j0 * n_blocks,
+                                        affine, group_pairs, g0, g1, xp, xd, xs, t0, tokens, acc, a, True)
         for t0 in range(0, tokens, TOKEN_TILE):
             for j0 in range(0, padded, ROW_QUAD):
                 a = (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE
