@@ -6,8 +6,8 @@ instruction (vpdpwssd: 16 int16 products summed in pairs into 8 int32 lanes) ser
 
 - the activations are packed once per matmul pair-major, `xp[p, t] = (code[t, 2p], code[t, 2p+1])`, so one
   vector load holds one pair of positions for eight consecutive tokens;
-- each thread unpacks a tile of weight rows to int16 codes (the block decoders of the GEMV, stored instead of
-  multiplied) plus one float scale per 32 values (16 for Q6_K) and, for the affine formats, one min term per 32;
+- each thread unpacks a tile of weight rows to int16 codes (the GEMV's block-code helpers `_codes32`,
+  `_k_codes`, `_q6_codes`, stored instead of multiplied) plus one float scale per 32 values (16 for Q6_K) and, for the affine formats, one min term per 32;
 - the micro-kernel keeps 4 rows x 32 tokens of int32 sums in registers (16 independent vpdpwssd chains),
   broadcasts a row's code pair against the tokens' pairs, and at the end of every scale group converts the sums
   and adds them times weight scale x activation scale to float32 accumulators (and the min term times the
@@ -27,10 +27,10 @@ import numpy as np
 from numba import njit, prange
 
 from .activations import ACTIVATION_BLOCK
-from .cpu_matmul import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _half, _i8,
-                         _k_scale_mins, _u32_at, quantize_activation_row)
-from .simd import (bit_words, fma, fmul, fsub, iand, ior, ishl, ishr, isub, izeros, load_f32, load_i16,
-                   load_i8w, load_u8w, madd, splat, splat_at, splat_pair, store_f32, store_i16, to_f32, zeros)
+from .cpu_matmul import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _codes32, _half,
+                         _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row)
+from .simd import (fma, fmul, fsub, izeros, load_f32, load_i16, load_i8w, madd, splat, splat_at, splat_pair, store_f32,
+                   store_i16, to_f32, zeros)
 from .weights import WeightFormat
 
 TOKEN_TILE = 32  # tokens per micro-kernel: four vectors of eight
@@ -63,10 +63,9 @@ def _unpack_row(code, row, n_in, q, qo, scales, so, mins, mo, f16):
             scales[so + b] = _half(row, o, f16)
             if affine:
                 mins[mo + b] = _half(row, o + 2, f16)
-            h = _u32_at(row, o + qs - 4) if five_bit else np.uint32(0)
-            v = load_u8w(row, o + qs)
-            store_i16(q, qo + 32 * b, isub(ior(iand(v, 15), bit_words(h, 0, 16)), offset))
-            store_i16(q, qo + 32 * b + 16, isub(ior(ishr(v, 4), bit_words(h, 16, 16)), offset))
+            lo, hi = _codes32(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset)
+            store_i16(q, qo + 32 * b, lo)
+            store_i16(q, qo + 32 * b + 16, hi)
     elif code == C_Q4_K or code == C_Q5_K:
         size = 144 if code == C_Q4_K else 176
         for b in range(n_in // 256):
@@ -75,20 +74,8 @@ def _unpack_row(code, row, n_in, q, qo, scales, so, mins, mo, f16):
             store_f32(scales, so + 8 * b, fmul(splat(_half(row, o, f16)), to_f32(sc)))  # d * sc_j
             store_f32(mins, mo + 8 * b, fsub(zeros(), fmul(splat(_half(row, o + 2, f16)), to_f32(m))))  # -dmin*m_j
             base = qo + 256 * b
-            for pair in range(4):  # 32 bytes: low nibbles are sub-block 2*pair, high nibbles 2*pair + 1
-                if code == C_Q4_K:
-                    q0 = load_u8w(row, o + 16 + pair * 32)
-                    q1 = load_u8w(row, o + 32 + pair * 32)
-                    lo0, lo1, hi0, hi1 = iand(q0, 15), iand(q1, 15), ishr(q0, 4), ishr(q1, 4)
-                else:
-                    h0 = load_u8w(row, o + 16)  # bit 2*pair / 2*pair + 1: the 5th bit of sub-block 2*pair / +1
-                    h1 = load_u8w(row, o + 32)
-                    q0 = load_u8w(row, o + 48 + pair * 32)
-                    q1 = load_u8w(row, o + 64 + pair * 32)
-                    lo0 = ior(iand(q0, 15), ishl(iand(ishr(h0, 2 * pair), 1), 4))
-                    lo1 = ior(iand(q1, 15), ishl(iand(ishr(h1, 2 * pair), 1), 4))
-                    hi0 = ior(ishr(q0, 4), ishl(iand(ishr(h0, 2 * pair + 1), 1), 4))
-                    hi1 = ior(ishr(q1, 4), ishl(iand(ishr(h1, 2 * pair + 1), 1), 4))
+            for pair in range(4):
+                lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, code == C_Q5_K)
                 store_i16(q, base + 64 * pair, lo0)
                 store_i16(q, base + 64 * pair + 16, lo1)
                 store_i16(q, base + 64 * pair + 32, hi0)
@@ -105,13 +92,11 @@ def _unpack_row(code, row, n_in, q, qo, scales, so, mins, mo, f16):
                 base = qo + 256 * b + 128 * half
                 for sub in range(2):
                     l = 16 * sub
-                    h = load_u8w(row, qh + l)
-                    a = load_u8w(row, ql + l)
-                    c = load_u8w(row, ql + 32 + l)
-                    store_i16(q, base + l, isub(ior(iand(a, 15), ishl(iand(h, 3), 4)), 32))
-                    store_i16(q, base + 32 + l, isub(ior(iand(c, 15), ishl(iand(h, 12), 2)), 32))
-                    store_i16(q, base + 64 + l, isub(ior(ishr(a, 4), iand(h, 48)), 32))
-                    store_i16(q, base + 96 + l, isub(ior(ishr(c, 4), iand(ishr(h, 2), 48)), 32))
+                    v0, v1, v2, v3 = _q6_codes(row, ql, qh, l)
+                    store_i16(q, base + l, v0)
+                    store_i16(q, base + 32 + l, v1)
+                    store_i16(q, base + 64 + l, v2)
+                    store_i16(q, base + 96 + l, v3)
 
 
 # --- the micro-kernel: 4 rows x 32 tokens ------------------------------------------------------------

@@ -223,12 +223,51 @@ def _dot_q8_0(row, xq, xd, xsum, f16):
     return hsum(fadd(acc, acc_next))
 
 
+# --- a block's weight codes as int16 lanes: what the GEMV multiplies here and the GEMM (cpu_gemm.py) stores ----
+
 @njit(inline="always")
-def _nibbles16(row, qs, xq, k, offset):
-    """Integer sum over a 32-value block of 16 nibble bytes at row[qs] (low nibbles: values 0..15, high: 16..31)."""
-    q = load_u8w(row, qs)
-    s = madd(izeros(), isub(iand(q, 15), offset), _codes16(xq, k))
-    return madd(s, isub(ishr(q, 4), offset), _codes16(xq, k + 16))
+def _codes32(row, qs, h, offset):
+    """The 32 codes of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as int16 lanes (values 0..15, values 16..31): the nibbles
+    at row[qs] (low, then high), the 5th bits from the u32 `h` (0 for the 4-bit formats), less `offset`."""
+    v = load_u8w(row, qs)
+    return isub(ior(iand(v, 15), bit_words(h, 0, 16)), offset), isub(ior(ishr(v, 4), bit_words(h, 16, 16)), offset)
+
+
+@njit(inline="always")
+def _k_codes(row, o, pair, five_bit):
+    """Sub-blocks 2*pair (lanes lo0 | lo1) and 2*pair + 1 (hi0 | hi1) of the Q4_K / Q5_K (five_bit) super-block
+    at row[o]: 32 bytes whose low nibbles are the first sub-block, high nibbles the second; Q5_K's 5th bits are
+    bits 2*pair and 2*pair + 1 of its qh bytes."""
+    if not five_bit:
+        q0 = load_u8w(row, o + 16 + pair * 32)
+        q1 = load_u8w(row, o + 32 + pair * 32)
+        return iand(q0, 15), iand(q1, 15), ishr(q0, 4), ishr(q1, 4)
+    h0 = load_u8w(row, o + 16)
+    h1 = load_u8w(row, o + 32)
+    q0 = load_u8w(row, o + 48 + pair * 32)
+    q1 = load_u8w(row, o + 64 + pair * 32)
+    return (ior(iand(q0, 15), ishl(iand(ishr(h0, 2 * pair), 1), 4)),
+            ior(iand(q1, 15), ishl(iand(ishr(h1, 2 * pair), 1), 4)),
+            ior(ishr(q0, 4), ishl(iand(ishr(h0, 2 * pair + 1), 1), 4)),
+            ior(ishr(q1, 4), ishl(iand(ishr(h1, 2 * pair + 1), 1), 4)))
+
+
+@njit(inline="always")
+def _q6_codes(row, ql, qh, l):
+    """Q6_K codes less 32 at positions l, 32 + l, 64 + l, 96 + l (16 each) of the 128-value half whose low bits
+    start at row[ql] and high bits at row[qh]."""
+    h = load_u8w(row, qh + l)
+    a = load_u8w(row, ql + l)
+    c = load_u8w(row, ql + 32 + l)
+    return (isub(ior(iand(a, 15), ishl(iand(h, 3), 4)), 32), isub(ior(iand(c, 15), ishl(iand(h, 12), 2)), 32),
+            isub(ior(ishr(a, 4), iand(h, 48)), 32), isub(ior(ishr(c, 4), iand(ishr(h, 2), 48)), 32))
+
+
+@njit(inline="always")
+def _block_sum(row, qs, h, offset, xq, k):
+    """Integer sum of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block's codes (_codes32) times the activation codes k .. k+31."""
+    lo, hi = _codes32(row, qs, h, offset)
+    return madd(madd(izeros(), lo, _codes16(xq, k)), hi, _codes16(xq, k + 16))
 
 
 @njit(inline="always")
@@ -236,7 +275,7 @@ def _dot_q4_0(row, xq, xd, xsum, f16):
     acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 18
-        s = _nibbles16(row, o + 2, xq, 32 * b, 8)
+        s = _block_sum(row, o + 2, np.uint32(0), 8, xq, 32 * b)
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
     return hsum(fadd(acc, acc_next))
 
@@ -247,19 +286,10 @@ def _dot_q4_1(row, xq, xd, xsum, f16):
     mins, mins_next = np.float32(0.0), np.float32(0.0)
     for b in range(xq.shape[0] // 32):
         o = b * 20
-        s = _nibbles16(row, o + 4, xq, 32 * b, 0)
+        s = _block_sum(row, o + 4, np.uint32(0), 0, xq, 32 * b)
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
         mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
     return hsum(fadd(acc, acc_next)) + (mins + mins_next)
-
-
-@njit(inline="always")
-def _fives16(row, qh, qs, xq, k, offset):
-    """Integer sum over the 32 5-bit values of Q5_0 / Q5_1: nibbles at row[qs], 5th bits in the u32 at row[qh]."""
-    h = _u32_at(row, qh)
-    q = load_u8w(row, qs)
-    s = madd(izeros(), isub(ior(iand(q, 15), bit_words(h, 0, 16)), offset), _codes16(xq, k))
-    return madd(s, isub(ior(ishr(q, 4), bit_words(h, 16, 16)), offset), _codes16(xq, k + 16))
 
 
 @njit(inline="always")
@@ -267,7 +297,7 @@ def _dot_q5_0(row, xq, xd, xsum, f16):
     acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 22
-        s = _fives16(row, o + 2, o + 6, xq, 32 * b, 16)
+        s = _block_sum(row, o + 6, _u32_at(row, o + 2), 16, xq, 32 * b)
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
     return hsum(fadd(acc, acc_next))
 
@@ -278,7 +308,7 @@ def _dot_q5_1(row, xq, xd, xsum, f16):
     mins, mins_next = np.float32(0.0), np.float32(0.0)
     for b in range(xq.shape[0] // 32):
         o = b * 24
-        s = _fives16(row, o + 4, o + 8, xq, 32 * b, 0)
+        s = _block_sum(row, o + 8, _u32_at(row, o + 4), 0, xq, 32 * b)
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
         mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
     return hsum(fadd(acc, acc_next)) + (mins + mins_next)
@@ -302,39 +332,18 @@ def _k_scales(row, o, d, dmin, xd, xsum, k):
 
 
 @njit(inline="always")
-def _dot_q4_k(row, xq, xd, xsum, f16):
+def _dot_k(row, xq, xd, xsum, f16, five_bit):
+    """Q4_K, or Q5_K (five_bit)."""
     acc_lo, acc_hi, next_lo, next_hi = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
     mins = zeros()
+    size = 176 if five_bit else 144
     for b in range(xq.shape[0] // 256):
-        o = b * 144
+        o = b * size
         scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
-        for pair in range(4):  # 32 bytes: low nibbles are sub-block 2*pair, high nibbles 2*pair + 1
-            q0 = load_u8w(row, o + 16 + pair * 32)
-            q1 = load_u8w(row, o + 32 + pair * 32)
-            lo, hi = _k_pair(iand(q0, 15), iand(q1, 15), ishr(q0, 4), ishr(q1, 4), xq, b * 8 + 2 * pair)
-            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi, fma(to_f32(lo), lane_splat(scales, 2 * pair), acc_lo),
-                                                fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc_hi))
-    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
-
-
-@njit(inline="always")
-def _dot_q5_k(row, xq, xd, xsum, f16):
-    acc_lo, acc_hi, next_lo, next_hi = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
-    mins = zeros()
-    for b in range(xq.shape[0] // 256):
-        o = b * 176
-        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
-        mins = fadd(mins, block_mins)
-        h0 = load_u8w(row, o + 16)  # bit 2*pair / 2*pair + 1 of qh[l]: the 5th bit of sub-block 2*pair / +1
-        h1 = load_u8w(row, o + 32)
         for pair in range(4):
-            q0 = load_u8w(row, o + 48 + pair * 32)
-            q1 = load_u8w(row, o + 64 + pair * 32)
-            lo, hi = _k_pair(ior(iand(q0, 15), ishl(iand(ishr(h0, 2 * pair), 1), 4)),
-                             ior(iand(q1, 15), ishl(iand(ishr(h1, 2 * pair), 1), 4)),
-                             ior(ishr(q0, 4), ishl(iand(ishr(h0, 2 * pair + 1), 1), 4)),
-                             ior(ishr(q1, 4), ishl(iand(ishr(h1, 2 * pair + 1), 1), 4)), xq, b * 8 + 2 * pair)
+            lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
+            lo, hi = _k_pair(lo0, lo1, hi0, hi1, xq, b * 8 + 2 * pair)
             acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi, fma(to_f32(lo), lane_splat(scales, 2 * pair), acc_lo),
                                                 fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc_hi))
     return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
@@ -342,8 +351,8 @@ def _dot_q5_k(row, xq, xd, xsum, f16):
 
 @njit(inline="always")
 def _q6_part(v, xq, k, scale, acc):
-    """acc + (v - 32) . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
-    return fma(to_f32(madd(izeros(), isub(v, 32), _codes16(xq, k))), scale, acc)
+    """acc + v . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
+    return fma(to_f32(madd(izeros(), v, _codes16(xq, k))), scale, acc)
 
 
 @njit(inline="always")
@@ -360,15 +369,11 @@ def _dot_q6_k(row, xq, xd, xsum, f16):
             scales = fmul(fmul(splat(d), to_f32(load_i8(row, o + 192 + half * 8))), pair_lanes(load_f32(xd, xb // 32)))
             for sub in range(2):  # lanes l = 16*sub .. 16*sub+15 of each of the four 32-value groups share a scale
                 l = 16 * sub
-                h = load_u8w(row, qh + l)
-                a = load_u8w(row, ql + l)
-                c = load_u8w(row, ql + 32 + l)
-                acc0 = _q6_part(ior(iand(a, 15), ishl(iand(h, 3), 4)), xq, xb + l, lane_splat(scales, sub), acc0)
-                acc1 = _q6_part(ior(iand(c, 15), ishl(iand(h, 12), 2)), xq, xb + 32 + l, lane_splat(scales, sub + 2),
-                                acc1)
-                acc2 = _q6_part(ior(ishr(a, 4), iand(h, 48)), xq, xb + 64 + l, lane_splat(scales, sub + 4), acc2)
-                acc3 = _q6_part(ior(ishr(c, 4), iand(ishr(h, 2), 48)), xq, xb + 96 + l, lane_splat(scales, sub + 6),
-                                acc3)
+                v0, v1, v2, v3 = _q6_codes(row, ql, qh, l)
+                acc0 = _q6_part(v0, xq, xb + l, lane_splat(scales, sub), acc0)
+                acc1 = _q6_part(v1, xq, xb + 32 + l, lane_splat(scales, sub + 2), acc1)
+                acc2 = _q6_part(v2, xq, xb + 64 + l, lane_splat(scales, sub + 4), acc2)
+                acc3 = _q6_part(v3, xq, xb + 96 + l, lane_splat(scales, sub + 6), acc3)
     return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
 
 
@@ -388,11 +393,11 @@ def _dot_row(code, row, x, xq, xd, xsum, f16):
     if code == C_Q5_0:
         return _dot_q5_0(row, xq, xd, xsum, f16)
     if code == C_Q4_K:
-        return _dot_q4_k(row, xq, xd, xsum, f16)
+        return _dot_k(row, xq, xd, xsum, f16, False)
     if code == C_Q6_K:
         return _dot_q6_k(row, xq, xd, xsum, f16)
     if code == C_Q5_K:
-        return _dot_q5_k(row, xq, xd, xsum, f16)
+        return _dot_k(row, xq, xd, xsum, f16, True)
     if code == C_Q5_1:
         return _dot_q5_1(row, xq, xd, xsum, f16)
     if code == C_Q4_0:

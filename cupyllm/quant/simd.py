@@ -1,5 +1,5 @@
 """Eight-lane SIMD values for numba kernels: `f32x8` (float32) and `i32x8` (int32) that live in registers, and
-`i16x16` (sixteen int16 lanes) for the integer dot products of the decode GEMV.
+`i16x16` (sixteen int16 lanes) for the integer dot products of the decode GEMV and the prefill GEMM.
 
 Why: numba widens every integer expression to 64 bits and LLVM's auto-vectoriser gives up on the short,
 byte-shuffling loops of the GGUF block decoders (measured: 1 value/cycle, scalar or 4-lane code). These
