@@ -176,8 +176,8 @@ def gemm_blocks(code, data, xp, xd, xs, n_tok, out, f16):
         n_rows = min(ROWS_PER_TASK, data.shape[0] - r0)
         padded = (n_rows + ROW_QUAD - 1) // ROW_QUAD * ROW_QUAD
         q = np.empty(padded * n_in, np.int16)
-        scales = np.empty(padded * n_groups + 8, np.float32)  # (+ 8: whole-lane stores of the K-quant scales)
-        mins = np.empty(padded * n_blocks + 8, np.float32)
+        scales = np.empty(padded * n_groups, np.float32)  # (K-quant rows store 8 lanes a super-block: in range)
+        mins = np.empty(padded * n_blocks, np.float32)
         for r in range(n_rows):
             _unpack_row(code, data[r0 + r], n_in, q, r * n_in, scales, r * n_groups, mins, r * n_blocks, f16)
         for r in range(n_rows, padded):  # rows past the weight's end: zero codes, results dropped
@@ -216,8 +216,8 @@ def _pack_activations(x, xp, xd, xs):
     pairs = xp.view(np.int32)
     for group in prange(tokens // 8):
         codes = np.zeros((8, n_in), np.int16)
-        scales = np.zeros((8, n_blocks + 8), np.float32)
-        sums = np.zeros((8, n_blocks + 8), np.float32)
+        scales = np.zeros((8, n_blocks), np.float32)
+        sums = np.zeros((8, n_blocks), np.float32)
         t0 = 8 * group
         for l in range(min(8, n_tok - t0)):
             quantize_activation_row(x[t0 + l], codes[l], scales[l], sums[l])
