@@ -12,6 +12,7 @@ import cupyllm
 from cupyllm.generate import prefill
 from cupyllm.kv.cache import KVCache, KVSpec, LayerKV
 from cupyllm.kv.formats import get_format
+from cupyllm.quant import cpu_linear
 
 N_KV, D = 2, 64
 LOUD = np.arange(0, D, 16)  # a few channels with large offsets and spreads
@@ -93,9 +94,12 @@ def test_the_default_normalizes_quantized_keys_only():
     assert KVSpec(ctx=8, kv_type_k="f32", normalize_k=True).k_normalized
 
 
-def test_engine_with_normalized_keys(tiny_model):
+def test_engine_with_normalized_keys(tiny_model, monkeypatch):
     """The whole CPU engine: normalising an f32 cache changes nothing beyond rounding; a normalised q8_0 cache
-    stays close to the exact logits."""
+    stays close to the exact logits. The f32 comparison runs the matmuls on float32 activations
+    (ACTIVATION_CODES off): their 16-bit codes would turn a last-bit difference into a whole code step
+    (1/32767 of a block's largest value) wherever a value sits at a rounding boundary, measured 1.3e-5 of the
+    logit scale on a Zen 3 host, beyond what this bound is about."""
     path, _, _ = tiny_model("qwen2")
     model = cupyllm.load(path, device="cpu", ctx=32, kv_type_k="f32", kv_type_v="f32", progress=False)
     ids = np.arange(4, 24)
@@ -108,8 +112,11 @@ def test_engine_with_normalized_keys(tiny_model):
 
     exact = logits("f32", False)
     scale = np.abs(exact).max()
-    assert np.abs(logits("f32", True) - exact).max() <= 1e-5 * scale
     assert np.abs(logits("q8_0", True) - exact).max() <= 5e-2 * scale
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_linear, "ACTIVATION_CODES", False)
+        exact = logits("f32", False)
+        assert np.abs(logits("f32", True) - exact).max() <= 1e-5 * scale
 
 
 def test_api_and_cli_take_the_normalization_switch(tiny_model):
