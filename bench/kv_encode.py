@@ -5,7 +5,7 @@ For every KV format, head_dim 128 and 256, n_kv_heads 8: tokens/s of one layer's
 (cupyllm.backend.gpu_kv, timed with CUDA events after a warm-up; median of the repeats). On the GPU each
 head-dim-128 row also gets its share of one prefill step of a Qwen3-8B layer over the same tokens (the
 layer's weight products through the engine's cuBLAS prefill path), the measure of the KV issue's
-"TCQ encode <= 10% of a prefill step".
+"TCQ encode <= 10% of a prefill step"; the TCQ encoder is also timed at smaller trellis sizes (TRELLIS_SIZES).
 
     python bench/kv_encode.py                 # CPU, plus GPU when one is present
     python bench/kv_encode.py --device gpu    # only the GPU
@@ -107,6 +107,45 @@ def bench_gpu(fmt, head_dim: int, n_tokens: int, repeats: int, rng, registry, in
         codec.encode(v, slots, v_cache)
 
     return _row(fmt, head_dim, n_tokens, time_gpu(cp, run, repeats))
+
+
+# Trellis sizes the GPU encoder is timed at beside the formats' (3, 9) and (2, 8): what a smaller search would
+# cost, for the decision on the TCQ encode budget (held-out MSE of each size: bench/results/tcq_trellis_sizes.json).
+# The encoder needs L - k >= 5 (whole warps), so 3 bits stop at 256 states and 2 bits at 128.
+TRELLIS_SIZES = ((3, 9), (3, 8), (2, 8), (2, 7))
+
+
+def bench_gpu_trellis(k: int, L: int, n_tokens: int, repeats: int, rng, input_cache: dict) -> dict:
+    """K+V encode time of one layer (head dim 128) with the TCQ encoder at step k, window L (a codebook of
+    Gaussian quantiles: the search does the same work whatever the values)."""
+    import cupy as cp
+    from cupyllm.backend.gpu_kv import encode_trellis, trellis_encode_kernel, trellis_registry
+    from cupyllm.kv import tcq
+
+    head_dim = 128
+    fmt = tcq.trellis_format(k, L, head_dim, tcq.initial_codebook(L))
+    registry = trellis_registry([trellis_encode_kernel(k, L, head_dim, "float32", fmt.norm_mode)])
+    table = cp.asarray(fmt.codebook)
+    inputs = gpu_inputs(cp, rng, n_tokens, head_dim, input_cache)
+    slots = cp.asarray(rng.permutation(2 * n_tokens)[:n_tokens].astype(np.int32))
+    k_cache, v_cache = (cp.zeros((2 * n_tokens, N_KV_HEADS, fmt.block_bytes), dtype=cp.uint8) for _ in range(2))
+
+    def run(i):
+        keys, values = inputs[i % len(inputs)]
+        encode_trellis(registry, fmt, keys, slots, k_cache, table)
+        encode_trellis(registry, fmt, values, slots, v_cache, table)
+
+    row = _row(fmt, head_dim, n_tokens, time_gpu(cp, run, repeats))
+    return {**row, "k": k, "L": L, "states": 1 << L, "bits_per_value": fmt.bits_per_value}
+
+
+def trellis_gain_db(k: int, L: int) -> float | None:
+    """Held-out gain over scalar Lloyd-Max of trellis (k, L), from tools/tcq_trellis_sizes.py's results."""
+    path = RESULTS / "tcq_trellis_sizes.json"
+    if not path.exists():
+        return None
+    rows = [r for r in json.loads(path.read_text())["rows"] if (r["k"], r["L"]) == (k, L)]
+    return rows[0]["gain_db"] if rows else None
 
 
 # The layer whose prefill step the encode is compared with: Qwen3-8B (head dim 128, 8 KV heads like the
@@ -230,11 +269,22 @@ def main(argv=None) -> int:
                 row["share_of_prefill_layer"] = row["seconds_per_layer_kv"] / prefill["seconds_per_layer"]
             rows.append(row)
             path = write_results("gpu", gpu_name, rows, extra)  # after every row: a timeout keeps what ran
+        trellis_rows = []
+        for k, L in tqdm(TRELLIS_SIZES, desc="GPU TCQ encode by trellis size"):
+            row = bench_gpu_trellis(k, L, args.gpu_tokens, args.gpu_repeats, rng, input_cache)
+            row["share_of_prefill_layer"] = row["seconds_per_layer_kv"] / prefill["seconds_per_layer"]
+            row["gain_db_over_scalar"] = trellis_gain_db(k, L)
+            trellis_rows.append(row)
+            extra["tcq_trellis_sizes"] = trellis_rows
+            path = write_results("gpu", gpu_name, rows, extra)
         print(f"prefill step of one {prefill['model']} ({args.gpu_tokens} tokens, weight products only): "
               f"{prefill['seconds_per_layer'] * 1e3:.2f} ms ({prefill['tflop_per_s']:.0f} TFLOP/s)")
         for row in rows:
             if "share_of_prefill_layer" in row:
                 print(f"  {row['format']:<12} encode = {100 * row['share_of_prefill_layer']:.1f}% of it")
+        for row in trellis_rows:
+            print(f"  trellis k={row['k']} L={row['L']} ({row['states']} states): "
+                  f"{row['seconds_per_layer_kv'] * 1e3:.3f} ms = {100 * row['share_of_prefill_layer']:.1f}% of it")
         print_table(f"GPU ({gpu_name}) -> {path}", rows)
     return 0
 

@@ -293,7 +293,6 @@ struct Encoder<FmtTcq<kK, kL, G>> {
     static constexpr int kUnitThreads = kLowStates, kUnitsPerCta = 1, kCtaThreads = kLowStates;
     static constexpr int kWarps = kLowStates / 32;
     static_assert(kLowStates >= 32 && kLowStates <= 1024 && kLowStates % 32 == 0, "whole warps of predecessor sets");
-    static_assert(Fmt::kBlockBytes - 2 <= kLowStates, "one thread per stream byte");
     static_assert(kL >= 2 * kK && kPreds % 4 == 0, "a thread's sets are whole 16-byte words of best_t");
 
     // best_t of set m at m + 4 * (m / 32): the 8 distinct 32-byte runs a warp reads at k = 3 then start in
@@ -393,9 +392,9 @@ struct Encoder<FmtTcq<kK, kL, G>> {
             const u16 norm = stored_norm_bits<G, kNormMode>(group_r, z, cb);
             if (lane == 0) store_u16(out, norm);
         }
-        // stream bit p belongs to state t = min(p / k, G - 1), bit p - t*k of its window
-        const int byte = thread;
-        if (byte < Fmt::kBlockBytes - 2) {
+        // stream bit p belongs to state t = min(p / k, G - 1), bit p - t*k of its window (a loop: a smaller
+        // trellis has fewer threads than stream bytes, e.g. k = 3, L = 8: 32 predecessor sets, 50 bytes)
+        for (int byte = thread; byte < Fmt::kBlockBytes - 2; byte += kCtaThreads) {
             u32 value = 0;
 #pragma unroll
             for (int b = 0; b < 8; ++b) {

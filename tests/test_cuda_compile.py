@@ -68,6 +68,23 @@ def test_every_declared_kernel_is_lowered(compiled_units):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_the_trellis_size_encoders_compile(nvrtc, include_dirs, arch):
+    """The TCQ encoder at the trellis sizes bench/kv_encode.py times beside the formats' (fewer threads than
+    stream bytes at k = 3, L = 8)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kv_encode_bench", REPO / "bench" / "kv_encode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from cupyllm.backend.gpu_kv import trellis_encode_kernel, trellis_registry
+    from cupyllm.kv.turbo import DEFAULT_NORM_MODE
+    names = [trellis_encode_kernel(k, L, 128, "float32", DEFAULT_NORM_MODE) for k, L in bench.TRELLIS_SIZES]
+    kernel_set = trellis_registry(names).sets[0]
+    result = nvrtc_check.compile_kernel_set(nvrtc, kernel_set, arch, kernel_source_dir(), include_dirs)
+    assert result.ok, result.log
+    assert set(result.lowered) == set(names) and all(result.lowered.values())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_headers_compile_on_their_own(nvrtc, include_dirs, arch):
     source_dir = kernel_source_dir()
     headers = sorted(p.name for p in source_dir.glob("*.cuh"))

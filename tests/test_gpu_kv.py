@@ -101,9 +101,34 @@ def _sequential_path_cost(z: np.ndarray, codebook: np.ndarray, states: np.ndarra
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("name", [n for n in _formats() if n.endswith("_tcq")])
 def test_tcq_encode_matches_except_exact_ties(registry, name, head_dim, src_dtype):
+    fmt, _, _, got, ref, x = _encode_case(registry, name, head_dim, src_dtype)
+    _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim)
+
+
+@pytest.mark.parametrize("k, L", [(3, 8), (2, 7), (3, 9)])
+def test_other_trellis_sizes_encode_like_the_reference(k, L):
+    """The encoder at trellis sizes no format names (bench/kv_encode.py --tcq-sizes times them): 32 threads
+    a group at L - k = 5, fewer than its stream bytes at k = 3."""
+    import cupy as cp
+    from cupyllm.backend.gpu_kv import encode_trellis, trellis_encode_kernel, trellis_registry
+    from cupyllm.kv import tcq
+
+    rng = np.random.default_rng(k * 16 + L)
+    head_dim = 128
+    fmt = tcq.trellis_format(k, L, head_dim, tcq.initial_codebook(L, seed=1))
+    x = make_kv_rows(rng, 11, head_dim, "float32")
+    slots = rng.permutation(13)[:11].astype(np.int32)
+    cache = cp.zeros((13, N_KV_HEADS, fmt.block_bytes), dtype=cp.uint8)
+    registry = trellis_registry([trellis_encode_kernel(k, L, head_dim, "float32", fmt.norm_mode)])
+    encode_trellis(registry, fmt, cp.asarray(x), cp.asarray(slots), cache, cp.asarray(fmt.codebook))
+    got = cp.asnumpy(cache)[slots]
+    ref = fmt.encode(x.reshape(-1, head_dim)).reshape(11, N_KV_HEADS, -1)
+    _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim)
+
+
+def _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim):
     from cupyllm.kv import tcq, turbo
 
-    fmt, _, _, got, ref, x = _encode_case(registry, name, head_dim, src_dtype)
     g = fmt.group_values
     got_blocks = got.reshape(-1, fmt.block_bytes)
     ref_blocks = ref.reshape(-1, fmt.block_bytes)
@@ -122,7 +147,7 @@ def test_tcq_encode_matches_except_exact_ties(registry, name, head_dim, src_dtyp
         assert got_blocks[i, :2].view("<f2")[0] == norm[0], f"group {i}: norm does not match the GPU path"
         assert not got_blocks[i, 2 + (tcq.stream_bits(g, fmt.k, fmt.L) + 7) // 8:].any(), "padding not zero"
     n_groups = got_blocks.shape[0]
-    print(f"{name} head_dim={head_dim}: {len(differing)} of {n_groups} groups took a different equal-cost path")
+    print(f"{fmt.name} head_dim={head_dim}: {len(differing)} of {n_groups} groups took a different equal-cost path")
     assert len(differing) <= max(1, TCQ_TIE_BOUND * n_groups)
 
 

@@ -244,3 +244,33 @@ class GpuKVCodec:
             raise KVFormatError(
                 f"KV cache for {self.fmt.name!r} must be C-contiguous uint8 [n_slots, {self.n_kv_heads}, "
                 f"{self.row_bytes}], got {cache.dtype} {tuple(cache.shape)}; allocate it with codec.allocate()")
+
+
+# --- other trellis sizes: the TCQ encoder at (k, L) pairs no format names, to time and check a smaller search ----
+
+def trellis_encode_kernel(k: int, L: int, group_values: int = 128, src_dtype: str = "float32",
+                          norm_mode: str = "raw") -> str:
+    """The kv_encode instantiation of the TCQ Viterbi encoder for step k and window L (kv_formats.cuh
+    FmtTcq<k, L, G>; the formats are (3, 9) and (2, 8)). One CTA of 2^(L-k) threads per group, whole warps:
+    5 <= L - k <= 10; L >= 2k."""
+    if not (5 <= L - k <= 10 and L >= 2 * k and 2 <= k <= 4):
+        raise KVFormatError(f"the GPU TCQ encoder runs 2^(L-k) = 32 .. 1024 threads per group with L >= 2k; "
+                            f"k={k}, L={L} is outside that")
+    return f"kv_encode<cupyllm::FmtTcq<{k}, {L}, {group_values}>, {SOURCE_TYPES[src_dtype]}, {NORM_MODE_IDS[norm_mode]}>"
+
+
+def trellis_registry(kernel_names: list[str]) -> KernelRegistry:
+    """A registry that compiles just these trellis_encode_kernel instantiations (one kv_encode.cu module)."""
+    return KernelRegistry(sets=[KernelSet(ENCODE_FILE, tuple(kernel_names), label="tcq trellis sizes")])
+
+
+def encode_trellis(registry: KernelRegistry, fmt, src, slots, cache, table) -> None:
+    """GpuKVCodec.encode for a tcq.trellis_format: src [n_new, n_kv_heads, head_dim] (float32) into cache[slots]
+    ([n_slots, n_kv_heads, head_dim // G * block_bytes] uint8); table: fmt.codebook on the device."""
+    n_new, n_heads, head_dim = src.shape
+    kernel = registry.function(trellis_encode_kernel(fmt.k, fmt.L, fmt.group_values, np.dtype(src.dtype).name,
+                                                     fmt.norm_mode))
+    n_units = n_new * n_heads * (head_dim // fmt.group_values)
+    kernel((n_units,), (1 << (fmt.L - fmt.k),),
+           (src, slots, cache, np.int32(n_new), np.int32(cache.shape[0]), np.int32(n_heads), np.int32(head_dim),
+            table))

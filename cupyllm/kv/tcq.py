@@ -268,9 +268,17 @@ def make_format(
     """The TCQ format ``name`` with ``group_values``-value groups; ``codebook`` defaults to the package data."""
     if name not in TCQ_PARAMS:
         raise KVFormatError(f"{name!r} is not a TCQ format; choose one of {sorted(TCQ_PARAMS)}")
-    turbo.check_group_values(group_values)
     k, L = TCQ_PARAMS[name]
-    cb = load_codebook(name) if codebook is None else np.asarray(codebook, dtype=_F32)
+    return trellis_format(k, L, group_values, load_codebook(name) if codebook is None else codebook, norm_mode, name)
+
+
+def trellis_format(k: int, L: int, group_values: int, codebook: np.ndarray,
+                   norm_mode: str = turbo.DEFAULT_NORM_MODE, name: str | None = None) -> TCQFormat:
+    """A TCQ format with any step k and window L (the named formats are (3, 9) and (2, 8)): what
+    tools/tcq_trellis_sizes.py and bench/kv_encode.py --tcq-sizes weigh other trellis sizes with."""
+    turbo.check_group_values(group_values)
+    name = name or f"trellis_k{k}_L{L}"
+    cb = np.asarray(codebook, dtype=_F32)
     if cb.shape != (1 << L,):
         raise KVFormatError(f"{name!r} needs a codebook of {1 << L} values, got shape {cb.shape}")
     return TCQFormat(
