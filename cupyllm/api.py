@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -19,7 +20,7 @@ from .attention.dca import DCAConfig
 from .backend import select_backend
 from .chat import encode_chat
 from .config import ModelConfig, config_from_gguf
-from .errors import BudgetError, CupyllmError
+from .errors import BudgetError, ContextPastTrainingWarning, CupyllmError
 from .generate import GenerationStats, generate_stream, prefill
 from .gguf_io import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec, host_bytes_available
@@ -158,6 +159,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     backend = select_backend(device)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)
+    if dca_cfg is None and ctx > cfg.ctx_train:
+        warnings.warn(f"ctx {ctx} is past the {cfg.ctx_train} positions this model was trained on; beyond them "
+                      "attention meets distances it never saw and retrieval fails (bench/results/niah.md); pass "
+                      "dca=True (--dca) to keep every query-key distance in the trained range",
+                      ContextPastTrainingWarning, stacklevel=2)
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
     if dca_cfg is not None:
         transformer.attention = dca_attention(dca_cfg)

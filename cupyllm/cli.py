@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from .errors import CupyllmError
 
@@ -125,10 +126,16 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"cupyllm: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _print_warning  # one line, like the errors, not Python's file:line form
+            return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
     except CupyllmError as exc:
         print(f"cupyllm: error: {exc}", file=sys.stderr)
         return 1

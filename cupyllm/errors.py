@@ -23,3 +23,7 @@ class DeviceError(CupyllmError):
 
 class SamplingError(CupyllmError, ValueError):
     """A sampling parameter out of its range (top-k, top-p, min-p, repeat penalty)."""
+
+
+class ContextPastTrainingWarning(UserWarning):
+    """A context larger than the model was trained on, without Dual Chunk Attention (llama.cpp warns alike)."""

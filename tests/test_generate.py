@@ -149,6 +149,28 @@ def test_cli_cache_that_cannot_fit_is_one_clear_error(tiny_model):
     assert "lower -c/--ctx" in out.stderr and "GiB" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_context_past_the_trained_one_warns_unless_dca(tiny_model):
+    """llama.cpp warns when n_ctx exceeds n_ctx_train; so do load() (a ContextPastTrainingWarning, silent with
+    DCA or within the trained context) and the CLI (one line)."""
+    import warnings
+
+    import cupyllm
+    from cupyllm.errors import ContextPastTrainingWarning
+    path, spec, _ = tiny_model("qwen2")
+    with pytest.warns(ContextPastTrainingWarning, match=f"past the {spec.ctx_train} positions"):
+        cupyllm.load(path, device="cpu", ctx=2 * spec.ctx_train, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ContextPastTrainingWarning)
+        cupyllm.load(path, device="cpu", ctx=spec.ctx_train, progress=False)
+        cupyllm.load(path, device="cpu", ctx=2 * spec.ctx_train, dca=True, progress=False)
+    out = run_cli("generate", "hi", "-m", str(path), "-n", "1", "-c", str(2 * spec.ctx_train), "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert "cupyllm: warning: ctx" in out.stderr and "--dca" in out.stderr and "Traceback" not in out.stderr
+    quiet = run_cli("generate", "hi", "-m", str(path), "-n", "1", "-c", str(2 * spec.ctx_train), "--dca",
+                    "--device", "cpu")
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
+
+
 def test_chat_template_variables_reach_the_template(tiny_model, capsys):
     """chat_template_kwargs (API) / --think (CLI) set the template's enable_thinking: the tiny Gemma 4's
     template leaves an empty thought channel in the prompt unless thinking is on."""
