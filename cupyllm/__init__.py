@@ -1,7 +1,10 @@
 """cupyllm: long-context LLM inference for Gemma and Qwen GGUF models (NumPy/numba on the CPU, CuPy + our CUDA
 kernels on the GPU). Start with `cupyllm.load()`."""
 from .api import Model, load
-from .errors import BudgetError, ContextOverflowError, CupyllmError, DeviceError, ModelFileError
+from .errors import (BudgetError, ContextOverflowError, ContextPastTrainingWarning, CupyllmError, DeviceError,
+                     ModelFileError)
+from .prompt_cache import PromptCache
 
-__all__ = ["load", "Model", "CupyllmError", "ModelFileError", "ContextOverflowError", "BudgetError", "DeviceError"]
+__all__ = ["load", "Model", "PromptCache", "CupyllmError", "ModelFileError", "ContextOverflowError", "BudgetError",
+           "DeviceError", "ContextPastTrainingWarning"]
 __version__ = "0.1.0"

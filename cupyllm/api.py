@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -29,6 +30,7 @@ from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, parse_bytes, plan_k
 from .model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
+from .prompt_cache import PromptCache
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -46,6 +48,7 @@ class Model:
     device: str
     kv_plan: KVPlan | None = None  # how kv_type_k/v="auto" chose the cache formats
     spill_plan: SpillPlan | None = None  # kv_spill: which positions live on the host
+    dca: DCAConfig | None = None  # Dual Chunk Attention, when on
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     _cache: KVCache | None = field(default=None, repr=False)
 
@@ -82,10 +85,67 @@ class Model:
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] | str | None = None, stream: bool = False,
                  chat: bool = False, chat_template_kwargs: dict | None = None,
-                 progress: bool | None = None) -> str | Iterator[str]:
+                 progress: bool | None = None, prompt_cache: PromptCache | None = None) -> str | Iterator[str]:
         """Continue `prompt` (text, token ids, or with chat=True a message or list of messages, rendered with
         `chat_template_kwargs`). Returns the text, or with stream=True an iterator of text pieces. Stats land
-        in `last_stats`. max_tokens=-1 generates until end of generation, a stop string or a full context."""
+        in `last_stats`. max_tokens=-1 generates until end of generation, a stop string or a full context.
+        prompt_cache: a cache_prompt() result; the tokens `prompt` shares with its prompt are not prefilled again."""
+        ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                         repeat_penalty=repeat_penalty, seed=seed))
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.last_stats = GenerationStats()
+        cache, reused, logits = self._cache_holding_prefix(ids, prompt_cache)
+        self.last_stats.cached_tokens = reused
+        pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids[reused:], cache, sampler,
+                                 max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
+                                 stats=self.last_stats, progress=progress, history=ids[:reused], logits=logits)
+        return pieces if stream else "".join(pieces)
+
+    # --- prompt caching (prompt_cache.py) ---------------------------------------------------------
+    def cache_prompt(self, prompt: str | Sequence[int] | Sequence[dict], *, chat: bool = False,
+                     chat_template_kwargs: dict | None = None, reuse: PromptCache | None = None,
+                     progress: bool | None = None) -> PromptCache:
+        """Prefill `prompt` once and keep its KV cache (host copies): generate(..., prompt_cache=it), or
+        cache_prompt(..., reuse=it), then prefill only what follows the tokens they share. `reuse` may hold a
+        cache of an earlier, related prompt (its shared beginning is not prefilled again)."""
+        ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
+        cache, reused, logits = self._cache_holding_prefix(ids, reuse)
+        if logits is not None:
+            return dataclasses.replace(reuse, reused=len(ids))  # the very same prompt
+        logits = prefill(self._forward_numpy, ids[reused:], cache, self.kv_spec.max_chunk, progress=progress)
+        return PromptCache(ids=tuple(ids), layer_states=cache.state(), logits=np.asarray(logits, np.float32).reshape(-1),
+                           key=self.prompt_cache_key(), reused=reused)
+
+    def prompt_cache_key(self) -> dict:
+        """What a PromptCache of this model is valid for: the model file, the device, the KV spec and DCA."""
+        return {"model": self.path.name, "model_bytes": self.path.stat().st_size, "device": self.device,
+                "kv_spec": dataclasses.asdict(self.kv_spec), "dca": dataclasses.asdict(self.dca) if self.dca else None}
+
+    def _cache_holding_prefix(self, ids: list[int], prompt_cache: PromptCache | None):
+        """The working cache holding the first `reused` of `ids` from prompt_cache, and the logits after all of
+        ids when it holds every one (else None)."""
+        cache = self.new_cache()
+        if prompt_cache is None:
+            return cache, 0, None
+        if self.kv_spec.spilled:
+            raise CupyllmError("prompt caching does not cover a spilled KV cache (kv_spill) yet; leave one of them off")
+        if prompt_cache.key != self.prompt_cache_key():
+            raise CupyllmError("this prompt cache was made by another model or with other settings (KV types, ctx, "
+                               "chunk, DCA, device); make it again with cache_prompt()")
+        shared = prompt_cache.shared_prefix(ids)
+        if shared == 0:
+            return cache, 0, None
+        cache.restore(prompt_cache.layer_states, len(prompt_cache.ids))
+        if shared == len(ids) == len(prompt_cache.ids):
+            return cache, shared, prompt_cache.logits
+        keep = min(shared, len(ids) - 1)  # at least one token runs: its logits start the generation
+        if not cache.truncate(keep):  # a sliding window's keys before `keep` are gone: start afresh
+            cache.clear()
+            return cache, 0, None
+        return cache, keep, None
+
+    def _prompt_ids(self, prompt, chat: bool, chat_template_kwargs: dict | None) -> list[int]:
         if chat:
             ids = self.chat_ids(prompt, chat_template_kwargs)
         elif isinstance(prompt, str):
@@ -94,14 +154,7 @@ class Model:
             ids = [int(t) for t in prompt]
         if not ids:
             raise CupyllmError("the prompt is empty and the model adds no BOS token; give some prompt text")
-        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                         repeat_penalty=repeat_penalty, seed=seed))
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        self.last_stats = GenerationStats()
-        pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids, self.new_cache(), sampler,
-                                 max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
-                                 stats=self.last_stats, progress=progress)
-        return pieces if stream else "".join(pieces)
+        return ids
 
     def _forward_numpy(self, tokens, positions, cache, all_logits=False):
         out = self.transformer.forward(tokens, positions, cache, all_logits)
@@ -120,13 +173,14 @@ class Model:
         return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
 
 
-def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int = DEFAULT_CTX,
+def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int | None = None,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
          progress: bool = True, **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
-    device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold.
+    device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold (default 4096, or
+         the trained context when that is shorter; past the trained context, without dca, load warns).
     kv_type_k / kv_type_v: KV-cache formats (f16, q8_0, ..., turbo3, turbo3_tcq; see cupyllm.kv.list_formats()),
          or both "auto": the best tier of the measured quality ladder (kv/plan.py) whose cache fits `kv_budget`
          (default: the memory free after the weights load, less 10%).
@@ -144,11 +198,12 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
-    if ctx <= 0:
+    if ctx is not None and ctx <= 0:
         raise CupyllmError(f"ctx must be a positive number of tokens, got {ctx}")
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
+    ctx = min(DEFAULT_CTX, cfg.ctx_train) if ctx is None else ctx
     auto = "auto" in (kv_type_k, kv_type_v)
     if auto and kv_type_k != kv_type_v:
         raise CupyllmError("kv_type_k='auto' picks K and V together: pass kv_type_v='auto' too (-ctk auto -ctv auto)")
@@ -193,7 +248,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
             spill_plan = plan_spill(cfg, spec, budget, host_available=host_bytes_available())
             spec = spill_plan.spec
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
-                 kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan)
+                 kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg)
 
 
 def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:

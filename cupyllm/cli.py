@@ -11,7 +11,8 @@ from .errors import CupyllmError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model path: Qwen2/2.5, Qwen3 (dense or MoE), Gemma 3 or Gemma 4 "
                                           "(default: Gemma 3 270M Q4_K_M from its PyPI package)")
-    p.add_argument("-c", "--ctx", type=int, default=4096, help="context length: KV positions to hold (default 4096)")
+    p.add_argument("-c", "--ctx", type=int, default=None,
+                   help="context length: KV positions to hold (default 4096, or the trained context if shorter)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     _add_kv_type_args(p)
     p.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None,
@@ -55,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", help="system prompt for --chat")
     gen.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                      help="--chat: set the template's enable_thinking (Qwen3, Gemma 4); default: the template's own")
+    gen.add_argument("--prompt-cache", metavar="FILE",
+                     help="keep the prompt's KV cache in FILE; a later prompt that begins the same way prefills "
+                          "only the rest (llama.cpp's flag; made again when the model or KV settings differ)")
 
     info = sub.add_parser("info", help="architecture, shapes, tensor types and memory of a model")
     info.add_argument("model", nargs="?", help="GGUF model path (default: the default model)")
@@ -101,10 +105,13 @@ def cmd_generate(args) -> int:
         target = messages
     else:
         target = prompt
+    template_kwargs = None if args.think is None else {"enable_thinking": args.think}
+    prompt_cache = _prompt_cache(model, args.prompt_cache, target, args.chat, template_kwargs) \
+        if args.prompt_cache else None
     pieces = model.generate(target, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                             seed=args.seed, stop=args.stop, stream=True, chat=args.chat,
-                            chat_template_kwargs=None if args.think is None else {"enable_thinking": args.think})
+                            chat_template_kwargs=template_kwargs, prompt_cache=prompt_cache)
     if not args.chat:
         sys.stdout.write(prompt)
     for piece in pieces:
@@ -115,6 +122,30 @@ def cmd_generate(args) -> int:
     compiled = " (these times include compiling the CPU kernels)" if compile_notice.compiled_this_process() else ""
     print(f"[{model.device}] {model.last_stats.summary()}{compiled}", file=sys.stderr)
     return 0
+
+
+def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
+    """--prompt-cache: the cache of this prompt, from the saved one where they begin alike; saved back."""
+    from pathlib import Path
+
+    from .prompt_cache import PromptCache
+
+    saved = None
+    if Path(path).exists():
+        try:
+            saved = PromptCache.load(path)
+        except CupyllmError as exc:
+            print(f"cupyllm: note: {exc}", file=sys.stderr)
+        if saved is not None and saved.key != model.prompt_cache_key():
+            print(f"cupyllm: note: prompt cache {path} was made by another model or with other settings; "
+                  "making it again", file=sys.stderr)
+            saved = None
+    cached = model.cache_prompt(target, chat=chat, chat_template_kwargs=template_kwargs, reuse=saved)
+    if saved is None or cached.ids != saved.ids:
+        cached.save(path)
+    print(f"[{model.device}] prompt cache {path}: {len(cached.ids)} tokens, {cached.reused} of them from the saved "
+          "cache", file=sys.stderr)
+    return cached
 
 
 def cmd_info(args) -> int:

@@ -18,6 +18,7 @@ PROGRESS_MIN_TOKENS = 1024  # prompts at least this long show a prefill progress
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a prompt cache held (not prefilled)
     prefill_seconds: float = 0.0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
@@ -32,7 +33,8 @@ class GenerationStats:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     def summary(self) -> str:
-        return (f"prefill {self.prompt_tokens} tok in {self.prefill_seconds:.2f} s ({self.prefill_tps:.1f} tok/s), "
+        cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (f"prefill {self.prompt_tokens} tok{cached} in {self.prefill_seconds:.2f} s ({self.prefill_tps:.1f} tok/s), "
                 f"decode {self.generated_tokens} tok in {self.decode_seconds:.2f} s ({self.decode_tps:.1f} tok/s), "
                 f"stop: {self.stop_reason}")
 
@@ -87,20 +89,23 @@ class StopMatcher:
 
 def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler, *,
                     max_tokens: int, stop: Sequence[str] = (), chunk: int = 512,
-                    stats: GenerationStats | None = None, progress: bool | None = None) -> Iterator[str]:
-    """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix).
-    A negative `max_tokens` (llama.cpp's -n -1) generates until an end-of-generation token, a stop string or
-    a full context."""
+                    stats: GenerationStats | None = None, progress: bool | None = None,
+                    history: Sequence[int] = (), logits: np.ndarray | None = None) -> Iterator[str]:
+    """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix: the
+    tokens `history`, which the repeat penalty sees too). `logits`: those after the last cached token, when
+    prompt_ids is empty (the whole prompt is cached). A negative `max_tokens` (llama.cpp's -n -1) generates
+    until an end-of-generation token, a stop string or a full context."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     room = cache.spec.ctx - cache.n_past - len(prompt_ids)
     budget = room if max_tokens < 0 else min(max_tokens, room)
     cache.check_room(len(prompt_ids) + (1 if max_tokens != 0 else 0))
     t0 = time.perf_counter()
-    logits = prefill(forward, prompt_ids, cache, chunk, progress=progress)
+    if len(prompt_ids) or logits is None:
+        logits = prefill(forward, prompt_ids, cache, chunk, progress=progress)
     stats.prefill_seconds = time.perf_counter() - t0
 
-    history = list(prompt_ids)
+    history = list(history) + list(prompt_ids)
     decoder = tokenizer.stream_decoder()
     matcher = StopMatcher(stop)
     stats.stop_reason = "max_tokens" if 0 <= max_tokens <= budget else "context full"

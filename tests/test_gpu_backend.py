@@ -468,6 +468,22 @@ def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention, arc
         assert graphs.captures == 2 and graphs.replays == 14
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_prompt_cache_on_the_device(flash_sized_models, arch):
+    """Prompt caching with the cache in GPU memory: host copies restored in place (captured decode graphs read
+    the same arrays), greedy text as a fresh run's, also when cut back to the shared part (Gemma: sliding rings)."""
+    import cupyllm
+    model = cupyllm.load(flash_sized_models[arch], device="gpu", ctx=64, max_chunk=8, progress=False)
+    prefix, tail = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18], [77, 9]
+    fresh = model.generate(prefix + tail, max_tokens=4, temperature=0)
+    cached = model.cache_prompt(prefix)
+    assert model.generate(prefix + tail, max_tokens=4, temperature=0, prompt_cache=cached) == fresh
+    assert model.last_stats.cached_tokens == len(prefix)
+    longer = model.cache_prompt(prefix + [6, 8, 10])
+    assert model.generate(prefix + tail, max_tokens=4, temperature=0, prompt_cache=longer) == fresh
+    assert model.last_stats.cached_tokens == len(prefix)
+
+
 def test_import_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
             "import cupyllm, cupyllm.backend.gpu as g, cupyllm.backend.gpu_kernels as k\n"

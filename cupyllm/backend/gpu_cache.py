@@ -81,6 +81,10 @@ class DeviceLayerKV(LayerKV):
         super().clear()
         self._query_scale = None  # the next write normalises afresh
 
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        self._query_scale = None  # built again from the restored k_scale
+
     def pad_used(self, n_slots: int) -> None:
         """Read at least `n_slots` slots from now on (empty ones are masked): fixes the kernel arguments
         of a captured decode step for a whole range of lengths."""

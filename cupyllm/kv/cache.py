@@ -131,6 +131,49 @@ class LayerKV:
         self.k_offset = None
         self.k_scale = None
 
+    # --- prompt caching (cupyllm/prompt_cache.py): the state after a prompt, kept on the host, put back ---------
+    @property
+    def xp(self):
+        return np
+
+    def state(self) -> dict:
+        """Host copies of all this layer holds: the encoded rows, slot positions, K normalisation, float mirrors."""
+        out = {"n_used": np.int64(self.n_used)}
+        for name in _STATE_ARRAYS:
+            value = getattr(self, name, None)
+            if value is not None:
+                out[name] = value.get() if hasattr(value, "get") else value.copy()  # (CuPy arrays: to the host)
+        return out
+
+    def restore(self, state: dict) -> None:
+        """Put back what state() took, in place: the arrays keep their addresses (a captured CUDA graph that reads
+        them stays valid)."""
+        xp = self.xp
+        for name in ("k_data", "v_data", "slot_pos", "k_f32", "v_f32"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name)[...] = xp.asarray(state[name])
+        self.k_offset = xp.asarray(state["k_offset"]) if "k_offset" in state else None
+        self.k_scale = xp.asarray(state["k_scale"]) if "k_scale" in state else None
+        self.n_used = int(state["n_used"])
+
+    def can_truncate(self, n_keep: int) -> bool:
+        """Whether truncate(n_keep) leaves what positions n_keep and later need: always for a global layer; for a
+        ring, only while it still holds the window before n_keep (a later write may have evicted it)."""
+        if not self.ring:
+            return True
+        held = self.slot_pos.get() if hasattr(self.slot_pos, "get") else self.slot_pos
+        needed = np.arange(max(0, n_keep - self.window), n_keep)
+        return bool((held[needed % self.capacity] == needed).all())
+
+    def truncate(self, n_keep: int) -> None:
+        """Forget positions n_keep and later (their slots become empty)."""
+        self.slot_pos[self.slot_pos >= n_keep] = EMPTY
+        if not self.ring:
+            self.n_used = min(self.n_used, n_keep)
+
+
+_STATE_ARRAYS = ("k_data", "v_data", "slot_pos", "k_f32", "v_f32", "k_offset", "k_scale")
+
 
 def key_normalization(k, positions, xp=np, queries=None):
     """(offset, scale), float32 [n_kv, head_dim] each, from the keys k [n, n_kv, head_dim] (an `xp` array: NumPy,
@@ -219,6 +262,25 @@ class KVCache:
         for layer in self.own_layers():
             layer.clear()
         self.n_past = 0
+
+    def state(self) -> list[dict]:
+        """LayerKV.state() of each own layer (host copies): with n_past, what PromptCache keeps."""
+        return [layer.state() for layer in self.own_layers()]
+
+    def restore(self, layer_states: list[dict], n_past: int) -> None:
+        for layer, state in zip(self.own_layers(), layer_states, strict=True):
+            layer.restore(state)
+        self.n_past = n_past
+
+    def truncate(self, n_keep: int) -> bool:
+        """Keep positions [0, n_keep) only; False, with nothing changed, when a sliding layer's ring has lost
+        keys that positions from n_keep on would read."""
+        if not all(layer.can_truncate(n_keep) for layer in self.own_layers()):
+            return False
+        for layer in self.own_layers():
+            layer.truncate(n_keep)
+        self.n_past = min(self.n_past, n_keep)
+        return True
 
 
 def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:

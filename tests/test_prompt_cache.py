@@ -1,0 +1,111 @@
+"""Prompt caching (cupyllm/prompt_cache.py): a prompt that begins like a cached one prefills only the rest, and
+gives what a fresh run gives; the cache survives a file round trip; stale or broken caches are clear errors (API)
+or are made again (CLI --prompt-cache)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyllm
+from cupyllm.errors import CupyllmError
+from cupyllm.prompt_cache import PromptCache
+from test_generate import run_cli
+
+PREFIX = list(range(5, 90))  # past the tiny Gemma's 6-token window and several 16-token chunks
+TAIL = [7, 8, 9]
+
+
+def _model(tiny_model, arch, **options):
+    path = tiny_model(arch)[0]
+    return cupyllm.load(path, device="cpu", ctx=256, max_chunk=16, progress=False, **options)
+
+
+def _fresh_logits(model, ids):
+    return model.logits(ids)[-1]
+
+
+def _assert_close(got, want):
+    """A tail of a few tokens runs through the decode GEMV where a fresh prefill has it in a GEMM chunk: the same
+    products summed in another order, through 16-bit activation codes (measured up to 1.2e-4 of logits ~2)."""
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model, arch, kv_type):
+    """q8_0 K is normalised from the first chunk's statistics, which the cache keeps."""
+    model = _model(tiny_model, arch, kv_type_k=kv_type, kv_type_v=kv_type)
+    cached = model.cache_prompt(PREFIX)
+    assert cached.ids == tuple(PREFIX) and cached.reused == 0
+    _assert_close(cached.logits, _fresh_logits(model, PREFIX))
+
+    fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
+    again = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=cached)
+    assert again == fresh
+    assert model.last_stats.cached_tokens == len(PREFIX) and model.last_stats.prompt_tokens == len(TAIL)
+
+    extended = model.cache_prompt(PREFIX + TAIL, reuse=cached)
+    assert extended.reused == len(PREFIX)
+    _assert_close(extended.logits, _fresh_logits(model, PREFIX + TAIL))
+    # the whole prompt cached: nothing is prefilled, the saved logits start the generation
+    assert model.generate(PREFIX, max_tokens=6, temperature=0, prompt_cache=cached) == \
+        model.generate(PREFIX, max_tokens=6, temperature=0)
+    assert model.cache_prompt(PREFIX, reuse=cached).reused == len(PREFIX)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_a_cache_that_ran_past_the_shared_part_is_cut_back(tiny_model, arch):
+    """Truncation: a cache of PREFIX + other tokens serves PREFIX + TAIL from PREFIX on; the tiny Gemma's sliding
+    ring (window 6 + chunk 16 slots) still holds the window before PREFIX's end after 10 more tokens, not after 40,
+    when the prompt is prefilled afresh (and still right)."""
+    model = _model(tiny_model, arch)
+    fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
+    for extra, reusable in ((10, True), (40, arch == "qwen2")):
+        other = model.cache_prompt(PREFIX + list(range(100, 100 + extra)))
+        assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=other) == fresh
+        assert model.last_stats.cached_tokens == (len(PREFIX) if reusable else 0), (extra, arch)
+        cut = model.cache_prompt(PREFIX + TAIL, reuse=other)
+        _assert_close(cut.logits, _fresh_logits(model, PREFIX + TAIL))
+
+
+def test_the_cache_survives_a_file_and_bad_files_are_one_error(tiny_model, tmp_path):
+    model = _model(tiny_model, "gemma3")
+    cached = model.cache_prompt(PREFIX)
+    path = tmp_path / "prompt.cache"
+    cached.save(path)
+    loaded = PromptCache.load(path)
+    assert loaded.ids == cached.ids and loaded.key == cached.key
+    assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=loaded) == \
+        model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
+
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CupyllmError, match="not a readable cupyllm prompt cache"):
+        PromptCache.load(path)
+    with pytest.raises(CupyllmError, match="no such prompt cache"):
+        PromptCache.load(tmp_path / "missing.cache")
+    other_ctx = _model(tiny_model, "gemma3", kv_type_k="q8_0")
+    with pytest.raises(CupyllmError, match="other settings"):
+        other_ctx.generate(PREFIX, max_tokens=2, prompt_cache=cached)
+
+
+def test_cli_prompt_cache(tiny_model, tmp_path):
+    path = tiny_model("qwen2")[0]
+    cache_file = tmp_path / "doc.cache"
+    document = "the sea and the sky and the sand " * 6
+    base = ["generate", "-m", str(path), "-n", "6", "--temp", "0", "--device", "cpu", "-c", "256"]
+    plain = run_cli(*base, document + "what is blue?")
+    first = run_cli(*base, document + "what is green?", "--prompt-cache", str(cache_file))
+    assert first.returncode == 0 and cache_file.exists(), first.stderr
+    assert "0 of them from the saved cache" in first.stderr
+    second = run_cli(*base, document + "what is blue?", "--prompt-cache", str(cache_file))
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == plain.stdout
+    reused = int(second.stderr.split(" of them from the saved cache")[0].rsplit(" ", 1)[1])
+    assert reused > 0 and "cached)" in second.stderr
+
+    cache_file.write_bytes(b"not a cache")
+    broken = run_cli(*base, document + "what is blue?", "--prompt-cache", str(cache_file))
+    assert broken.returncode == 0 and broken.stdout == plain.stdout
+    assert "cupyllm: note:" in broken.stderr and "Traceback" not in broken.stderr
+    settings = run_cli(*base, document + "what is blue?", "--prompt-cache", str(cache_file), "-ctk", "q8_0")
+    assert settings.returncode == 0 and "other settings" in settings.stderr
