@@ -37,6 +37,8 @@ def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model, arch, kv_type)
     model = _model(tiny_model, arch, kv_type_k=kv_type, kv_type_v=kv_type)
     cached = model.cache_prompt(PREFIX)
     assert cached.ids == tuple(PREFIX) and cached.reused == 0
+    # only the used slots are kept, not the whole ctx-sized arrays
+    assert max(state["k_data"].shape[0] for state in cached.layer_states) <= len(PREFIX) < model.kv_spec.ctx
     _assert_close(cached.logits, _fresh_logits(model, PREFIX))
 
     fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)

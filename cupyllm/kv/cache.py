@@ -137,11 +137,13 @@ class LayerKV:
         return np
 
     def state(self) -> dict:
-        """Host copies of all this layer holds: the encoded rows, slot positions, K normalisation, float mirrors."""
+        """Host copies of all this layer holds in its used slots (every slot past n_used is empty): the encoded
+        rows, slot positions, float mirrors, and the K normalisation."""
         out = {"n_used": np.int64(self.n_used)}
         for name in _STATE_ARRAYS:
             value = getattr(self, name, None)
             if value is not None:
+                value = value[:self.n_used] if name in _SLOT_ARRAYS else value
                 out[name] = value.get() if hasattr(value, "get") else value.copy()  # (CuPy arrays: to the host)
         return out
 
@@ -149,12 +151,14 @@ class LayerKV:
         """Put back what state() took, in place: the arrays keep their addresses (a captured CUDA graph that reads
         them stays valid)."""
         xp = self.xp
-        for name in ("k_data", "v_data", "slot_pos", "k_f32", "v_f32"):
+        n_used = int(state["n_used"])
+        for name in _SLOT_ARRAYS:
             if getattr(self, name, None) is not None:
-                getattr(self, name)[...] = xp.asarray(state[name])
+                getattr(self, name)[:n_used] = xp.asarray(state[name])
+        self.slot_pos[n_used:] = EMPTY
         self.k_offset = xp.asarray(state["k_offset"]) if "k_offset" in state else None
         self.k_scale = xp.asarray(state["k_scale"]) if "k_scale" in state else None
-        self.n_used = int(state["n_used"])
+        self.n_used = n_used
 
     def can_truncate(self, n_keep: int) -> bool:
         """Whether truncate(n_keep) leaves what positions n_keep and later need: always for a global layer; for a
@@ -172,7 +176,8 @@ class LayerKV:
             self.n_used = min(self.n_used, n_keep)
 
 
-_STATE_ARRAYS = ("k_data", "v_data", "slot_pos", "k_f32", "v_f32", "k_offset", "k_scale")
+_SLOT_ARRAYS = ("k_data", "v_data", "slot_pos", "k_f32", "v_f32")  # one row per slot
+_STATE_ARRAYS = _SLOT_ARRAYS + ("k_offset", "k_scale")
 
 
 def key_normalization(k, positions, xp=np, queries=None):
