@@ -477,9 +477,12 @@ def test_prompt_cache_on_the_device(flash_sized_models, arch):
     prefix, tail = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18], [77, 9]
     fresh = model.generate(prefix + tail, max_tokens=4, temperature=0)
     cached = model.cache_prompt(prefix)
+    scribble = list(range(120, 150))  # another prompt through the working cache: a restore must replace it all
+    model.generate(scribble, max_tokens=2, temperature=0)
     assert model.generate(prefix + tail, max_tokens=4, temperature=0, prompt_cache=cached) == fresh
     assert model.last_stats.cached_tokens == len(prefix)
     longer = model.cache_prompt(prefix + [6, 8, 10])
+    model.generate(scribble, max_tokens=2, temperature=0)
     assert model.generate(prefix + tail, max_tokens=4, temperature=0, prompt_cache=longer) == fresh
     assert model.last_stats.cached_tokens == len(prefix)
 

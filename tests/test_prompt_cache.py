@@ -24,6 +24,11 @@ def _fresh_logits(model, ids):
     return model.logits(ids)[-1]
 
 
+def _scribble(model):
+    """Fill the model's working cache with another prompt, so that a restore that left anything out shows."""
+    model.generate(list(range(120, 230)), max_tokens=2, temperature=0)
+
+
 def _assert_close(got, want):
     """A tail of a few tokens runs through the decode GEMV where a fresh prefill has it in a GEMM chunk: the same
     products summed in another order, through 16-bit activation codes (measured up to 1.2e-4 of logits ~2)."""
@@ -42,6 +47,7 @@ def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model, arch, kv_type)
     _assert_close(cached.logits, _fresh_logits(model, PREFIX))
 
     fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
+    _scribble(model)
     again = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=cached)
     assert again == fresh
     assert model.last_stats.cached_tokens == len(PREFIX) and model.last_stats.prompt_tokens == len(TAIL)
@@ -64,6 +70,7 @@ def test_a_cache_that_ran_past_the_shared_part_is_cut_back(tiny_model, arch):
     fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
     for extra, reusable in ((10, True), (40, arch == "qwen2")):
         other = model.cache_prompt(PREFIX + list(range(100, 100 + extra)))
+        _scribble(model)
         assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=other) == fresh
         assert model.last_stats.cached_tokens == (len(PREFIX) if reusable else 0), (extra, arch)
         cut = model.cache_prompt(PREFIX + TAIL, reuse=other)
@@ -77,7 +84,9 @@ def test_the_cache_survives_a_file_and_bad_files_are_one_error(tiny_model, tmp_p
     cached.save(path)
     loaded = PromptCache.load(path)
     assert loaded.ids == cached.ids and loaded.key == cached.key
-    assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=loaded) == \
+    assert "k_f32" in cached.layer_states[0] and "k_f32" not in loaded.layer_states[0]  # float copies left out
+    later = _model(tiny_model, "gemma3")  # another process, in effect: a cache that never held the prompt
+    assert later.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=loaded) == \
         model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
 
     path.write_bytes(path.read_bytes()[:1000])

@@ -96,10 +96,15 @@ class LayerKV:
         self.k_data[slots] = k_bytes.reshape(n, self.n_kv, -1)
         self.v_data[slots] = v_bytes.reshape(n, self.n_kv, -1)
         if self.mirror:  # exactly what decoding the stored bytes gives, computed once per token
-            self.k_f32[slots] = self._denormalized(self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim))
-            self.v_f32[slots] = self.v_format.decode(v_bytes, self.v_head_dim).reshape(n, self.n_kv, self.v_head_dim)
+            self._mirror(slots, k_bytes, v_bytes)
         self.slot_pos[slots] = positions
         self.n_used = max(self.n_used, int(slots.max()) + 1)
+
+    def _mirror(self, slots, k_bytes: np.ndarray, v_bytes: np.ndarray) -> None:
+        """k_f32 / v_f32 of `slots` from their stored bytes ([n * n_kv, row bytes] each)."""
+        n = len(k_bytes) // self.n_kv
+        self.k_f32[slots] = self._denormalized(self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim))
+        self.v_f32[slots] = self.v_format.decode(v_bytes, self.v_head_dim).reshape(n, self.n_kv, self.v_head_dim)
 
     def decode(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Slots [start, stop) as float32 k, v and their positions."""
@@ -153,12 +158,16 @@ class LayerKV:
         xp = self.xp
         n_used = int(state["n_used"])
         for name in _SLOT_ARRAYS:
-            if getattr(self, name, None) is not None:
+            if getattr(self, name, None) is not None and name in state:
                 getattr(self, name)[:n_used] = xp.asarray(state[name])
         self.slot_pos[n_used:] = EMPTY
         self.k_offset = xp.asarray(state["k_offset"]) if "k_offset" in state else None
         self.k_scale = xp.asarray(state["k_scale"]) if "k_scale" in state else None
         self.n_used = n_used
+        if self.mirror and "k_f32" not in state:  # a saved state leaves the float copies out: decode them again
+            rows = slice(0, n_used)
+            self._mirror(rows, self.k_data[rows].reshape(n_used * self.n_kv, -1),
+                         self.v_data[rows].reshape(n_used * self.n_kv, -1))
 
     def can_truncate(self, n_keep: int) -> bool:
         """Whether truncate(n_keep) leaves what positions n_keep and later need: always for a global layer; for a
