@@ -111,8 +111,8 @@ def bench_gpu(fmt, head_dim: int, n_tokens: int, repeats: int, rng, registry, in
 
 # Trellis sizes the GPU encoder is timed at beside the formats' (3, 9) and (2, 8): what a smaller search would
 # cost, for the decision on the TCQ encode budget (held-out MSE of each size: bench/results/tcq_trellis_sizes.json).
-# The encoder needs L - k >= 5 (whole warps), so 3 bits stop at 256 states and 2 bits at 128.
-TRELLIS_SIZES = ((3, 9), (3, 8), (2, 8), (2, 7))
+# Below 32 predecessor sets, several groups share a warp's CTA.
+TRELLIS_SIZES = ((3, 9), (3, 8), (3, 7), (3, 6), (2, 8), (2, 7), (2, 6), (2, 5))
 
 
 def bench_gpu_trellis(k: int, L: int, n_tokens: int, repeats: int, rng, input_cache: dict) -> dict:

@@ -271,7 +271,7 @@ struct Encoder<FmtTurbo<kBits, G>> {
     }
 };
 
-// ---- *_tcq: Viterbi over the bitshift trellis, one CTA per group, one thread per predecessor set ----
+// ---- *_tcq: Viterbi over the bitshift trellis, one thread per predecessor set ----
 //
 // state_{t+1} = (state_t >> k) | new_bits << (L - k); the predecessors of s' are (m << k) | r with
 // m = s' & (2^(L-k) - 1), r = 0 .. 2^k - 1. Thread `me` holds the 2^k states (me << k) | r: exactly the
@@ -283,16 +283,26 @@ struct Encoder<FmtTurbo<kBits, G>> {
 // a warp's lanes share. So a step moves one float per predecessor set through shared memory instead of one
 // per state: the previous layout (a thread per set writing its 2^k successors' costs for their sets'
 // threads to read: 18 accesses a step, not 5) was bound by shared-memory traffic (75% of a prefill layer step).
-// The final state is the smallest argmin; thread 0 backtracks.
+// The final state is the smallest argmin; each group's thread 0 backtracks.
+//
+// A group of 2^(L-k) >= 32 threads has its own CTA. Smaller trellises (timed by bench/kv_encode.py for the
+// encode-budget decision; no format uses one) put 32 / 2^(L-k) groups in one warp's CTA, each group on its
+// own lanes: warp 0 rotates and normalises them one after another, the search runs them side by side. Their
+// threads meet at __syncthreads, so none may leave early: the kernel gives a group past the end or with a
+// skipped slot out = nullptr (kSyncsCta) and it computes without storing.
 
 template <int kK, int kL, int G>
 struct Encoder<FmtTcq<kK, kL, G>> {
     using Fmt = FmtTcq<kK, kL, G>;
     static constexpr int kLowStates = 1 << (kL - kK);  // predecessor sets: one thread each
     static constexpr int kPreds = 1 << kK;
-    static constexpr int kUnitThreads = kLowStates, kUnitsPerCta = 1, kCtaThreads = kLowStates;
-    static constexpr int kWarps = kLowStates / 32;
-    static_assert(kLowStates >= 32 && kLowStates <= 1024 && kLowStates % 32 == 0, "whole warps of predecessor sets");
+    static constexpr int kUnitThreads = kLowStates;
+    static constexpr int kUnitsPerCta = kLowStates >= 32 ? 1 : 32 / kLowStates;
+    static constexpr int kCtaThreads = kUnitThreads * kUnitsPerCta;
+    static constexpr bool kSyncsCta = kUnitsPerCta > 1;
+    static constexpr int kWarps = kLowStates >= 32 ? kLowStates / 32 : 1;  // per group
+    static_assert(kLowStates >= 4 && kLowStates <= 1024 && (kLowStates % 32 == 0 || 32 % kLowStates == 0),
+                  "whole warps of predecessor sets, or whole groups in one warp");
     static_assert(kL >= 2 * kK && kPreds % 4 == 0, "a thread's sets are whole 16-byte words of best_t");
 
     // best_t of set m at m + 4 * (m / 32): the 8 distinct 32-byte runs a warp reads at k = 3 then start in
@@ -302,22 +312,32 @@ struct Encoder<FmtTcq<kK, kL, G>> {
 
     template <class Src, int kNormMode>
     __device__ static void encode(const Src* x, u8* out, const float* table, int thread) {
-        __shared__ float z_smem[G];
-        __shared__ __align__(16) float best_smem[2][kBestStride];  // best_t, double-buffered: one barrier a step
-        __shared__ u8 choice[G][kLowStates];  // best r of step t for each set
-        __shared__ short states[G];
-        __shared__ float best_cost[kWarps];
-        __shared__ int best_state[kWarps];
-        __shared__ float group_r;
+        constexpr int U = kUnitsPerCta;
+        __shared__ float z_smem[U][G];
+        __shared__ __align__(16) float best_smem[U][2][kBestStride];  // best_t, double-buffered: one barrier a step
+        __shared__ u8 choice[U][G][kLowStates];  // best r of step t for each set
+        __shared__ short states[U][G];
+        __shared__ float best_cost[U][kWarps];
+        __shared__ int best_state[U][kWarps];
+        __shared__ float group_r[U];
+        __shared__ const Src* group_x[U];
+        __shared__ u8* group_out[U];
 
-        const int lane = thread & 31, warp = thread >> 5;
-        if (warp == 0) {  // rotate and normalise the group: z in N(0, 1) units
-            float y[G / 32], z[G / 32];
-            load_rotated_group<G>(x, y, lane);
-            const float r = group_norm_and_z<G>(y, z);
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        const int unit = U == 1 ? 0 : static_cast<int>(threadIdx.x) / kUnitThreads;  // this thread's group
+        if constexpr (U > 1) {  // warp 0 works for every group of the CTA: their sources and destinations
+            if (thread == 0) group_x[unit] = x, group_out[unit] = out;
+            __syncthreads();
+        }
+        if (warp == 0) {  // rotate and normalise the groups: z in N(0, 1) units
+            for (int u = 0; u < U; ++u) {
+                float y[G / 32], z[G / 32];
+                load_rotated_group<G>(U == 1 ? x : group_x[u], y, lane);
+                const float r = group_norm_and_z<G>(y, z);
 #pragma unroll
-            for (int s = 0; s < G / 32; ++s) z_smem[s * 32 + lane] = z[s];
-            if (lane == 0) group_r = r;
+                for (int s = 0; s < G / 32; ++s) z_smem[u][s * 32 + lane] = z[s];
+                if (lane == 0) group_r[u] = r;
+            }
         }
         __syncthreads();
 
@@ -327,7 +347,7 @@ struct Encoder<FmtTcq<kK, kL, G>> {
 #pragma unroll
         for (int r = 0; r < kPreds; ++r) {
             centroid[r] = table[(me << kK) | r];
-            const float d = __fsub_rn(z_smem[0], centroid[r]);
+            const float d = __fsub_rn(z_smem[unit][0], centroid[r]);
             cost[r] = __fmul_rn(d, d);
         }
         for (int t = 1; t < G; ++t) {
@@ -336,9 +356,9 @@ struct Encoder<FmtTcq<kK, kL, G>> {
 #pragma unroll
             for (int r = 1; r < kPreds; ++r)
                 if (cost[r] < best) { best = cost[r]; best_r = r; }
-            float* const best_t = best_smem[t & 1];
+            float* const best_t = best_smem[unit][t & 1];
             best_t[best_index(me)] = best;
-            choice[t][me] = static_cast<u8>(best_r);
+            choice[unit][t][me] = static_cast<u8>(best_r);
             __syncthreads();
             float set_best[kPreds];
 #pragma unroll
@@ -346,7 +366,7 @@ struct Encoder<FmtTcq<kK, kL, G>> {
                 const float4 b4 = *reinterpret_cast<const float4*>(best_t + sets + 4 * w);
                 set_best[4 * w] = b4.x, set_best[4 * w + 1] = b4.y, set_best[4 * w + 2] = b4.z, set_best[4 * w + 3] = b4.w;
             }
-            const float z = z_smem[t];
+            const float z = z_smem[unit][t];
 #pragma unroll
             for (int r = 0; r < kPreds; ++r) {
                 const float d = __fsub_rn(z, centroid[r]);
@@ -361,53 +381,67 @@ struct Encoder<FmtTcq<kK, kL, G>> {
         for (int r = 1; r < kPreds; ++r)
             if (cost[r] < c) { c = cost[r]; s = (me << kK) | r; }
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
+        for (int offset = (kUnitThreads < 32 ? kUnitThreads : 32) / 2; offset > 0; offset >>= 1) {  // (within the group)
             const float oc = __shfl_xor_sync(kFullMask, c, offset);
             const int os = __shfl_xor_sync(kFullMask, s, offset);
             if (oc < c || (oc == c && os < s)) { c = oc; s = os; }
         }
-        if (lane == 0) { best_cost[warp] = c; best_state[warp] = s; }
+        if (thread % 32 == 0) { best_cost[unit][thread / 32] = c; best_state[unit][thread / 32] = s; }
         __syncthreads();
         if (thread == 0) {
-            float bc = best_cost[0];
-            int bs = best_state[0];
+            float bc = best_cost[unit][0];
+            int bs = best_state[unit][0];
             for (int w = 1; w < kWarps; ++w)
-                if (best_cost[w] < bc || (best_cost[w] == bc && best_state[w] < bs)) { bc = best_cost[w]; bs = best_state[w]; }
+                if (best_cost[unit][w] < bc || (best_cost[unit][w] == bc && best_state[unit][w] < bs)) {
+                    bc = best_cost[unit][w];
+                    bs = best_state[unit][w];
+                }
             for (int t = G - 1; t > 0; --t) {
-                states[t] = static_cast<short>(bs);
+                states[unit][t] = static_cast<short>(bs);
                 const int low = bs & (kLowStates - 1);
-                bs = (low << kK) | choice[t][low];
+                bs = (low << kK) | choice[unit][t][low];
             }
-            states[0] = static_cast<short>(bs);
+            states[unit][0] = static_cast<short>(bs);
         }
         __syncthreads();
 
         if (warp == 0) {  // norm of the chosen reconstruction
-            float z[G / 32], cb[G / 32];
+            for (int u = 0; u < U; ++u) {
+                u8* const group_dst = U == 1 ? out : group_out[u];
+                if (group_dst == nullptr) continue;  // (the same for every lane)
+                float z[G / 32], cb[G / 32];
 #pragma unroll
-            for (int i = 0; i < G / 32; ++i) {
-                z[i] = z_smem[i * 32 + lane];
-                cb[i] = table[states[i * 32 + lane]];
+                for (int i = 0; i < G / 32; ++i) {
+                    z[i] = z_smem[u][i * 32 + lane];
+                    cb[i] = table[states[u][i * 32 + lane]];
+                }
+                const u16 norm = stored_norm_bits<G, kNormMode>(group_r[u], z, cb);
+                if (lane == 0) store_u16(group_dst, norm);
             }
-            const u16 norm = stored_norm_bits<G, kNormMode>(group_r, z, cb);
-            if (lane == 0) store_u16(out, norm);
         }
+        if (out == nullptr) return;
         // stream bit p belongs to state t = min(p / k, G - 1), bit p - t*k of its window (a loop: a smaller
         // trellis has fewer threads than stream bytes, e.g. k = 3, L = 8: 32 predecessor sets, 50 bytes)
-        for (int byte = thread; byte < Fmt::kBlockBytes - 2; byte += kCtaThreads) {
+        for (int byte = thread; byte < Fmt::kBlockBytes - 2; byte += kUnitThreads) {
             u32 value = 0;
 #pragma unroll
             for (int b = 0; b < 8; ++b) {
                 const int p = byte * 8 + b;
                 if (p < Fmt::kStreamBits) {
                     const int t = min(p / kK, G - 1);
-                    value |= ((static_cast<u32>(states[t]) >> (p - t * kK)) & 1u) << b;
+                    value |= ((static_cast<u32>(states[unit][t]) >> (p - t * kK)) & 1u) << b;
                 }
             }
             out[2 + byte] = static_cast<u8>(value);
         }
     }
 };
+
+// Whether an encoder's groups meet at __syncthreads (its CTA must not lose threads to an early return).
+template <class E, class = void>
+struct SyncsCta { static constexpr bool value = false; };
+template <class E>
+struct SyncsCta<E, decltype(void(E::kSyncsCta))> { static constexpr bool value = E::kSyncsCta; };
 
 }  // namespace cupyllm
 
@@ -420,18 +454,22 @@ kv_encode(const Src* __restrict__ src, const int* __restrict__ slots, cupyllm::u
     using E = cupyllm::Encoder<Fmt>;
     const int units_per_head = head_dim / Fmt::kBlockValues;
     const long long n_units = static_cast<long long>(n_new) * n_heads * units_per_head;
-    const long long unit = static_cast<long long>(blockIdx.x) * E::kUnitsPerCta + threadIdx.x / E::kUnitThreads;
-    if (unit >= n_units) return;  // uniform per unit: warps / CTAs of one unit leave together
+    long long unit = static_cast<long long>(blockIdx.x) * E::kUnitsPerCta + threadIdx.x / E::kUnitThreads;
+    constexpr bool kStay = cupyllm::SyncsCta<E>::value;  // a unit that must not store still takes part
+    const bool past_end = unit >= n_units;
+    if (past_end && !kStay) return;  // uniform per unit: warps / CTAs of one unit leave together
+    if (past_end) unit = n_units - 1;  // (computes on a real group, stores nothing)
     const int token = static_cast<int>(unit / (static_cast<long long>(n_heads) * units_per_head));
     const int within = static_cast<int>(unit % (static_cast<long long>(n_heads) * units_per_head));
     const int slot = slots[token];
-    if (slot < 0 || slot >= n_slots) return;
+    const bool skipped = past_end || slot < 0 || slot >= n_slots;
+    if (skipped && !kStay) return;
     const size_t row_bytes = static_cast<size_t>(units_per_head) * Fmt::kBlockBytes;
     const int head = within / units_per_head;
     const int block = within % units_per_head;
     const Src* x = src + (static_cast<size_t>(token) * n_heads + head) * head_dim +
                    static_cast<size_t>(block) * Fmt::kBlockValues;
-    cupyllm::u8* out = cache + (static_cast<size_t>(slot) * n_heads + head) * row_bytes +
-                       static_cast<size_t>(block) * Fmt::kBlockBytes;
+    cupyllm::u8* out = skipped ? nullptr : cache + (static_cast<size_t>(slot) * n_heads + head) * row_bytes +
+                                             static_cast<size_t>(block) * Fmt::kBlockBytes;
     E::template encode<Src, kNormMode>(x, out, table, threadIdx.x % E::kUnitThreads);
 }

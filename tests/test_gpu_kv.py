@@ -105,25 +105,31 @@ def test_tcq_encode_matches_except_exact_ties(registry, name, head_dim, src_dtyp
     _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim)
 
 
-@pytest.mark.parametrize("k, L", [(3, 8), (2, 7), (3, 9)])
-def test_other_trellis_sizes_encode_like_the_reference(k, L):
-    """The encoder at trellis sizes no format names (bench/kv_encode.py --tcq-sizes times them): 32 threads
-    a group at L - k = 5, fewer than its stream bytes at k = 3."""
+@pytest.mark.parametrize("n_heads", [N_KV_HEADS, 1])
+@pytest.mark.parametrize("k, L", [(3, 9), (3, 8), (3, 7), (3, 6), (2, 7), (2, 6), (2, 5)])
+def test_other_trellis_sizes_encode_like_the_reference(k, L, n_heads):
+    """The encoder at trellis sizes no format names (bench/kv_encode.py times them): 32 threads a group at
+    L - k = 5, fewer than its stream bytes at k = 3; below that several groups share a warp's CTA, with a
+    skipped slot among them and (one head: 11 groups) a last CTA that runs past the end."""
     import cupy as cp
     from cupyllm.backend.gpu_kv import encode_trellis, trellis_encode_kernel, trellis_registry
     from cupyllm.kv import tcq
 
     rng = np.random.default_rng(k * 16 + L)
-    head_dim = 128
+    head_dim, n_new, n_slots = 128, 11, 13
     fmt = tcq.trellis_format(k, L, head_dim, tcq.initial_codebook(L, seed=1))
-    x = make_kv_rows(rng, 11, head_dim, "float32")
-    slots = rng.permutation(13)[:11].astype(np.int32)
-    cache = cp.zeros((13, N_KV_HEADS, fmt.block_bytes), dtype=cp.uint8)
+    x = np.ascontiguousarray(make_kv_rows(rng, n_new, head_dim, "float32")[:, :n_heads])
+    slots = rng.permutation(n_slots)[:n_new].astype(np.int32)
+    slots[4] = -1  # skipped: its group computes beside the others and stores nothing
+    cache = cp.full((n_slots, n_heads, fmt.block_bytes), 0xA5, dtype=cp.uint8)
     registry = trellis_registry([trellis_encode_kernel(k, L, head_dim, "float32", fmt.norm_mode)])
     encode_trellis(registry, fmt, cp.asarray(x), cp.asarray(slots), cache, cp.asarray(fmt.codebook))
-    got = cp.asnumpy(cache)[slots]
-    ref = fmt.encode(x.reshape(-1, head_dim)).reshape(11, N_KV_HEADS, -1)
-    _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim)
+    host = cp.asnumpy(cache)
+    kept = slots >= 0
+    assert (host[np.setdiff1d(np.arange(n_slots), slots[kept])] == 0xA5).all(), "a slot it was not given changed"
+    got = host[slots[kept]]
+    ref = fmt.encode(x[kept].reshape(-1, head_dim)).reshape(int(kept.sum()), n_heads, -1)
+    _assert_tcq_blocks_match_except_ties(fmt, got, ref, x[kept], head_dim)
 
 
 def _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim):

@@ -139,7 +139,13 @@ def encode_geometry(fmt: KVFormat) -> LaunchGeometry:
         return LaunchGeometry(fmt.block_values, 32, 8)
     if family == "turbo":
         return LaunchGeometry(fmt.block_values, 32, 4)
-    return LaunchGeometry(fmt.block_values, 1 << (fmt.L - fmt.k), 1)  # tcq: one thread per predecessor set
+    return tcq_geometry(fmt.k, fmt.L, fmt.block_values)
+
+
+def tcq_geometry(k: int, L: int, group_values: int) -> LaunchGeometry:
+    """One thread per predecessor set; trellises of fewer than 32 sets share a warp's CTA (kv_encode.cu)."""
+    sets = 1 << (L - k)
+    return LaunchGeometry(group_values, sets, max(1, 32 // sets))
 
 
 def decode_geometry(fmt: KVFormat) -> LaunchGeometry:
@@ -251,10 +257,9 @@ class GpuKVCodec:
 def trellis_encode_kernel(k: int, L: int, group_values: int = 128, src_dtype: str = "float32",
                           norm_mode: str = "raw") -> str:
     """The kv_encode instantiation of the TCQ Viterbi encoder for step k and window L (kv_formats.cuh
-    FmtTcq<k, L, G>; the formats are (3, 9) and (2, 8)). One CTA of 2^(L-k) threads per group, whole warps:
-    5 <= L - k <= 10; L >= 2k."""
-    if not (5 <= L - k <= 10 and L >= 2 * k and 2 <= k <= 4):
-        raise KVFormatError(f"the GPU TCQ encoder runs 2^(L-k) = 32 .. 1024 threads per group with L >= 2k; "
+    FmtTcq<k, L, G>; the formats are (3, 9) and (2, 8)): 2^(L-k) = 4 .. 1024 threads per group, L >= 2k."""
+    if not (2 <= L - k <= 10 and L >= 2 * k and 2 <= k <= 4):
+        raise KVFormatError(f"the GPU TCQ encoder runs 2^(L-k) = 4 .. 1024 threads per group with L >= 2k; "
                             f"k={k}, L={L} is outside that")
     return f"kv_encode<cupyllm::FmtTcq<{k}, {L}, {group_values}>, {SOURCE_TYPES[src_dtype]}, {NORM_MODE_IDS[norm_mode]}>"
 
@@ -270,7 +275,8 @@ def encode_trellis(registry: KernelRegistry, fmt, src, slots, cache, table) -> N
     n_new, n_heads, head_dim = src.shape
     kernel = registry.function(trellis_encode_kernel(fmt.k, fmt.L, fmt.group_values, np.dtype(src.dtype).name,
                                                      fmt.norm_mode))
+    geometry = tcq_geometry(fmt.k, fmt.L, fmt.group_values)
     n_units = n_new * n_heads * (head_dim // fmt.group_values)
-    kernel((n_units,), (1 << (fmt.L - fmt.k),),
+    kernel((geometry.grid(n_units),), (geometry.cta_threads,),
            (src, slots, cache, np.int32(n_new), np.int32(cache.shape[0]), np.int32(n_heads), np.int32(head_dim),
             table))
