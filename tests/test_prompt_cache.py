@@ -120,3 +120,23 @@ def test_cli_prompt_cache(tiny_model, tmp_path):
     assert "cupyllm: note:" in broken.stderr and "Traceback" not in broken.stderr
     settings = run_cli(*base, document + "what is blue?", "--prompt-cache", str(cache_file), "-ctk", "q8_0")
     assert settings.returncode == 0 and "other settings" in settings.stderr
+
+
+@pytest.mark.slow
+def test_real_gemma_document_questions(tmp_path):
+    """Gemma 3 270M (sliding window 512 in rings of 512 + 512 slots): a 700-token document's cache answers
+    questions as a fresh prefill does, also cut back from a cache that ran 100 tokens further."""
+    from models import gemma_path
+    model = cupyllm.load(gemma_path(), device="cpu", ctx=1024, progress=False)
+    document = ("The keepers of the northern lighthouses wrote down the weather, the tides and the ships they saw "
+                "each morning, and the survey printed their notes every spring. ") * 22
+    doc_ids = model.tokenize(document)
+    assert 600 < len(doc_ids) < 800
+    cached = model.cache_prompt(document)
+    longer = model.cache_prompt(doc_ids + model.tokenize(" The survey also counted" * 25, add_bos=False)[:100])
+    for question in ("\nQuestion: What did the keepers write down?\nAnswer:", "\nQ: When was it printed?\nA:"):
+        fresh = model.generate(document + question, max_tokens=8, temperature=0)
+        for cache in (cached, longer):
+            _scribble(model)
+            assert model.generate(document + question, max_tokens=8, temperature=0, prompt_cache=cache) == fresh
+            assert model.last_stats.cached_tokens >= len(doc_ids) - 1
