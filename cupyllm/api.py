@@ -49,6 +49,7 @@ class Model:
     kv_plan: KVPlan | None = None  # how kv_type_k/v="auto" chose the cache formats
     spill_plan: SpillPlan | None = None  # kv_spill: which positions live on the host
     dca: DCAConfig | None = None  # Dual Chunk Attention, when on
+    threads: int | None = None  # CPU threads of the parallel work (None: every core)
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     _cache: KVCache | None = field(default=None, repr=False)
 
@@ -157,8 +158,9 @@ class Model:
         return ids
 
     def _forward_numpy(self, tokens, positions, cache, all_logits=False):
-        out = self.transformer.forward(tokens, positions, cache, all_logits)
-        return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
+        with self.transformer.ops.running_on(self.threads):
+            out = self.transformer.forward(tokens, positions, cache, all_logits)
+            return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
 
     @functools.cached_property
     def _decode_forward(self):
@@ -169,14 +171,15 @@ class Model:
         return self.transformer.ops.decode_forward(self.transformer.forward)
 
     def _forward_numpy_graphed(self, tokens, positions, cache, all_logits=False):
-        out = self._decode_forward(tokens, positions, cache, all_logits)
-        return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
+        with self.transformer.ops.running_on(self.threads):
+            out = self._decode_forward(tokens, positions, cache, all_logits)
+            return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
 
 
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int | None = None,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
-         progress: bool = True, **options) -> Model:
+         threads: int | None = None, progress: bool = True, **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold (default 4096, or
@@ -189,6 +192,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     kv_spill: (GPU) a cache over the budget keeps only its newest positions on the device and the rest in pinned
          host memory, attention streaming over both (kv/plan.py plan_spill, backend/gpu_spill.py); with "auto"
          types, the smallest tier spills when no tier fits whole.
+    threads: CPU threads for the CPU backend's matmuls, attention and BLAS (llama.cpp's -t; default: every core).
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
     kv_normalize_k: store K normalised per channel, (K - mean) / sqrt(RMS of K / RMS of Q) from the first
@@ -200,6 +204,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
     if ctx is not None and ctx <= 0:
         raise CupyllmError(f"ctx must be a positive number of tokens, got {ctx}")
+    if threads is not None:
+        import numba
+        if not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
+            raise CupyllmError(f"threads={threads}: choose 1 .. {numba.config.NUMBA_NUM_THREADS} (the CPU threads "
+                               "this machine offers)")
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
@@ -211,7 +220,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         get_format(kv_type_k, head_dim=head_dim)
         get_format(kv_type_v, head_dim=head_dim)
     budget = parse_bytes(kv_budget) if kv_budget is not None else None
-    backend = select_backend(device)
+    backend = select_backend(device, threads=threads)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)
     if dca_cfg is None and ctx > cfg.ctx_train:
@@ -248,7 +257,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
             spill_plan = plan_spill(cfg, spec, budget, host_available=host_bytes_available())
             spec = spill_plan.spec
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
-                 kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg)
+                 kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
+                 threads=threads)
 
 
 def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:

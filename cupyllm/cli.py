@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx", type=int, default=None,
                    help="context length: KV positions to hold (default 4096, or the trained context if shorter)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="CPU threads for the CPU backend's matmuls and attention (default: every core)")
     _add_kv_type_args(p)
     p.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None,
                    help="store K as (K - mean) / scale per channel, balanced against the queries (default: on for "
@@ -95,7 +97,7 @@ def cmd_generate(args) -> int:
                "yarn_factor": args.dca_yarn_factor}
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
                  kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget,
-                 kv_spill=args.kv_spill)
+                 kv_spill=args.kv_spill, threads=args.threads)
     for plan in (model.kv_plan, model.spill_plan):
         if plan is not None:
             print(f"[{model.device}] {plan.describe()}", file=sys.stderr)

@@ -33,3 +33,34 @@ def test_rows_on_threads_equal_one_call():
     np.testing.assert_allclose(np.concatenate(parts), want, rtol=1e-5, atol=1e-6)
     x = rng.standard_normal((70, 300)).astype(np.float32)
     np.testing.assert_array_equal(threads.rows(silu, x), silu(x))
+
+
+def test_threads_option_limits_the_forward_pass_and_changes_no_value(tiny_model):
+    """load(threads=) / -t: numba's parallel regions and BLAS run on that many threads inside each forward pass
+    (restored after); the logits agree up to BLAS's summation order (the attention rows go to BLAS whole
+    instead of in blocks), which the random tiny model carries to 1.3e-5 of its logit scale (3.5e-5 through
+    the 16-bit activation codes)."""
+    import numba
+
+    import cupyllm
+    from test_generate import run_cli
+    path = tiny_model("qwen2")[0]
+    ids = list(range(4, 60))
+    default = cupyllm.load(path, device="cpu", ctx=64, progress=False)
+    one = cupyllm.load(path, device="cpu", ctx=64, threads=1, progress=False)
+    seen = []
+    forward = one.transformer.forward
+
+    def spy(*args, **kwargs):
+        seen.append(numba.get_num_threads())
+        return forward(*args, **kwargs)
+
+    one.transformer.forward = spy
+    before = numba.get_num_threads()
+    want = default.logits(ids)
+    np.testing.assert_allclose(one.logits(ids), want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert seen and set(seen) == {1} and numba.get_num_threads() == before
+    out = run_cli("generate", "hi", "-m", str(path), "-n", "2", "-t", "1", "--device", "cpu", "-c", "64")
+    assert out.returncode == 0, out.stderr
+    bad = run_cli("generate", "hi", "-m", str(path), "-n", "2", "-t", "0", "--device", "cpu", "-c", "64")
+    assert bad.returncode == 1 and "threads=0: choose 1 .." in bad.stderr and "Traceback" not in bad.stderr

@@ -15,7 +15,8 @@ def gpu_available() -> bool:
         return False
 
 
-def select_backend(device: str = "auto"):
+def select_backend(device: str = "auto", threads: int | None = None):
+    """The backend for `device`; `threads`: CPU threads of the CPU backend's parallel work (None: every core)."""
     if device not in DEVICES:
         raise DeviceError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}")
     if device == "gpu" or (device == "auto" and gpu_available()):
@@ -27,4 +28,4 @@ def select_backend(device: str = "auto"):
         return GPUBackend()
     from .cpu import CPUBackend
 
-    return CPUBackend()
+    return CPUBackend(threads=threads)

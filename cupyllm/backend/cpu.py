@@ -25,10 +25,15 @@ class CPUBackend:
     xp = np
     kv_mirror = True  # attention reads a float32 copy of the decoded cache instead of decoding every step
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
         self._rope_tables = {}
-        self._threads = RowThreads()
+        self._threads = RowThreads(threads)
         compile_notice.install()  # the first run compiles the numba kernels for a minute or two: say so
+
+    def running_on(self, threads: int | None):
+        """A context in which the numba kernels and BLAS use `threads` threads (None: as they are); numba's
+        setting is per calling thread, so each forward pass takes it anew."""
+        return self._threads.limited(threads)
 
     def asarray(self, x, dtype=None):
         return np.asarray(x, dtype=dtype)

@@ -9,6 +9,7 @@ so the blocks run in parallel, elementwise work included, and idle Python thread
 """
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -24,6 +25,25 @@ class RowThreads:
         self._pool = None
         self._blas = None
 
+    @contextlib.contextmanager
+    def limited(self, threads: int | None):
+        """numba's parallel regions and BLAS on at most `threads` threads inside (None: unchanged)."""
+        if threads is None:
+            yield
+            return
+        before = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        try:
+            with self._controller().limit(limits=threads, user_api="blas"):
+                yield
+        finally:
+            numba.set_num_threads(before)
+
+    def _controller(self) -> ThreadpoolController:
+        if self._blas is None:  # (finding the loaded BLAS libraries takes milliseconds: once)
+            self._blas = ThreadpoolController()
+        return self._blas
+
     def blocks(self, n_rows: int) -> list[tuple[int, int]]:
         """Row ranges [start, stop), two per thread (rows late in a causal prefill see more keys)."""
         parts = max(1, min(2 * self.threads, n_rows // MIN_ROWS_PER_BLOCK))
@@ -37,8 +57,7 @@ class RowThreads:
         blocks = self.blocks(n_rows)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="cupyllm-rows")
-            self._blas = ThreadpoolController()
-        with self._blas.limit(limits=1, user_api="blas"):
+        with self._controller().limit(limits=1, user_api="blas"):
             return list(self._pool.map(lambda block: fn(*block), blocks))
 
     def rows(self, fn, x: np.ndarray) -> np.ndarray:

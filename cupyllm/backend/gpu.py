@@ -20,6 +20,8 @@ Importing this module does not import CuPy; building a GPUBackend does (DeviceEr
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..cuda.registry import KernelRegistry, require_cupy
@@ -63,6 +65,11 @@ def _dispatch_attention():
 class GPUBackend:
     name = "gpu"
     kv_mirror = False  # attention reads the encoded cache; there is no float copy
+
+    @staticmethod
+    def running_on(threads: int | None):
+        """(CPUBackend.running_on: the CPU thread count; the work here is the device's)"""
+        return contextlib.nullcontext()
 
     def __init__(self, registry: KernelRegistry | None = None, prefill: str = DEFAULT_PREFILL,
                  attention: str = "auto"):
