@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import warnings
 
 from .errors import CupyllmError
@@ -36,6 +37,24 @@ def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
                                                            "budget on the device, the rest in pinned host memory")
 
 
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=max_tokens,
+                   help=f"tokens to generate (default {max_tokens}; -1: until end of generation or a full context)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default, or -1: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", help="system prompt of the conversation")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="set the chat template's enable_thinking (Qwen3, Gemma 4); default: the template's own")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cupyllm", description="Long-context LLM inference for Gemma and Qwen GGUF models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,22 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("-p", "--prompt", dest="prompt_opt", help="prompt text (llama.cpp spelling)")
     gen.add_argument("-f", "--file", help="read the prompt from a file")
     _add_model_args(gen)
-    gen.add_argument("-n", "--max-tokens", type=int, default=128,
-                     help="tokens to generate (default 128; -1: until end of generation or a full context)")
-    gen.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--min-p", type=float, default=0.05)
-    gen.add_argument("--repeat-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None, help="random seed (default, or -1: random)")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--system", help="system prompt for --chat")
-    gen.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
-                     help="--chat: set the template's enable_thinking (Qwen3, Gemma 4); default: the template's own")
+    _add_chat_args(gen)
     gen.add_argument("--prompt-cache", metavar="FILE",
                      help="keep the prompt's KV cache in FILE; a later prompt that begins the same way prefills "
                           "only the rest (llama.cpp's flag; made again when the model or KV settings differ)")
+
+    chat = sub.add_parser("chat", help="a conversation: one user turn a line of standard input (/exit or end of "
+                                       "input ends it); each turn prefills only what the conversation added")
+    _add_model_args(chat)
+    _add_sampling_args(chat, max_tokens=512)
+    _add_chat_args(chat)
 
     info = sub.add_parser("info", help="architecture, shapes, tensor types and memory of a model")
     info.add_argument("model", nargs="?", help="GGUF model path (default: the default model)")
@@ -87,10 +102,9 @@ def _prompt_text(args) -> str:
     return sys.stdin.read()
 
 
-def cmd_generate(args) -> int:
+def _load_model(args):
     from .api import load
 
-    prompt = _prompt_text(args)
     dca = None
     if args.dca or args.dca_chunk_size or args.dca_local_size or args.dca_yarn_factor != 1.0:
         dca = {"chunk_size": args.dca_chunk_size, "local_size": args.dca_local_size,
@@ -101,29 +115,81 @@ def cmd_generate(args) -> int:
     for plan in (model.kv_plan, model.spill_plan):
         if plan is not None:
             print(f"[{model.device}] {plan.describe()}", file=sys.stderr)
+    return model
+
+
+def _sampling(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
+                chat_template_kwargs=None if args.think is None else {"enable_thinking": args.think})
+
+
+def _print_stats(model) -> None:
+    from .backend import compile_notice
+    compiled = " (these times include compiling the CPU kernels)" if compile_notice.compiled_this_process() else ""
+    print(f"[{model.device}] {model.last_stats.summary()}{compiled}", file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    prompt = _prompt_text(args)
+    model = _load_model(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
         target = messages
     else:
         target = prompt
-    template_kwargs = None if args.think is None else {"enable_thinking": args.think}
-    prompt_cache = _prompt_cache(model, args.prompt_cache, target, args.chat, template_kwargs) \
+    sampling = _sampling(args)
+    prompt_cache = _prompt_cache(model, args.prompt_cache, target, args.chat, sampling["chat_template_kwargs"]) \
         if args.prompt_cache else None
-    pieces = model.generate(target, max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                            seed=args.seed, stop=args.stop, stream=True, chat=args.chat,
-                            chat_template_kwargs=template_kwargs, prompt_cache=prompt_cache)
+    pieces = model.generate(target, stream=True, chat=args.chat, prompt_cache=prompt_cache, **sampling)
     if not args.chat:
         sys.stdout.write(prompt)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    from .backend import compile_notice
-    compiled = " (these times include compiling the CPU kernels)" if compile_notice.compiled_this_process() else ""
-    print(f"[{model.device}] {model.last_stats.summary()}{compiled}", file=sys.stderr)
+    _print_stats(model)
     return 0
+
+
+def cmd_chat(args) -> int:
+    """One user turn a line of standard input; the reply streams to standard output, the turn's speed to
+    standard error. Each turn's prompt (the whole conversation in the chat template) reuses the previous turn's
+    prompt cache, so only the last reply and the new line are prefilled. Ctrl-C ends a reply early."""
+    model = _load_model(args)
+    sampling = _sampling(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    cached = None
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        start = time.perf_counter()
+        cached = model.cache_prompt(messages, chat=True, chat_template_kwargs=sampling["chat_template_kwargs"],
+                                    reuse=cached)
+        prefill_seconds = time.perf_counter() - start
+        reply = []
+        try:
+            for piece in model.generate(messages, stream=True, chat=True, prompt_cache=cached, **sampling):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                reply.append(piece)
+        except KeyboardInterrupt:
+            pass  # the reply so far stands
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(reply).strip()})
+        stats = model.last_stats  # the turn's prefill was cache_prompt's
+        stats.prompt_tokens, stats.cached_tokens = len(cached.ids) - cached.reused, cached.reused
+        stats.prefill_seconds = prefill_seconds
+        _print_stats(model)
 
 
 def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
@@ -168,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning  # one line, like the errors, not Python's file:line form
-            return {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+            return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info}[args.command](args)
     except CupyllmError as exc:
         print(f"cupyllm: error: {exc}", file=sys.stderr)
         return 1

@@ -190,3 +190,20 @@ def test_chat_template_variables_reach_the_template(tiny_model, capsys):
         prefilled[flag] = int(re.search(r"prefill (\d+) tok", capsys.readouterr().err).group(1))
     assert prefilled["--no-think"] - prefilled["--think"] == len(model.chat_ids("hi")) - len(
         model.chat_ids("hi", {"enable_thinking": True})) > 0
+
+
+def test_cli_chat_keeps_the_conversation_and_reuses_its_cache(tiny_model):
+    """`cupyllm chat`: a reply per input line, the conversation rendered with the chat template each turn, and
+    every turn after the first prefilling only what the conversation added (the rest comes from the cache)."""
+    path, _, _ = tiny_model("gemma3")
+    out = subprocess.run([sys.executable, "-m", "cupyllm.cli", "chat", "-m", str(path), "-n", "4", "--temp", "0",
+                          "--device", "cpu", "-c", "256", "--system", "be brief"],
+                         input="the sea\n\nand the sky\n/exit\nnot read\n", capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    stats = [line for line in out.stderr.splitlines() if "prefill" in line and "decode" in line]
+    assert len(stats) == 2, out.stderr  # the blank line is skipped, /exit ends it
+    assert "cached)" not in stats[0] and "cached)" in stats[1]
+    first_prompt = int(stats[0].split("prefill ")[1].split(" tok")[0])
+    reused = int(stats[1].split("(+")[1].split(" cached)")[0])
+    assert reused == first_prompt  # the second turn's prompt begins with the whole first one
