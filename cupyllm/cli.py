@@ -124,10 +124,16 @@ def _sampling(args) -> dict:
                 chat_template_kwargs=None if args.think is None else {"enable_thinking": args.think})
 
 
-def _print_stats(model) -> None:
+def _print_stats(model, prompt_cache=None, prefill_seconds: float = 0.0) -> None:
+    """The generation's speed line; with a prompt cache made just before (cache_prompt did that prefill), its
+    tokens and time count as the prefill."""
     from .backend import compile_notice
+    stats = model.last_stats
+    if prompt_cache is not None:
+        stats.prompt_tokens = len(prompt_cache.ids) - prompt_cache.reused
+        stats.cached_tokens, stats.prefill_seconds = prompt_cache.reused, prefill_seconds
     compiled = " (these times include compiling the CPU kernels)" if compile_notice.compiled_this_process() else ""
-    print(f"[{model.device}] {model.last_stats.summary()}{compiled}", file=sys.stderr)
+    print(f"[{model.device}] {stats.summary()}{compiled}", file=sys.stderr)
 
 
 def cmd_generate(args) -> int:
@@ -140,8 +146,10 @@ def cmd_generate(args) -> int:
     else:
         target = prompt
     sampling = _sampling(args)
+    start = time.perf_counter()
     prompt_cache = _prompt_cache(model, args.prompt_cache, target, args.chat, sampling["chat_template_kwargs"]) \
         if args.prompt_cache else None
+    prefill_seconds = time.perf_counter() - start
     pieces = model.generate(target, stream=True, chat=args.chat, prompt_cache=prompt_cache, **sampling)
     if not args.chat:
         sys.stdout.write(prompt)
@@ -149,7 +157,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    _print_stats(model)
+    _print_stats(model, prompt_cache, prefill_seconds)
     return 0
 
 
@@ -186,10 +194,7 @@ def cmd_chat(args) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply).strip()})
-        stats = model.last_stats  # the turn's prefill was cache_prompt's
-        stats.prompt_tokens, stats.cached_tokens = len(cached.ids) - cached.reused, cached.reused
-        stats.prefill_seconds = prefill_seconds
-        _print_stats(model)
+        _print_stats(model, cached, prefill_seconds)
 
 
 def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
