@@ -13,7 +13,7 @@
 # 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
 #    pytest -m gpu (junit XML + log into bench/results/)
 # 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dequant_gpu.py, bench/dca_gpu.py, bench/spill_gpu.py,
-#    bench/kv_encode.py --device gpu, then
+#    bench/kv_encode.py --device gpu (with the TCQ encoder at every trellis size), bench/prompt_cache.py, then
 #    tools/profile_decode_gpu.py (kernels of a decode step), bench/e2e_gpu.py on the real-shape models (Gemma 3
 #    270M, Qwen2.5-0.5B, Gemma 4 E2B, then Qwen2.5-7B while time is left)
 # 5. packs the results into $OUT/gpu_results.tar (when OUT is set) after every step, so a run cut short keeps
@@ -74,7 +74,7 @@ publish() {  # every result file of this run, packed into one archive in $OUT (r
     [ -n "$RUN_OUT" ] || return 0
     local files=()
     for f in gpu_pytest.log gpu_pytest.xml attention_gpu.json dequant_gpu.json dca_gpu.json kv_encode_gpu.json \
-             spill_gpu.json decode_profile_gpu.json e2e_gpu.json; do
+             spill_gpu.json decode_profile_gpu.json prompt_cache_gpu.json e2e_gpu.json; do
         [ "$RESULTS/$f" -nt "$STARTED" ] && files+=("$f")
     done
     [ ${#files[@]} -gt 0 ] && tar -cf "$RUN_OUT/gpu_results.tar" -C "$RESULTS" "${files[@]}"
@@ -98,6 +98,10 @@ timeout $(limit 25) "$PY" bench/spill_gpu.py --budget-s 12 || echo "bench/spill_
 publish
 echo "--- bench/kv_encode.py --device gpu"
 timeout $(limit 40) "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
+publish
+echo "--- bench/prompt_cache.py (random-weight Gemma 3 270M shapes, questions after an 8192-token document)"
+timeout $(limit 45) "$PY" bench/prompt_cache.py --device gpu --preset gemma3-270m --doc-tokens 8192 \
+    --out "$RESULTS/prompt_cache_gpu.json" || echo "bench/prompt_cache.py failed or timed out ($?)"
 publish
 echo "--- tools/profile_decode_gpu.py (where a Gemma 3 270M decode step's device time goes)"
 timeout $(limit 40) "$PY" tools/profile_decode_gpu.py --model gemma3-270m || echo "decode profile failed or timed out ($?)"
