@@ -3,7 +3,8 @@
 # network: Python 3.12, x86-64 Linux. gpu_check.sh installs only those whose module is missing there
 # (its image has pyyaml, regex and jinja2, but not gguf). .whl/ is git-ignored: pass it in `carry`.
 #
-#   tools/fetch_gpu_wheels.sh            # gguf (same version as here), pyyaml, regex, jinja2, markupsafe
+#   tools/fetch_gpu_wheels.sh            # gguf (same version as here), pyyaml, regex, jinja2, markupsafe,
+#                                        # threadpoolctl (the CPU backend imports it; the image may lack it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,7 +18,7 @@ fi
 
 target=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl)
 # pure-python wheels (py3-none-any): no platform tag to match
-"$PY" -m pip download -q "${target[@]}" "$GGUF_SPEC" jinja2
+"$PY" -m pip download -q "${target[@]}" "$GGUF_SPEC" jinja2 threadpoolctl
 # compiled wheels: the manylinux tags the device's glibc accepts
 "$PY" -m pip download -q "${target[@]}" \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
