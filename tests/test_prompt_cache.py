@@ -62,6 +62,20 @@ def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model, arch, kv_type)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_a_cached_prefix_with_dual_chunk_attention(tiny_model, arch):
+    """DCA (keys cached at their in-chunk positions, 32-token chunks: the prefix spans three): the same text."""
+    model = _model(tiny_model, arch, dca={"chunk_size": 32, "local_size": 4})
+    fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
+    cached = model.cache_prompt(PREFIX)
+    _scribble(model)
+    assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=cached) == fresh
+    assert model.last_stats.cached_tokens == len(PREFIX)
+    assert cached.key["dca"] == {"chunk_size": 32, "local_size": 4, "yarn_factor": 1.0}
+    with pytest.raises(CupyllmError, match="other settings"):  # a cache of the plain model does not fit
+        _model(tiny_model, arch).generate(PREFIX, max_tokens=1, prompt_cache=cached)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_a_cache_that_ran_past_the_shared_part_is_cut_back(tiny_model, arch):
     """Truncation: a cache of PREFIX + other tokens serves PREFIX + TAIL from PREFIX on; the tiny Gemma's sliding
     ring (window 6 + chunk 16 slots) still holds the window before PREFIX's end after 10 more tokens, not after 40,
