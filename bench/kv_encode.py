@@ -116,26 +116,13 @@ TRELLIS_SIZES = ((3, 9), (3, 8), (3, 7), (3, 6), (2, 8), (2, 7), (2, 6), (2, 5))
 
 
 def bench_gpu_trellis(k: int, L: int, n_tokens: int, repeats: int, rng, input_cache: dict) -> dict:
-    """K+V encode time of one layer (head dim 128) with the TCQ encoder at step k, window L (a codebook of
-    Gaussian quantiles: the search does the same work whatever the values)."""
-    import cupy as cp
-    from cupyllm.backend.gpu_kv import encode_trellis, trellis_encode_kernel, trellis_registry
+    """bench_gpu at head dim 128 with the TCQ encoder at step k, window L (a codebook of Gaussian quantiles: the
+    search does the same work whatever the values)."""
+    from cupyllm.backend.gpu_kv import trellis_encode_kernel, trellis_registry
     from cupyllm.kv import tcq
 
-    head_dim = 128
-    fmt = tcq.trellis_format(k, L, head_dim, tcq.initial_codebook(L))
-    registry = trellis_registry([trellis_encode_kernel(k, L, head_dim, "float32", fmt.norm_mode)])
-    table = cp.asarray(fmt.codebook)
-    inputs = gpu_inputs(cp, rng, n_tokens, head_dim, input_cache)
-    slots = cp.asarray(rng.permutation(2 * n_tokens)[:n_tokens].astype(np.int32))
-    k_cache, v_cache = (cp.zeros((2 * n_tokens, N_KV_HEADS, fmt.block_bytes), dtype=cp.uint8) for _ in range(2))
-
-    def run(i):
-        keys, values = inputs[i % len(inputs)]
-        encode_trellis(registry, fmt, keys, slots, k_cache, table)
-        encode_trellis(registry, fmt, values, slots, v_cache, table)
-
-    row = _row(fmt, head_dim, n_tokens, time_gpu(cp, run, repeats))
+    fmt = tcq.trellis_format(k, L, 128, tcq.initial_codebook(L))
+    row = bench_gpu(fmt, 128, n_tokens, repeats, rng, trellis_registry([trellis_encode_kernel(fmt)]), input_cache)
     return {**row, "k": k, "L": L, "states": 1 << L, "bits_per_value": fmt.bits_per_value}
 
 

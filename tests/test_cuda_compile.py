@@ -76,8 +76,9 @@ def test_the_trellis_size_encoders_compile(nvrtc, include_dirs, arch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from cupyllm.backend.gpu_kv import trellis_encode_kernel, trellis_registry
-    from cupyllm.kv.turbo import DEFAULT_NORM_MODE
-    names = [trellis_encode_kernel(k, L, 128, "float32", DEFAULT_NORM_MODE) for k, L in bench.TRELLIS_SIZES]
+    from cupyllm.kv import tcq
+    names = [trellis_encode_kernel(tcq.trellis_format(k, L, 128, tcq.initial_codebook(L)))
+             for k, L in bench.TRELLIS_SIZES]
     kernel_set = trellis_registry(names).sets[0]
     result = nvrtc_check.compile_kernel_set(nvrtc, kernel_set, arch, kernel_source_dir(), include_dirs)
     assert result.ok, result.log

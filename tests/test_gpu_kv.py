@@ -112,7 +112,7 @@ def test_other_trellis_sizes_encode_like_the_reference(k, L, n_heads):
     L - k = 5, fewer than its stream bytes at k = 3; below that several groups share a warp's CTA, with a
     skipped slot among them and (one head: 11 groups) a last CTA that runs past the end."""
     import cupy as cp
-    from cupyllm.backend.gpu_kv import encode_trellis, trellis_encode_kernel, trellis_registry
+    from cupyllm.backend.gpu_kv import GpuKVCodec, trellis_encode_kernel, trellis_registry
     from cupyllm.kv import tcq
 
     rng = np.random.default_rng(k * 16 + L)
@@ -121,9 +121,9 @@ def test_other_trellis_sizes_encode_like_the_reference(k, L, n_heads):
     x = np.ascontiguousarray(make_kv_rows(rng, n_new, head_dim, "float32")[:, :n_heads])
     slots = rng.permutation(n_slots)[:n_new].astype(np.int32)
     slots[4] = -1  # skipped: its group computes beside the others and stores nothing
+    codec = GpuKVCodec(fmt, head_dim, n_heads, registry=trellis_registry([trellis_encode_kernel(fmt)]))
     cache = cp.full((n_slots, n_heads, fmt.block_bytes), 0xA5, dtype=cp.uint8)
-    registry = trellis_registry([trellis_encode_kernel(k, L, head_dim, "float32", fmt.norm_mode)])
-    encode_trellis(registry, fmt, cp.asarray(x), cp.asarray(slots), cache, cp.asarray(fmt.codebook))
+    codec.encode(cp.asarray(x), cp.asarray(slots), cache)
     host = cp.asnumpy(cache)
     kept = slots >= 0
     assert (host[np.setdiff1d(np.arange(n_slots), slots[kept])] == 0xA5).all(), "a slot it was not given changed"

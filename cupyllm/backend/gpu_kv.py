@@ -59,10 +59,7 @@ def cpp_format_type(name: str, group_values: int | None = None) -> str:
     """The kv_formats.cuh type of format `name` (rotated formats need their group size)."""
     if name in _SCALAR_TYPES:
         return _SCALAR_TYPES[name]
-    if group_values not in GROUP_SIZES:
-        raise KVFormatError(
-            f"GPU kernels for {name!r} exist for groups of {GROUP_SIZES} values, not {group_values}; "
-            "use a head_dim of 64 or a multiple of 128, or a scalar KV format (q8_0, q4_0, ...)")
+    _check_group(name, group_values)
     turbo_bits = _turbo_bits()
     if name in turbo_bits:
         return f"cupyllm::FmtTurbo<{turbo_bits[name]}, {group_values}>"
@@ -73,17 +70,45 @@ def cpp_format_type(name: str, group_values: int | None = None) -> str:
     raise KVFormatError(f"unknown KV format {name!r}; choose one of: {', '.join(list_formats())}")
 
 
-def encode_kernel_name(name: str, src_dtype: str, group_values: int | None = None,
-                       norm_mode: str = "raw") -> str:
+def _check_group(name: str, group_values: int | None) -> None:
+    if group_values not in GROUP_SIZES:
+        raise KVFormatError(
+            f"GPU kernels for {name!r} exist for groups of {GROUP_SIZES} values, not {group_values}; "
+            "use a head_dim of 64 or a multiple of 128, or a scalar KV format (q8_0, q4_0, ...)")
+
+
+def cpp_type_of(fmt: KVFormat) -> str:
+    """cpp_format_type of a format object; a TCQ format of any trellis (tcq.trellis_format) by its own k and L."""
+    from ..kv.tcq import TCQFormat
+    if isinstance(fmt, TCQFormat):
+        _check_group(fmt.name, fmt.group_values)
+        return f"cupyllm::FmtTcq<{fmt.k}, {fmt.L}, {fmt.group_values}>"
+    return cpp_format_type(fmt.name, fmt.block_values if _rotated(fmt) else None)
+
+
+def _rotated(fmt: KVFormat) -> bool:
+    from ..kv.turbo import RotatedFormat
+    return isinstance(fmt, RotatedFormat)
+
+
+def _encode_kernel(cpp_type: str, rotated: bool, src_dtype: str, norm_mode: str) -> str:
     if src_dtype not in SOURCE_TYPES:
         raise KVFormatError(f"KV encode on the GPU takes {sorted(SOURCE_TYPES)} sources, got {src_dtype}")
-    mode = NORM_MODE_IDS[norm_mode] if is_rotated(name) else 0
-    return f"kv_encode<{cpp_format_type(name, group_values)}, {SOURCE_TYPES[src_dtype]}, {mode}>"
+    mode = NORM_MODE_IDS[norm_mode] if rotated else 0
+    return f"kv_encode<{cpp_type}, {SOURCE_TYPES[src_dtype]}, {mode}>"
+
+
+def _decode_kernel(cpp_type: str, rotated: bool, unrotate: bool) -> str:
+    return f"kv_decode<{cpp_type}, {'true' if (unrotate and rotated) else 'false'}>"
+
+
+def encode_kernel_name(name: str, src_dtype: str, group_values: int | None = None,
+                       norm_mode: str = "raw") -> str:
+    return _encode_kernel(cpp_format_type(name, group_values), is_rotated(name), src_dtype, norm_mode)
 
 
 def decode_kernel_name(name: str, group_values: int | None = None, unrotate: bool = True) -> str:
-    flag = "true" if (unrotate and is_rotated(name)) else "false"
-    return f"kv_decode<{cpp_format_type(name, group_values)}, {flag}>"
+    return _decode_kernel(cpp_format_type(name, group_values), is_rotated(name), unrotate)
 
 
 def _family(name: str) -> str:
@@ -92,6 +117,14 @@ def _family(name: str) -> str:
     if not is_rotated(name):
         return "block"
     return "tcq" if name in _tcq_params() else "turbo"
+
+
+def _family_of(fmt: KVFormat) -> str:
+    """_family of a format object (a TCQ format of another trellis size included)."""
+    from ..kv.tcq import TCQFormat
+    if not _rotated(fmt):
+        return _family(fmt.name)
+    return "tcq" if isinstance(fmt, TCQFormat) else "turbo"
 
 
 def kernel_sets() -> list[KernelSet]:
@@ -132,7 +165,7 @@ class LaunchGeometry:
 
 
 def encode_geometry(fmt: KVFormat) -> LaunchGeometry:
-    family = _family(fmt.name)
+    family = _family_of(fmt)
     if family == "float":
         return LaunchGeometry(1, 1, 256)
     if family == "block":
@@ -149,14 +182,14 @@ def tcq_geometry(k: int, L: int, group_values: int) -> LaunchGeometry:
 
 
 def decode_geometry(fmt: KVFormat) -> LaunchGeometry:
-    if is_rotated(fmt.name):
+    if _rotated(fmt):
         return LaunchGeometry(fmt.block_values, 32, 4)
     return LaunchGeometry(1, 1, 256)
 
 
 def format_table(fmt: KVFormat) -> np.ndarray | None:
     """The float32 table the kernels read (kv_formats.cuh): turbo LEVELS + BOUNDS, the TCQ codebook."""
-    family = _family(fmt.name)
+    family = _family_of(fmt)
     if family == "turbo":
         return np.concatenate([fmt.levels, fmt.boundaries]).astype(np.float32)
     if family == "tcq":
@@ -173,10 +206,9 @@ class GpuKVCodec:
         self.head_dim = int(head_dim)
         self.n_kv_heads = int(n_kv_heads)
         self.row_bytes = fmt.row_bytes(self.head_dim)  # checks head_dim % block_values
-        self._group = fmt.block_values if is_rotated(fmt.name) else None
+        self._rotated = _rotated(fmt)
         self._norm_mode = getattr(fmt, "norm_mode", "raw")
-        if is_rotated(fmt.name):
-            cpp_format_type(fmt.name, self._group)  # unsupported group size: clear error now
+        self._cpp_type = cpp_type_of(fmt)  # an unsupported group size: a clear error now
         self._cp = require_cupy()
         self._registry = registry if registry is not None else KernelRegistry()
         table = format_table(fmt)
@@ -209,8 +241,7 @@ class GpuKVCodec:
             return
         src = cp.ascontiguousarray(src)
         slots = cp.ascontiguousarray(slots)
-        kernel = self._registry.function(
-            encode_kernel_name(self.fmt.name, src_dtype, self._group, self._norm_mode))
+        kernel = self._registry.function(_encode_kernel(self._cpp_type, self._rotated, src_dtype, self._norm_mode))
         geometry = encode_geometry(self.fmt)
         n_units = n_new * self.n_kv_heads * (self.head_dim // geometry.unit_values)
         kernel((geometry.grid(n_units),), (geometry.cta_threads,),
@@ -236,7 +267,7 @@ class GpuKVCodec:
                                 f"{out.dtype} {tuple(out.shape)}")
         if n_rows == 0:
             return out
-        kernel = self._registry.function(decode_kernel_name(self.fmt.name, self._group, unrotate))
+        kernel = self._registry.function(_decode_kernel(self._cpp_type, self._rotated, unrotate))
         geometry = decode_geometry(self.fmt)
         n_units = n_rows * self.n_kv_heads * (self.head_dim // geometry.unit_values)
         kernel((geometry.grid(n_units),), (geometry.cta_threads,),
@@ -254,29 +285,17 @@ class GpuKVCodec:
 
 # --- other trellis sizes: the TCQ encoder at (k, L) pairs no format names, to time and check a smaller search ----
 
-def trellis_encode_kernel(k: int, L: int, group_values: int = 128, src_dtype: str = "float32",
-                          norm_mode: str = "raw") -> str:
-    """The kv_encode instantiation of the TCQ Viterbi encoder for step k and window L (kv_formats.cuh
+def trellis_encode_kernel(fmt, src_dtype: str = "float32") -> str:
+    """The kv_encode instantiation GpuKVCodec(fmt).encode asks for, for a tcq.trellis_format `fmt` (kv_formats.cuh
     FmtTcq<k, L, G>; the formats are (3, 9) and (2, 8)): 2^(L-k) = 4 .. 1024 threads per group, L >= 2k."""
+    k, L = fmt.k, fmt.L
     if not (2 <= L - k <= 10 and L >= 2 * k and 2 <= k <= 4):
         raise KVFormatError(f"the GPU TCQ encoder runs 2^(L-k) = 4 .. 1024 threads per group with L >= 2k; "
                             f"k={k}, L={L} is outside that")
-    return f"kv_encode<cupyllm::FmtTcq<{k}, {L}, {group_values}>, {SOURCE_TYPES[src_dtype]}, {NORM_MODE_IDS[norm_mode]}>"
+    return _encode_kernel(cpp_type_of(fmt), True, src_dtype, fmt.norm_mode)
 
 
 def trellis_registry(kernel_names: list[str]) -> KernelRegistry:
-    """A registry that compiles just these trellis_encode_kernel instantiations (one kv_encode.cu module)."""
+    """A registry that compiles just these trellis_encode_kernel instantiations (one kv_encode.cu module): pass it
+    to GpuKVCodec."""
     return KernelRegistry(sets=[KernelSet(ENCODE_FILE, tuple(kernel_names), label="tcq trellis sizes")])
-
-
-def encode_trellis(registry: KernelRegistry, fmt, src, slots, cache, table) -> None:
-    """GpuKVCodec.encode for a tcq.trellis_format: src [n_new, n_kv_heads, head_dim] (float32) into cache[slots]
-    ([n_slots, n_kv_heads, head_dim // G * block_bytes] uint8); table: fmt.codebook on the device."""
-    n_new, n_heads, head_dim = src.shape
-    kernel = registry.function(trellis_encode_kernel(fmt.k, fmt.L, fmt.group_values, np.dtype(src.dtype).name,
-                                                     fmt.norm_mode))
-    geometry = tcq_geometry(fmt.k, fmt.L, fmt.group_values)
-    n_units = n_new * n_heads * (head_dim // fmt.group_values)
-    kernel((geometry.grid(n_units),), (geometry.cta_threads,),
-           (src, slots, cache, np.int32(n_new), np.int32(cache.shape[0]), np.int32(n_heads), np.int32(head_dim),
-            table))
