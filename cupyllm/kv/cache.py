@@ -149,7 +149,7 @@ class LayerKV:
             value = getattr(self, name, None)
             if value is not None:
                 value = value[:self.n_used] if name in _SLOT_ARRAYS else value
-                out[name] = value.get() if hasattr(value, "get") else value.copy()  # (CuPy arrays: to the host)
+                out[name] = _host_copy(value)
         return out
 
     def restore(self, state: dict) -> None:
@@ -174,7 +174,7 @@ class LayerKV:
         ring, only while it still holds the window before n_keep (a later write may have evicted it)."""
         if not self.ring:
             return True
-        held = self.slot_pos.get() if hasattr(self.slot_pos, "get") else self.slot_pos
+        held = _host_copy(self.slot_pos)
         needed = np.arange(max(0, n_keep - self.window), n_keep)
         return bool((held[needed % self.capacity] == needed).all())
 
@@ -183,6 +183,11 @@ class LayerKV:
         self.slot_pos[self.slot_pos >= n_keep] = EMPTY
         if not self.ring:
             self.n_used = min(self.n_used, n_keep)
+
+
+def _host_copy(array) -> np.ndarray:
+    """A NumPy copy of a host or device (CuPy, DeviceLayerKV) array."""
+    return array.get() if hasattr(array, "get") else array.copy()
 
 
 _SLOT_ARRAYS = ("k_data", "v_data", "slot_pos", "k_f32", "v_f32")  # one row per slot
