@@ -55,22 +55,24 @@ def registry():
     return KernelRegistry()
 
 
-def _encode_case(registry, name: str, head_dim: int, src_dtype: str, seed: int = 0):
+def _encode_case(registry, name: str, head_dim: int, src_dtype: str, seed: int = 0, fmt=None,
+                 n_heads: int = N_KV_HEADS):
+    """Encode 37 tokens into 53 slots (one skipped, one out of range) with the format `name` (or `fmt`)."""
     import cupy as cp
     from cupyllm.backend.gpu_kv import GpuKVCodec
 
     rng = np.random.default_rng(seed)
-    fmt = get_test_format(name, head_dim)
-    codec = GpuKVCodec(fmt, head_dim, N_KV_HEADS, registry=registry)
+    fmt = fmt if fmt is not None else get_test_format(name, head_dim)
+    codec = GpuKVCodec(fmt, head_dim, n_heads, registry=registry)
     n_new, n_slots = 37, 53
-    x = make_kv_rows(rng, n_new, head_dim, src_dtype)
+    x = np.ascontiguousarray(make_kv_rows(rng, n_new, head_dim, src_dtype)[:, :n_heads])
     slots = rng.permutation(n_slots)[:n_new].astype(np.int32)
     slots[5] = -1  # skipped by the kernel
     slots[6] = n_slots  # out of range: skipped too
-    cache = cp.full((n_slots, N_KV_HEADS, codec.row_bytes), 0xA5, dtype=cp.uint8)
+    cache = cp.full((n_slots, n_heads, codec.row_bytes), 0xA5, dtype=cp.uint8)
     codec.encode(cp.asarray(x), cp.asarray(slots), cache)
     kept = (slots >= 0) & (slots < n_slots)
-    ref = fmt.encode(x[kept].astype(np.float32).reshape(-1, head_dim)).reshape(int(kept.sum()), N_KV_HEADS, -1)
+    ref = fmt.encode(x[kept].astype(np.float32).reshape(-1, head_dim)).reshape(int(kept.sum()), n_heads, -1)
     host = cp.asnumpy(cache)
     untouched = np.setdiff1d(np.arange(n_slots), slots[kept])
     assert (host[untouched] == 0xA5).all(), "encode wrote to a slot it was not given"
@@ -109,27 +111,18 @@ def test_tcq_encode_matches_except_exact_ties(registry, name, head_dim, src_dtyp
 @pytest.mark.parametrize("k, L", [(3, 9), (3, 8), (3, 7), (3, 6), (2, 7), (2, 6), (2, 5)])
 def test_other_trellis_sizes_encode_like_the_reference(k, L, n_heads):
     """The encoder at trellis sizes no format names (bench/kv_encode.py times them): 32 threads a group at
-    L - k = 5, fewer than its stream bytes at k = 3; below that several groups share a warp's CTA, with a
-    skipped slot among them and (one head: 11 groups) a last CTA that runs past the end."""
-    import cupy as cp
-    from cupyllm.backend.gpu_kv import GpuKVCodec, trellis_encode_kernel, trellis_registry
+    L - k = 5, fewer than its stream bytes at k = 3; below that several groups share a warp's CTA, with skipped
+    slots among them (their groups compute beside the others and store nothing) and (one head: 37 groups) a
+    last CTA that runs past the end."""
+    from cupyllm.backend.gpu_kv import trellis_encode_kernel, trellis_registry
     from cupyllm.kv import tcq
 
-    rng = np.random.default_rng(k * 16 + L)
-    head_dim, n_new, n_slots = 128, 11, 13
+    head_dim = 128
     fmt = tcq.trellis_format(k, L, head_dim, tcq.initial_codebook(L, seed=1))
-    x = np.ascontiguousarray(make_kv_rows(rng, n_new, head_dim, "float32")[:, :n_heads])
-    slots = rng.permutation(n_slots)[:n_new].astype(np.int32)
-    slots[4] = -1  # skipped: its group computes beside the others and stores nothing
-    codec = GpuKVCodec(fmt, head_dim, n_heads, registry=trellis_registry([trellis_encode_kernel(fmt)]))
-    cache = cp.full((n_slots, n_heads, fmt.block_bytes), 0xA5, dtype=cp.uint8)
-    codec.encode(cp.asarray(x), cp.asarray(slots), cache)
-    host = cp.asnumpy(cache)
-    kept = slots >= 0
-    assert (host[np.setdiff1d(np.arange(n_slots), slots[kept])] == 0xA5).all(), "a slot it was not given changed"
-    got = host[slots[kept]]
-    ref = fmt.encode(x[kept].reshape(-1, head_dim)).reshape(int(kept.sum()), n_heads, -1)
-    _assert_tcq_blocks_match_except_ties(fmt, got, ref, x[kept], head_dim)
+    registry = trellis_registry([trellis_encode_kernel(fmt)])
+    fmt, _, _, got, ref, x = _encode_case(registry, fmt.name, head_dim, "float32", seed=k * 16 + L, fmt=fmt,
+                                          n_heads=n_heads)
+    _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim)
 
 
 def _assert_tcq_blocks_match_except_ties(fmt, got, ref, x, head_dim):
