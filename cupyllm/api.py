@@ -111,9 +111,10 @@ class Model:
         cache_prompt(..., reuse=it), then prefill only what follows the tokens they share. `reuse` may hold a
         cache of an earlier, related prompt (its shared beginning is not prefilled again)."""
         ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
-        cache, reused, logits = self._cache_holding_prefix(ids, reuse)
-        if logits is not None:
-            return dataclasses.replace(reuse, reused=len(ids))  # the very same prompt
+        if reuse is not None and tuple(ids) == reuse.ids:  # the very same prompt: nothing to run or copy
+            self._check_prompt_cache(reuse)
+            return dataclasses.replace(reuse, reused=len(ids))
+        cache, reused, _ = self._cache_holding_prefix(ids, reuse)
         logits = prefill(self._forward_numpy, ids[reused:], cache, self.kv_spec.max_chunk, progress=progress)
         return PromptCache(ids=tuple(ids), layer_states=cache.state(), logits=np.asarray(logits, np.float32).reshape(-1),
                            key=self.prompt_cache_key(), reused=reused)
@@ -129,11 +130,7 @@ class Model:
         cache = self.new_cache()
         if prompt_cache is None:
             return cache, 0, None
-        if self.kv_spec.spilled:
-            raise CupyllmError("prompt caching does not cover a spilled KV cache (kv_spill) yet; leave one of them off")
-        if prompt_cache.key != self.prompt_cache_key():
-            raise CupyllmError("this prompt cache was made by another model or with other settings (KV types, ctx, "
-                               "chunk, DCA, device); make it again with cache_prompt()")
+        self._check_prompt_cache(prompt_cache)
         shared = prompt_cache.shared_prefix(ids)
         if shared == 0:
             return cache, 0, None
@@ -145,6 +142,13 @@ class Model:
             cache.clear()
             return cache, 0, None
         return cache, keep, None
+
+    def _check_prompt_cache(self, prompt_cache: PromptCache) -> None:
+        if self.kv_spec.spilled:
+            raise CupyllmError("prompt caching does not cover a spilled KV cache (kv_spill) yet; leave one of them off")
+        if prompt_cache.key != self.prompt_cache_key():
+            raise CupyllmError("this prompt cache was made by another model or with other settings (KV types, ctx, "
+                               "chunk, DCA, device); make it again with cache_prompt()")
 
     def _prompt_ids(self, prompt, chat: bool, chat_template_kwargs: dict | None) -> list[int]:
         if chat:
