@@ -37,7 +37,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cupyllm.cuda import gpu_count  # noqa: E402
+from cupyllm.cuda import device_name, gpu_count  # noqa: E402
 from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -71,7 +71,7 @@ def real_cupy(bench: str):
 
 def device_info(cp) -> dict:
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    name = device_name()
     peak = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
     if peak is None and props.get("memoryClockRate") and props.get("memoryBusWidth"):
         peak = 2.0 * props["memoryClockRate"] * 1e3 * props["memoryBusWidth"] / 8

@@ -31,7 +31,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cupyllm.cuda import gpu_count  # noqa: E402
+from cupyllm.cuda import device_name, gpu_count  # noqa: E402
 from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -86,7 +86,7 @@ def main() -> int:
     from cupyllm.cuda.registry import KernelRegistry
     registry = KernelRegistry()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    name = device_name()
     n_blocks = 4 * int(props["multiProcessorCount"])
     rng = np.random.default_rng(0)
     results = []

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
+from cupyllm.cuda import device_name  # noqa: E402
+
 PEAK_BANDWIDTH = 4.8e12  # bytes/s, H200 HBM3e
 PEAK_F16_FLOPS = 989e12  # dense f16 tensor-core FLOP/s, H100/H200 SXM
 PROMPT_TOKENS, DECODE_TOKENS = 512, 64
@@ -242,13 +244,6 @@ def write_report(out: Path, results: dict, start: float) -> None:
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.perf_counter() - start, "results": results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-
-
-def device_name() -> str:
-    import cupy
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    name = props["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def main(argv=None) -> int:

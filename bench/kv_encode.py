@@ -31,7 +31,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cupyllm.cuda import gpu_count  # noqa: E402
+from cupyllm.cuda import device_name, gpu_count  # noqa: E402
 from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -240,8 +240,7 @@ def main(argv=None) -> int:
         import cupy as cp
         from cupyllm.cuda.registry import KernelRegistry
 
-        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-        gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        gpu_name = device_name()
         registry = KernelRegistry()
         extra = {"implementation": "kernels_cu/kv_encode.cu via cupyllm.backend.gpu_kv",
                  "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),

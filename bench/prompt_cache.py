@@ -93,9 +93,8 @@ def main(argv=None) -> int:
                      "cached_prefill_tokens": cached_stats.prompt_tokens,
                      "cached_tokens": cached_stats.cached_tokens, "next_token_logit_diff": logit_diff})
     if model.device == "gpu":
-        import cupy as cp
-        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-        device = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        from cupyllm.cuda import device_name
+        device = device_name()
     else:
         device = f"CPU: {platform.machine()}, {platform.processor() or ''}"
     result = {"bench": "prompt_cache", "device": device,

@@ -241,6 +241,13 @@ def require_cupy():
     return cupy
 
 
+def device_name() -> str:
+    """The current CUDA device's name (e.g. "NVIDIA H200"), as the benchmarks record it."""
+    cupy = require_cupy()
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def gpu_count() -> int:
     """Number of visible CUDA devices; 0 without CuPy, without a driver, or without a device."""
     try:
