@@ -276,14 +276,17 @@ struct Encoder<FmtTurbo<kBits, G>> {
 // state_{t+1} = (state_t >> k) | new_bits << (L - k); the predecessors of s' are (m << k) | r with
 // m = s' & (2^(L-k) - 1), r = 0 .. 2^k - 1. Thread `me` holds the 2^k states (me << k) | r: exactly the
 // predecessor set of m = me, so its minimum is taken in registers,
-//   best_t[me] = min_r cost_{t-1}[(me << k) | r]
-// scanning r upwards and replacing only on a strictly smaller cost (a tie keeps the smaller predecessor),
-// exactly as tcq._viterbi_numba. The next costs of its states need the minima of the sets
+//   best_t[me] = min_r cost_{t-1}[(me << k) | r].
+// The search is tcq.py's integer one (TrellisMetric): a state's cost is kept packed as cost << k | r, so one
+// signed minimum gives the smallest cost and, on ties, the smallest r; its step cost X_t * centroid + square
+// is one IMAD, and adding the set's best and taking the minimum is one __viaddmin_s32 (a single DPX
+// instruction on sm_90, IADD + IMNMX before). The next costs of its states need the minima of the sets
 // ((me << k) | r) & (2^(L-k) - 1): 2^k consecutive entries of best_t, read as one or two 16-byte words that
-// a warp's lanes share. So a step moves one float per predecessor set through shared memory instead of one
+// a warp's lanes share. So a step moves one int per predecessor set through shared memory instead of one
 // per state: the previous layout (a thread per set writing its 2^k successors' costs for their sets'
 // threads to read: 18 accesses a step, not 5) was bound by shared-memory traffic (75% of a prefill layer step).
-// The final state is the smallest argmin; each group's thread 0 backtracks.
+// Every kRenormSteps-th step subtracts best_{t-1}[0] from every best_t (tcq.RENORM_STEPS): the costs stay
+// within int32 for any group. The final state is the smallest argmin; each group's thread 0 backtracks.
 //
 // A group of 2^(L-k) >= 32 threads has its own CTA. Smaller trellises (timed by bench/kv_encode.py for the
 // encode-budget decision; no format uses one) put 32 / 2^(L-k) groups in one warp's CTA, each group on its
@@ -291,11 +294,20 @@ struct Encoder<FmtTurbo<kBits, G>> {
 // threads meet at __syncthreads, so none may leave early: the kernel gives a group past the end or with a
 // skipped slot out = nullptr (kSyncsCta) and it computes without storing.
 
+// X_t of tcq.TrellisMetric.steps: rint(z * scale), scale = -2^(Fx+1) (exact), clamped to +-limit, 0 for NaN.
+__device__ __forceinline__ int trellis_step(float z, float scale, float limit) {
+    const float v = __fmul_rn(z, scale);
+    if (v != v) return 0;
+    return __float2int_rn(fminf(fmaxf(v, -limit), limit));
+}
+
 template <int kK, int kL, int G>
 struct Encoder<FmtTcq<kK, kL, G>> {
     using Fmt = FmtTcq<kK, kL, G>;
     static constexpr int kLowStates = 1 << (kL - kK);  // predecessor sets: one thread each
     static constexpr int kPreds = 1 << kK;
+    static constexpr int kTagMask = kPreds - 1;  // the r packed below a cost
+    static constexpr int kRenormSteps = 16;  // tcq.RENORM_STEPS
     static constexpr int kUnitThreads = kLowStates;
     static constexpr int kUnitsPerCta = kLowStates >= 32 ? 1 : 32 / kLowStates;
     static constexpr int kCtaThreads = kUnitThreads * kUnitsPerCta;
@@ -310,14 +322,17 @@ struct Encoder<FmtTcq<kK, kL, G>> {
     __device__ static int best_index(int m) { return m + ((m >> 5) << 2); }
     static constexpr int kBestStride = kLowStates + 4 * (kLowStates / 32);
 
+    // The encode table (gpu_kv.encode_table): the codebook, int32 centroid[kStates] and square[kStates]
+    // (tcq.TrellisMetric), then the float scale and clamp of X_t.
     template <class Src, int kNormMode>
     __device__ static void encode(const Src* x, u8* out, const float* table, int thread) {
         constexpr int U = kUnitsPerCta;
         __shared__ float z_smem[U][G];
-        __shared__ __align__(16) float best_smem[U][2][kBestStride];  // best_t, double-buffered: one barrier a step
+        __shared__ int step_smem[U][G];  // X_t
+        __shared__ __align__(16) int best_smem[U][2][kBestStride];  // best_t, double-buffered: one barrier a step
         __shared__ u8 choice[U][G][kLowStates];  // best r of step t for each set
         __shared__ short states[U][G];
-        __shared__ float best_cost[U][kWarps];
+        __shared__ int best_cost[U][kWarps];
         __shared__ int best_state[U][kWarps];
         __shared__ float group_r[U];
         __shared__ const Src* group_x[U];
@@ -329,13 +344,17 @@ struct Encoder<FmtTcq<kK, kL, G>> {
             if (thread == 0) group_x[unit] = x, group_out[unit] = out;
             __syncthreads();
         }
-        if (warp == 0) {  // rotate and normalise the groups: z in N(0, 1) units
+        if (warp == 0) {  // rotate and normalise the groups: z in N(0, 1) units, and the search's X_t
+            const float scale = table[3 * Fmt::kStates], limit = table[3 * Fmt::kStates + 1];
             for (int u = 0; u < U; ++u) {
                 float y[G / 32], z[G / 32];
                 load_rotated_group<G>(U == 1 ? x : group_x[u], y, lane);
                 const float r = group_norm_and_z<G>(y, z);
 #pragma unroll
-                for (int s = 0; s < G / 32; ++s) z_smem[u][s * 32 + lane] = z[s];
+                for (int s = 0; s < G / 32; ++s) {
+                    z_smem[u][s * 32 + lane] = z[s];
+                    step_smem[u][s * 32 + lane] = trellis_step(z[s], scale, limit);
+                }
                 if (lane == 0) group_r[u] = r;
             }
         }
@@ -343,53 +362,57 @@ struct Encoder<FmtTcq<kK, kL, G>> {
 
         const int me = thread;
         const int sets = best_index((me << kK) & (kLowStates - 1));  // the sets of this thread's states: sets + r
-        float centroid[kPreds], cost[kPreds];  // of the states (me << k) | r
+        const int* const centroid_table = reinterpret_cast<const int*>(table + Fmt::kStates);
+        int centroid[kPreds], square[kPreds];  // of the states (me << k) | r
 #pragma unroll
         for (int r = 0; r < kPreds; ++r) {
-            centroid[r] = table[(me << kK) | r];
-            const float d = __fsub_rn(z_smem[unit][0], centroid[r]);
-            cost[r] = __fmul_rn(d, d);
+            centroid[r] = centroid_table[(me << kK) | r];
+            square[r] = centroid_table[Fmt::kStates + ((me << kK) | r)];
         }
-        for (int t = 1; t < G; ++t) {
-            float best = cost[0];
-            int best_r = 0;
+        // best: the packed minimum over this thread's states of cost_{t-1}, here t = 1
+        int best = step_smem[unit][0] * centroid[0] + square[0];
 #pragma unroll
-            for (int r = 1; r < kPreds; ++r)
-                if (cost[r] < best) { best = cost[r]; best_r = r; }
-            float* const best_t = best_smem[unit][t & 1];
-            best_t[best_index(me)] = best;
-            choice[unit][t][me] = static_cast<u8>(best_r);
+        for (int r = 1; r < kPreds; ++r) best = min(best, step_smem[unit][0] * centroid[r] + square[r]);
+        // step t: store best_t (renormalised every kRenormSteps-th step) and the choices, then the next best
+        const auto search_step = [&](int t, bool renormalise) {
+            int* const best_t = best_smem[unit][t & 1];
+            int masked = best & ~kTagMask;
+            if (renormalise) masked -= best_smem[unit][(t - 1) & 1][best_index(0)];
+            best_t[best_index(me)] = masked;
+            choice[unit][t][me] = static_cast<u8>(best);  // r in its low bits (masked when backtracking)
             __syncthreads();
-            float set_best[kPreds];
+            int set_best[kPreds];
 #pragma unroll
             for (int w = 0; w < kPreds / 4; ++w) {
-                const float4 b4 = *reinterpret_cast<const float4*>(best_t + sets + 4 * w);
+                const int4 b4 = *reinterpret_cast<const int4*>(best_t + sets + 4 * w);
                 set_best[4 * w] = b4.x, set_best[4 * w + 1] = b4.y, set_best[4 * w + 2] = b4.z, set_best[4 * w + 3] = b4.w;
             }
-            const float z = z_smem[unit][t];
+            const int step = step_smem[unit][t];
+            best = step * centroid[0] + square[0] + set_best[0];
 #pragma unroll
-            for (int r = 0; r < kPreds; ++r) {
-                const float d = __fsub_rn(z, centroid[r]);
-                cost[r] = __fadd_rn(set_best[r], __fmul_rn(d, d));
-            }
+            for (int r = 1; r < kPreds; ++r) best = __viaddmin_s32(step * centroid[r] + square[r], set_best[r], best);
+        };
+        static_assert(G % kRenormSteps == 0, "whole runs of steps between renormalisations");
+#pragma unroll
+        for (int t = 1; t < kRenormSteps; ++t) search_step(t, false);
+        for (int run = kRenormSteps; run < G; run += kRenormSteps) {  // (unrolled inside: no test per step)
+#pragma unroll
+            for (int i = 0; i < kRenormSteps; ++i) search_step(run + i, i == 0);
         }
 
-        // argmin over the final costs, the smallest state on ties: this thread's states grow with r
-        float c = cost[0];
-        int s = me << kK;
-#pragma unroll
-        for (int r = 1; r < kPreds; ++r)
-            if (cost[r] < c) { c = cost[r]; s = (me << kK) | r; }
+        // argmin over the final costs, the smallest state on ties: best is this thread's (its states grow with r)
+        int c = best & ~kTagMask;
+        int s = (me << kK) | (best & kTagMask);
 #pragma unroll
         for (int offset = (kUnitThreads < 32 ? kUnitThreads : 32) / 2; offset > 0; offset >>= 1) {  // (within the group)
-            const float oc = __shfl_xor_sync(kFullMask, c, offset);
+            const int oc = __shfl_xor_sync(kFullMask, c, offset);
             const int os = __shfl_xor_sync(kFullMask, s, offset);
             if (oc < c || (oc == c && os < s)) { c = oc; s = os; }
         }
         if (thread % 32 == 0) { best_cost[unit][thread / 32] = c; best_state[unit][thread / 32] = s; }
         __syncthreads();
         if (thread == 0) {
-            float bc = best_cost[unit][0];
+            int bc = best_cost[unit][0];
             int bs = best_state[unit][0];
             for (int w = 1; w < kWarps; ++w)
                 if (best_cost[unit][w] < bc || (best_cost[unit][w] == bc && best_state[unit][w] < bs)) {
@@ -399,7 +422,7 @@ struct Encoder<FmtTcq<kK, kL, G>> {
             for (int t = G - 1; t > 0; --t) {
                 states[unit][t] = static_cast<short>(bs);
                 const int low = bs & (kLowStates - 1);
-                bs = (low << kK) | choice[unit][t][low];
+                bs = (low << kK) | (choice[unit][t][low] & kTagMask);
             }
             states[unit][0] = static_cast<short>(bs);
         }

@@ -222,8 +222,8 @@ def test_arguments_are_checked_against_the_kernel_signature(lib):
 # ---- a subset of the GPU test files, under the fake cupy ---------------------------------------------------
 
 GPU_SUBSET = (
-    "(test_gpu_kv and (test_decode_within_one_f16_ulp and [q4_0-128] or test_encode_is_bit_exact and [q4_0-128-float32] "
-    "or test_tcq_encode_matches_except_exact_ties and [turbo3_tcq-128-float32] or test_other_trellis_sizes)) "
+    "(test_gpu_kv and (test_decode_within_one_f16_ulp and [q4_0-128] or test_encode_is_bit_exact and "
+    "([q4_0-128-float32] or [turbo3_tcq-128-float32]) or test_other_trellis_sizes)) "
     "or (test_gpu_attention and (test_chunk_reader_is_bit_exact and 128] or test_vec_matches_reference and [128- "
     "or test_mma_matches_reference and [128- or test_mma_decode_matches_reference and [128- "
     "or test_split_count or test_bad_arguments or test_dequant_bench_kernel)) or test_prompt_cache_on_the_device"

@@ -304,19 +304,54 @@ def test_tcq_numba_viterbi_equals_numpy_reference(k, L, g):
 
 
 def test_tcq_viterbi_cost_is_brute_force_minimum():
+    """The search finds the stream of least integer metric (tcq.path_cost) over all streams, and that stream's
+    float squared error is within the metric's rounding of the float optimum's."""
     rng = np.random.default_rng(21)
-    for k, L, g in [(1, 3, 4), (2, 4, 4), (1, 4, 5)]:
+    for k, L, g in [(1, 3, 4), (2, 4, 4), (1, 4, 5), (1, 3, 18)]:
         cb = rng.standard_normal(1 << L).astype(F32)
         z = rng.standard_normal((5, g)).astype(F32)
         states, costs = tcq.viterbi_states(z, cb, k, L)
         n_bits = g * k + L - k
+        streams = np.arange(1 << n_bits)
+        all_states = ((streams[:, None] >> (np.arange(g) * k)) & ((1 << L) - 1)).astype(np.int32)
         for i in range(z.shape[0]):
-            best = np.inf
-            for stream in range(1 << n_bits):
-                st = [(stream >> (t * k)) & ((1 << L) - 1) for t in range(g)]
-                best = min(best, float(np.sum((z[i].astype(np.float64) - cb[st]) ** 2)))
-            path = float(np.sum((z[i].astype(np.float64) - cb[states[i]]) ** 2))
-            assert path <= best + 1e-5 and abs(float(costs[i]) - best) < 1e-5
+            all_costs = tcq.path_cost(np.broadcast_to(z[i], (len(streams), g)), cb, k, all_states)
+            assert costs[i] == all_costs.min() == tcq.path_cost(z[i:i + 1], cb, k, states[i:i + 1])[0]
+            float_errors = np.sum((z[i].astype(np.float64) - cb[all_states]) ** 2, axis=1)
+            path_error = float(np.sum((z[i].astype(np.float64) - cb[states[i]]) ** 2))
+            assert path_error <= float_errors.min() + 1e-3 * g
+
+
+def test_tcq_renormalisation_changes_no_path():
+    """Subtracting best_{t-1}(0) every RENORM_STEPS steps is invisible: the same paths and total costs as a
+    search that never renormalises (int64, where nothing can overflow)."""
+    rng = np.random.default_rng(4)
+    cb = tcq.load_codebook("turbo3_tcq")
+    z = rng.standard_normal((16, 128)).astype(F32)
+    states, costs = tcq.viterbi_states_reference(z, cb, 3, 9)
+    plain_states, plain_costs = tcq.viterbi_states_reference(z, cb, 3, 9, renorm_steps=None)
+    assert np.array_equal(states, plain_states) and np.array_equal(costs, plain_costs)
+
+
+@pytest.mark.parametrize("name", ["turbo3_tcq", "turbo2_tcq"])
+@pytest.mark.parametrize("g", [128, 64, 32])
+def test_tcq_metric_stays_within_int32_on_extreme_groups(name, g):
+    """The groups that push the packed costs hardest: all of a unit-norm group in one coordinate (|z| = sqrt(G),
+    X at its clamp), every coordinate at +-sqrt(G) (not unit-norm: what an underflowed norm could give), inf and
+    NaN. The NumPy reference asserts the int32 bound at every step; numba (int32 stores) must agree with it."""
+    fmt = group_format(name, g)
+    root = np.float32(np.sqrt(g))
+    one_hot = np.zeros((4, g), F32)
+    one_hot[np.arange(4), [0, 1, g // 2, g - 1]] = [root, -root, root, -root]
+    alternating = np.where(np.arange(g) % 2 == 0, root, -root).astype(F32)[None] * np.array([[1], [-1]], F32)
+    constant = np.full((2, g), root, F32) * np.array([[1], [-1]], F32)
+    odd = np.zeros((2, g), F32)
+    odd[0, ::3], odd[1, 5] = np.inf, np.nan
+    z = np.concatenate([one_hot, alternating, constant, odd])
+    s_ref, c_ref = tcq.viterbi_states_reference(z, fmt.codebook, fmt.k, fmt.L)
+    s_nb, c_nb = tcq.viterbi_states(z, fmt.codebook, fmt.k, fmt.L)
+    assert np.array_equal(s_ref, s_nb) and np.array_equal(c_ref, c_nb)
+    assert np.array_equal(c_ref, tcq.path_cost(z, fmt.codebook, fmt.k, s_ref))
 
 
 @pytest.mark.parametrize("name", ["turbo3_tcq", "turbo2_tcq"])

@@ -11,6 +11,12 @@ f16 path), so these counts are the first-order cost of a format in fa_mma's dequ
 of straight-line code, not timings.
 
     python tools/sass_count.py [--arch 90] [--out bench/results/dequant_sass.json]
+    python tools/sass_count.py --tcq-encode [--out bench/results/tcq_encode_sass.json]
+
+--tcq-encode counts the instructions of one step of the TCQ Viterbi encoder (kv_encode.cu: the code between two
+of its barriers, the barrier included, at the formats' and bench/kv_encode.py's trellis sizes) and what they
+come to at the H200's full issue rate for the K + V of one Qwen3-8B prefill layer of 8192 tokens, against that
+layer's time measured on the H200 (bench/results/kv_encode_gpu.json): an estimate from counts, not a timing.
 
 Compiles with nvcc where there is one, else with NVRTC (CuPy's binding, the dev extra); disassembles with
 nvdisasm (or cuobjdump) on PATH, or the pip package nvidia-cuda-nvdisasm (CUDA 13: it reads CUDA 13 cubins).
@@ -86,20 +92,24 @@ def probe_source() -> str:
 
 
 def compile_probes(arch: int) -> tuple[bytes, str]:
-    """The probe cubin for sm_`arch` and the compiler that made it: nvcc where there is one (its CUDA version
-    matches the disassembler's, CUDA 13 on the device machine too), else NVRTC through CuPy's binding."""
+    return compile_source(probe_source(), arch)
+
+
+def compile_source(source: str, arch: int) -> tuple[bytes, str]:
+    """The cubin of `source` for sm_`arch` and the compiler that made it: nvcc where there is one (its CUDA
+    version matches the disassembler's, CUDA 13 on the device machine too), else NVRTC through CuPy's binding."""
     includes = [f"-I{d}" for d in [str(kernel_source_dir()), *cuda_include_dirs()]]
     nvcc = shutil.which("nvcc")
     if nvcc:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
         with tempfile.TemporaryDirectory() as tmp:
             src, out = Path(tmp, "sass_probe.cu"), Path(tmp, "sass_probe.cubin")
-            src.write_text(probe_source())
+            src.write_text(source)
             subprocess.run([nvcc, "-std=c++17", f"-arch=sm_{arch}", "-cubin", "-ftz=true",
                             f"-I{kernel_source_dir()}", "-o", str(out), str(src)], check=True)
             return out.read_bytes(), f"nvcc ({version})"
     nvrtc = load_nvrtc()
-    prog = nvrtc.createProgram(probe_source(), "sass_probe.cu", [], [])
+    prog = nvrtc.createProgram(source, "sass_probe.cu", [], [])
     try:
         try:  # -ftz=true: as CuPy compiles
             nvrtc.compileProgram(prog, ["-std=c++17", f"-arch=sm_{arch}", "-ftz=true", *includes])
@@ -111,14 +121,18 @@ def compile_probes(arch: int) -> tuple[bytes, str]:
         nvrtc.destroyProgram(prog)
 
 
-def count_instructions(cubin: bytes) -> dict[str, int]:
-    """Instructions per kernel symbol, without the padding NOPs, EXIT and the trailing self-branch."""
+def disassemble(cubin: bytes) -> str:
     tool = _disassembler()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "probe.cubin")
         path.write_bytes(cubin)
         args = tool + (["-sass", str(path)] if tool[0].endswith("cuobjdump") else [str(path)])
-        text = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+        return subprocess.run(args, check=True, capture_output=True, text=True).stdout
+
+
+def count_instructions(cubin: bytes) -> dict[str, int]:
+    """Instructions per kernel symbol, without the padding NOPs, EXIT and the trailing self-branch."""
+    text = disassemble(cubin)
     counts: dict[str, int] = {}
     name = None
     for line in text.splitlines():
@@ -133,11 +147,89 @@ def count_instructions(cubin: bytes) -> dict[str, int]:
     return counts
 
 
+# --- the TCQ encoder's Viterbi step ---------------------------------------------------------------------
+
+TCQ_TRELLISES = [(3, 9), (3, 8), (3, 7), (3, 6), (2, 8), (2, 7), (2, 6), (2, 5)]  # (k, L): formats first
+H200_WARP_ISSUE_PER_S = 132 * 4 * 1.98e9  # SMs x schedulers x boost clock, one warp instruction each a cycle
+ENCODE_CASE = {"tokens": 8192, "n_kv_heads": 8, "head_dim": 128}  # bench/kv_encode.py's, K and V
+
+
+def tcq_encode_source() -> str:
+    lines = ['#include "kv_encode.cu"']
+    for k, L in TCQ_TRELLISES:
+        lines.append(f"template __global__ void kv_encode<cupyllm::FmtTcq<{k}, {L}, 128>, float, 1>(const float*, "
+                     f"const int*, cupyllm::u8*, int, int, int, int, const float*);")
+    return "\n".join(lines) + "\n"
+
+
+def barrier_gaps(text: str) -> dict[tuple[int, int], list[int]]:
+    """(k, L) -> instructions from one BAR.SYNC to the next, that barrier included, in program order."""
+    gaps: dict[tuple[int, int], list[int]] = {}
+    key, since = None, None
+    for line in text.splitlines():
+        header = re.search(r"FmtTcqILi(\d+)ELi(\d+)ELi128", line) if ".text." in line or "Function" in line else None
+        if header:
+            key, since = (int(header.group(1)), int(header.group(2))), None
+            gaps.setdefault(key, [])
+            continue
+        insn = re.match(r"\s+/\*[0-9a-f]+\*/\s+(.*?);", line)
+        if not insn or key is None or re.search(r"\bNOP\b", insn.group(1)):
+            continue
+        if since is not None:
+            since += 1
+        if "BAR.SYNC" in insn.group(1):
+            if since is not None:
+                gaps[key].append(since)
+            since = 0
+    return gaps
+
+
+def tcq_encode_main(args) -> int:
+    from collections import Counter
+
+    cubin, compiler = compile_source(tcq_encode_source(), args.arch)
+    gaps = barrier_gaps(disassemble(cubin))
+    measured = json.loads((REPO / "bench" / "results" / "kv_encode_gpu.json").read_text())
+    layer_s = measured["prefill_layer"]["seconds_per_layer"]
+    groups = 2 * ENCODE_CASE["tokens"] * ENCODE_CASE["n_kv_heads"] * ENCODE_CASE["head_dim"] // 128
+    rows = []
+    print(f"sm_{args.arch}, {compiler}: one Viterbi step (barrier to barrier); K+V of {groups} groups of 128 at "
+          f"{H200_WARP_ISSUE_PER_S / 1e12:.2f}e12 warp instructions/s, against the H200's measured "
+          f"{layer_s * 1e3:.2f} ms prefill layer")
+    print(f"{'k':>2} {'L':>3} {'states':>6} {'step':>5} {'warp instr':>11} {'ms':>6} {'share':>6}")
+    for k, L in TCQ_TRELLISES:
+        step = Counter(gaps[(k, L)]).most_common(1)[0][0]  # the unrolled steady state
+        warps_per_group = (1 << (L - k)) / 32  # below 32 sets, groups share a warp
+        warp_instructions = groups * 127 * step * warps_per_group
+        seconds = warp_instructions / H200_WARP_ISSUE_PER_S
+        rows.append({"k": k, "L": L, "states": 1 << L, "instructions_per_step": step,
+                     "warp_instructions": warp_instructions, "full_issue_seconds": seconds,
+                     "share_of_prefill_layer": seconds / layer_s})
+        print(f"{k:>2} {L:>3} {1 << L:>6} {step:>5} {warp_instructions:>11.3g} {seconds * 1e3:>6.3f} "
+              f"{seconds / layer_s:>6.1%}")
+    out = args.out or REPO / "bench" / "results" / "tcq_encode_sass.json"
+    out.write_text(json.dumps({
+        "what": "static SASS instructions of one TCQ Viterbi step per thread (kv_encode.cu, barrier to barrier), "
+                "and the time they take at the H200's full issue rate for the K+V encode of one Qwen3-8B "
+                "prefill layer (tools/sass_count.py --tcq-encode); an estimate from counts, not a timing",
+        "arch": f"sm_{args.arch}", "compiler": compiler, "warp_issue_per_s": H200_WARP_ISSUE_PER_S,
+        "case": {**ENCODE_CASE, "groups": groups}, "prefill_layer_seconds_measured": layer_s,
+        "prefill_layer_source": "bench/results/kv_encode_gpu.json (" + measured["device"] + ", "
+                                + measured["created"] + ")",
+        "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "dequant_sass.json")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tcq-encode", action="store_true", help="count the TCQ encoder's Viterbi step instead")
     args = parser.parse_args()
+    if args.tcq_encode:
+        return tcq_encode_main(args)
+    args.out = args.out or REPO / "bench" / "results" / "dequant_sass.json"
     cubin, compiler = compile_probes(args.arch)
     counts = count_instructions(cubin)
     baseline = counts["probe_copy"]

@@ -197,6 +197,18 @@ def format_table(fmt: KVFormat) -> np.ndarray | None:
     return None
 
 
+def encode_table(fmt: KVFormat) -> np.ndarray | None:
+    """What kv_encode reads: format_table, and for TCQ after the codebook the search's integer metric
+    (tcq.TrellisMetric: centroid, square as int32 bits, then the float scale -2^(Fx+1) and the |X| clamp)."""
+    table = format_table(fmt)
+    if _family_of(fmt) != "tcq":
+        return table
+    from ..kv.tcq import metric_for
+    metric = metric_for(fmt.codebook, fmt.block_values, fmt.k)
+    scalars = np.array([-(1 << (metric.z_bits + 1)), metric.x_limit], dtype=np.float32)
+    return np.concatenate([table, metric.centroid.view(np.float32), metric.square.view(np.float32), scalars])
+
+
 class GpuKVCodec:
     """Encode/decode one KV format on the current CUDA device for heads of `head_dim` values."""
 
@@ -211,9 +223,10 @@ class GpuKVCodec:
         self._cpp_type = cpp_type_of(fmt)  # an unsupported group size: a clear error now
         self._cp = require_cupy()
         self._registry = registry if registry is not None else KernelRegistry()
-        table = format_table(fmt)
-        # scalar formats ignore the table; a 1-element array stands in for nullptr
-        self._table = self._cp.asarray(table if table is not None else np.zeros(1, np.float32))
+        # scalar formats ignore the tables; a 1-element array stands in for nullptr
+        self._table, self._encode_table = (
+            self._cp.asarray(table if table is not None else np.zeros(1, np.float32))
+            for table in (format_table(fmt), encode_table(fmt)))
 
     @property
     def cache_row_shape(self) -> tuple[int, int]:
@@ -246,7 +259,7 @@ class GpuKVCodec:
         n_units = n_new * self.n_kv_heads * (self.head_dim // geometry.unit_values)
         kernel((geometry.grid(n_units),), (geometry.cta_threads,),
                (src, slots, cache, np.int32(n_new), np.int32(cache.shape[0]), np.int32(self.n_kv_heads),
-                np.int32(self.head_dim), self._table))
+                np.int32(self.head_dim), self._encode_table))
 
     def decode(self, cache, row_start: int, n_rows: int, out=None, unrotate: bool = True):
         """float16 [n_rows, n_kv_heads, head_dim] of cache rows row_start .. row_start + n_rows - 1.

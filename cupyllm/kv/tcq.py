@@ -33,18 +33,32 @@ approximates ``z[t] = y[t] * sqrt(G) / r``, and the decoded rotated value is
 The norm is ``turbo.stored_norm(r, z, CODEBOOK[states], mode)``; the default mode "lsq" stores
 ``fp16(r * fl32(tree_sum(z*c) / tree_sum(c*c)))``, ``c = CODEBOOK[states]``.
 
-Encoding is a Viterbi search for the stream that minimises ``sum_t (z[t] - CODEBOOK[state_t])^2``, in float32
-with one rounding per operation and no FMA (CUDA: ``__fsub_rn``/``__fmul_rn``/``__fadd_rn``):
+Encoding is a Viterbi search for the stream that minimises ``sum_t (z[t] - CODEBOOK[state_t])^2``. It runs in
+exact int32 arithmetic (``TrellisMetric``), so the NumPy, numba and CUDA encoders agree bit for bit, ties
+included, and the GPU's fused add-min instruction (``__viaddmin_s32``, one DPX instruction on sm_90) does a
+state's update. Dropping the ``z[t]^2`` that every state of a step shares, the cost of state ``s`` at step t is
+
+    e_t(s) = C_s^2 2^(2 Fx - F) + X_t * C_s,   X_t = rint(-2 z[t] 2^Fx),   C_s = rint(CODEBOOK[s] 2^(F - Fx))
+
+in units of 2^-F: exactly ``(z_q - c_q)^2 - z_q^2`` for ``z`` rounded to 2^-(Fx+1) and the centroids to
+2^-(F-Fx) (``metric_for``: F as large as keeps every cost within int32, 16 bits for turbo3_tcq at G = 128;
+Fx = ceil(F / 2); ``X_t`` clamped to the largest |z| a unit-norm group has, 0 for a NaN). On N(0, 1) groups
+its paths have a squared error 0.007% above the float32 search's (turbo3_tcq, G = 128). Every
+``RENORM_STEPS``-th step subtracts ``best_{t-1}(0)`` from every ``best_t`` (the same constant for all states:
+no comparison changes), which bounds the costs whatever the group length.
 
 * start-state/tail convention: the start state is free (the first L stream bits are whatever the search
   picks: ``cost_0[s] = e_0(s)``), there is no tail-biting and no forced end state; the stream simply ends
   with the last window, so its last ``L - k`` bits belong only to state ``G-1``.
-* ``e_t(s) = d*d`` with ``d = z[t] - CODEBOOK[s]``.
 * for ``t = 1 .. G-1`` and every state ``s'``: with ``m = s' & (2^(L-k) - 1)``,
-  ``best_t(m) = min_r cost_{t-1}[(m << k) | r]``, scanning ``r = 0, 1, ...`` and replacing only on a strictly
-  smaller cost (so a tie keeps the SMALLER predecessor state); ``cost_t[s'] = best_t(m) + e_t(s')``.
+  ``best_t(m) = min_r cost_{t-1}[(m << k) | r]``, the smallest ``r`` on ties (so a tie keeps the SMALLER
+  predecessor state); ``cost_t[s'] = best_t(m) + e_t(s')``.
 * the final state is ``argmin_s cost_{G-1}[s]``, the smallest state on ties; backtracking follows the
   recorded ``r`` of each step.
+
+The tie rule is free in the packed form the encoders compute in: ``cost << k | r`` for the state
+``(m << k) | r``, so one integer minimum over a predecessor set gives the smallest cost and, among equal
+costs, the smallest ``r`` (``TrellisMetric.centroid`` and ``.square`` are stored shifted and tagged so).
 
 (``best_t(m)`` is shared by the 2^k states that have the same ``m``, so a step costs O(2^L), not O(2^(L+k)).)
 
@@ -61,7 +75,7 @@ G = 64:  turbo3_tcq 2 + 25 + 1 = 28 B (3.5 bpv),  turbo2_tcq 2 + 17 + 1 = 20 B (
 Decoding is O(1) per value: ``state_t`` is ``L`` bits read from stream bit ``t*k`` (at most 3 bytes).
 
 ``viterbi_states_reference`` (NumPy, vectorised over groups and states) and ``viterbi_states`` (numba,
-parallel over groups) implement the same arithmetic and return identical states and costs.
+parallel over groups) implement the same arithmetic and return identical states and (integer) costs.
 """
 
 from __future__ import annotations
@@ -123,72 +137,145 @@ def load_codebook(name: str) -> np.ndarray:
 
 # -- Viterbi -------------------------------------------------------------------------------------------
 
+_INT32_MAX = (1 << 31) - 1
+RENORM_STEPS = 16  # every 16th step the search subtracts best_{t-1}(0) from every best_t: costs stay small
 
-def viterbi_states_reference(z: np.ndarray, codebook: np.ndarray, k: int, L: int) -> tuple[np.ndarray, np.ndarray]:
-    """NumPy reference. z [m, G] float32 -> (states [m, G] int32, path costs [m] float32)."""
-    z = np.ascontiguousarray(z, dtype=_F32)
-    cb = np.ascontiguousarray(codebook, dtype=_F32)
-    m, g = z.shape
+
+@dataclass(frozen=True)
+class TrellisMetric:
+    """The search's integer branch metric for one codebook, group size and k (module docstring): state ``s``
+    at step t costs ``X_t * centroid[s] + square[s]`` = ``e_t(s) << k | (s & (2^k - 1))``, X_t from ``steps``."""
+    k: int
+    frac_bits: int  # F: the metric's unit is 2^-F (N(0, 1) units squared)
+    z_bits: int  # Fx: X_t = rint(-2 z 2^Fx)
+    x_limit: int  # |X_t| <= x_limit: the largest |z| of a unit-norm group
+    centroid: np.ndarray  # int32 [2^L]: C_s << k, C_s = rint(c_s 2^(F - Fx))
+    square: np.ndarray  # int32 [2^L]: C_s^2 2^(2 Fx - F) << k | (s & (2^k - 1))
+
+    def steps(self, z: np.ndarray) -> np.ndarray:
+        """z [m, G] float32 -> X [m, G] int32: rint(z * -2^(Fx+1)) (exact scaling, ties to even), clamped to
+        +-x_limit, 0 where z is NaN."""
+        scaled = np.asarray(z, dtype=_F32) * _F32(-(1 << (self.z_bits + 1)))
+        limit = _F32(self.x_limit)
+        clamped = np.minimum(np.maximum(scaled, -limit), limit)
+        return np.where(np.isnan(scaled), _F32(0), np.rint(clamped)).astype(np.int32)
+
+    @property
+    def tag_mask(self) -> int:
+        return (1 << self.k) - 1
+
+
+def _metric_for_bits(cb: np.ndarray, group_values: int, k: int, frac_bits: int) -> TrellisMetric:
+    z_bits = (frac_bits + 1) // 2  # >= F / 2, so that the squares are whole units
+    c_int = np.rint(cb * 2.0 ** (frac_bits - z_bits)).astype(np.int64)
+    states = np.arange(cb.size)
+    return TrellisMetric(k=k, frac_bits=frac_bits, z_bits=z_bits,
+                         x_limit=int(np.ceil(2.0 ** (z_bits + 1) * np.sqrt(group_values))),
+                         centroid=c_int << k,
+                         square=((c_int * c_int) << (2 * z_bits - frac_bits) << k) | (states & ((1 << k) - 1)))
+
+
+def _cost_bound(metric: TrellisMetric, L: int) -> int:
+    """|cost| of any state at any step, packed: a step moves a cost by at most ``step`` = max |e_t(s)|; every
+    state is reachable from every other in q = ceil(L / k) steps, so after a renormalisation the costs lie within
+    (2q + 3) steps of 0, and drift at most RENORM_STEPS steps before the next."""
+    step = int(np.max(np.abs(metric.square.astype(np.int64) >> metric.k))) + metric.x_limit * int(
+        np.max(np.abs(metric.centroid.astype(np.int64) >> metric.k)))
+    q = -(-L // metric.k)
+    return ((RENORM_STEPS + 2 * q + 4) * step + 1) << metric.k
+
+
+def metric_for(codebook: np.ndarray, group_values: int, k: int) -> TrellisMetric:
+    """The finest TrellisMetric whose packed costs stay within int32 for this codebook, group size and trellis."""
+    cb = np.asarray(codebook, dtype=np.float64)
+    if not np.all(np.isfinite(cb)):
+        raise KVFormatError("a TCQ codebook holds a non-finite value; retrain it")
+    L = int(cb.size).bit_length() - 1
+    for frac_bits in range(24, 0, -1):
+        metric = _metric_for_bits(cb, group_values, k, frac_bits)
+        if _cost_bound(metric, L) <= _INT32_MAX:
+            return TrellisMetric(**{**metric.__dict__, "centroid": metric.centroid.astype(np.int32),
+                                    "square": metric.square.astype(np.int32)})
+    raise KVFormatError(f"a TCQ codebook with |c| up to {np.max(np.abs(cb)):.3g} cannot be searched in int32; "
+                        f"retrain it")
+
+
+def viterbi_states_reference(z: np.ndarray, codebook: np.ndarray, k: int, L: int,
+                             renorm_steps: int | None = RENORM_STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy reference. z [m, G] float32 -> (states [m, G] int32, path costs [m] int64 in the metric's units).
+    ``renorm_steps=None`` searches without renormalising (int64: the int32 bound is then not checked)."""
+    m, g = np.shape(z)
+    metric = metric_for(codebook, g, k)
+    x = metric.steps(z).astype(np.int64)
+    centroid, square = metric.centroid.astype(np.int64), metric.square.astype(np.int64)
     n_states, n_low, n_pred = 1 << L, 1 << (L - k), 1 << k
     low_of_state = np.arange(n_states) & (n_low - 1)
-    d = z[:, :1] - cb[None, :]
-    cost = d * d
+    packed = x[:, :1] * centroid + square  # [m, states]: cost << k | r
     choice = np.zeros((g, m, n_low), dtype=np.int32)
+    offset = np.zeros(m, dtype=np.int64)  # what the renormalisations took off
+    best = None
     for t in range(1, g):
-        grouped = cost.reshape(m, n_low, n_pred)  # [.., m, r] is state (m << k) | r
-        r = np.argmin(grouped, axis=2)  # first minimum = smallest predecessor
-        best = np.take_along_axis(grouped, r[:, :, None], axis=2)[:, :, 0]
-        choice[t] = r
-        d = z[:, t : t + 1] - cb[None, :]
-        cost = best[:, low_of_state] + d * d
+        previous, best = best, packed.reshape(m, n_low, n_pred).min(axis=2)  # smallest cost, then smallest r
+        choice[t] = best & metric.tag_mask
+        best &= ~metric.tag_mask
+        if renorm_steps and t % renorm_steps == 0:
+            offset += previous[:, 0] >> k
+            best -= previous[:, :1]
+        packed = best[:, low_of_state] + x[:, t:t + 1] * centroid + square
+        assert not renorm_steps or np.all(np.abs(packed) <= _INT32_MAX), "TrellisMetric bound broken"
+    cost = packed >> k
     states = np.empty((m, g), dtype=np.int32)
-    s = np.argmin(cost, axis=1)
-    final_cost = cost[np.arange(m), s]
+    s = np.argmin(cost, axis=1)  # the smallest state on ties
+    final_cost = cost[np.arange(m), s] + offset
     for t in range(g - 1, 0, -1):
         states[:, t] = s
         low = s & (n_low - 1)
         s = (low << k) | choice[t, np.arange(m), low]
     states[:, 0] = s
-    return states, final_cost.astype(_F32)
+    return states, final_cost
 
 
 @numba.njit(cache=True, parallel=True)
-def _viterbi_numba(z, codebook, k, L, states, costs):  # pragma: no cover - compiled
-    m, g = z.shape
+def _viterbi_numba(x, centroid, square, k, L, renorm_steps, states, costs):  # pragma: no cover - compiled
+    m, g = x.shape
     n_states = 1 << L
-    low_mask = (1 << (L - k)) - 1
+    n_low = 1 << (L - k)
+    low_mask = n_low - 1
+    tag_mask = (1 << k) - 1
     n_pred = 1 << k
     for v in numba.prange(m):
-        cost = np.empty(n_states, np.float32)
-        best = np.empty(low_mask + 1, np.float32)
-        choice = np.empty((g, low_mask + 1), np.uint8)
-        zt = z[v, 0]
+        packed = np.empty(n_states, np.int32)
+        best = np.empty(n_low, np.int32)
+        choice = np.empty((g, n_low), np.uint8)
+        offset = 0
+        previous_best0 = np.int32(0)
+        xt = np.int32(x[v, 0])
         for s in range(n_states):
-            d = zt - codebook[s]
-            cost[s] = d * d
+            packed[s] = xt * centroid[s] + square[s]
         for t in range(1, g):
-            for low in range(low_mask + 1):
+            ref = previous_best0 if t % renorm_steps == 0 else np.int32(0)
+            offset += ref >> k
+            for low in range(n_low):
                 base = low << k
-                bc = cost[base]
-                br = 0
+                b = packed[base]
                 for r in range(1, n_pred):
-                    c = cost[base + r]
-                    if c < bc:
-                        bc = c
-                        br = r
-                best[low] = bc
-                choice[t, low] = br
-            zt = z[v, t]
-            for s in range(n_states):
-                d = zt - codebook[s]
-                cost[s] = best[s & low_mask] + d * d
+                    b = min(b, packed[base + r])
+                best[low] = np.int32((b & ~tag_mask) - ref)
+                choice[t, low] = b & tag_mask
+            previous_best0 = best[0]
+            xt = np.int32(x[v, t])
+            for high in range(n_pred):  # s = high * n_low + low: contiguous runs, so the loop vectorises
+                for low in range(n_low):
+                    s = high * n_low + low
+                    packed[s] = np.int32(best[low] + xt * centroid[s] + square[s])
         bs = 0
-        bc = cost[0]
+        bc = packed[0] >> k
         for s in range(1, n_states):
-            if cost[s] < bc:
-                bc = cost[s]
+            c = packed[s] >> k
+            if c < bc:
+                bc = c
                 bs = s
-        costs[v] = bc
+        costs[v] = bc + offset
         s = bs
         for t in range(g - 1, 0, -1):
             states[v, t] = s
@@ -198,15 +285,23 @@ def _viterbi_numba(z, codebook, k, L, states, costs):  # pragma: no cover - comp
 
 
 def viterbi_states(z: np.ndarray, codebook: np.ndarray, k: int, L: int) -> tuple[np.ndarray, np.ndarray]:
-    """numba Viterbi (same results as ``viterbi_states_reference``): (states [m, G] int32, costs [m] float32)."""
-    z = np.ascontiguousarray(z, dtype=_F32)
-    cb = np.ascontiguousarray(codebook, dtype=_F32)
-    m, g = z.shape
+    """numba Viterbi (same results as ``viterbi_states_reference``): (states [m, G] int32, costs [m] int64)."""
+    m, g = np.shape(z)
+    metric = metric_for(codebook, g, k)
     states = np.empty((m, g), dtype=np.int32)
-    costs = np.empty(m, dtype=_F32)
+    costs = np.empty(m, dtype=np.int64)
     if m:
-        _viterbi_numba(z, cb, np.int64(k), np.int64(L), states, costs)
+        _viterbi_numba(metric.steps(z), metric.centroid, metric.square, np.int64(k), np.int64(L),
+                       np.int64(RENORM_STEPS), states, costs)
     return states, costs
+
+
+def path_cost(z: np.ndarray, codebook: np.ndarray, k: int, states: np.ndarray) -> np.ndarray:
+    """The metric's cost of given paths: z [m, G], states [m, G] -> int64 [m] (what the search minimises)."""
+    metric = metric_for(codebook, np.shape(z)[1], k)
+    x = metric.steps(z).astype(np.int64)
+    packed = x * metric.centroid.astype(np.int64)[states] + metric.square.astype(np.int64)[states]
+    return (packed >> k).sum(axis=1)
 
 
 # -- bitstream -----------------------------------------------------------------------------------------

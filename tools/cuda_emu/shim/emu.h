@@ -279,6 +279,11 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+// DPX (one instruction on sm_90, emulated before it): min(a + b, c), the sum wrapping as in 32-bit hardware
+inline int __viaddmin_s32(int a, int b, int c) {
+  const int sum = static_cast<int>(static_cast<unsigned>(a) + static_cast<unsigned>(b));
+  return sum < c ? sum : c;
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
