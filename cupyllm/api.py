@@ -51,6 +51,7 @@ class Model:
     dca: DCAConfig | None = None  # Dual Chunk Attention, when on
     threads: int | None = None  # CPU threads of the parallel work (None: every core)
     last_stats: GenerationStats = field(default_factory=GenerationStats)
+    last_prompt_cache: PromptCache | None = None  # generate(keep_cache=True): the prompt's and reply's cache
     _cache: KVCache | None = field(default=None, repr=False)
 
     # --- text <-> ids -----------------------------------------------------------------------------
@@ -86,21 +87,33 @@ class Model:
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] | str | None = None, stream: bool = False,
                  chat: bool = False, chat_template_kwargs: dict | None = None,
-                 progress: bool | None = None, prompt_cache: PromptCache | None = None) -> str | Iterator[str]:
+                 progress: bool | None = None, prompt_cache: PromptCache | None = None,
+                 keep_cache: bool = False) -> str | Iterator[str]:
         """Continue `prompt` (text, token ids, or with chat=True a message or list of messages, rendered with
         `chat_template_kwargs`). Returns the text, or with stream=True an iterator of text pieces. Stats land
         in `last_stats`. max_tokens=-1 generates until end of generation, a stop string or a full context.
-        prompt_cache: a cache_prompt() result; the tokens `prompt` shares with its prompt are not prefilled again."""
+        prompt_cache: a cache_prompt() result; the tokens `prompt` shares with its prompt are not prefilled again.
+        keep_cache: when the text is done (or the stream closed), `last_prompt_cache` holds the cache of the
+        prompt and the reply: the next turn of a conversation prefills only what follows the reply."""
         ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
+        self.last_prompt_cache = None
+        if keep_cache and self.kv_spec.spilled:
+            self._check_prompt_cache(None)
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                          repeat_penalty=repeat_penalty, seed=seed))
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.last_stats = GenerationStats()
         cache, reused, logits = self._cache_holding_prefix(ids, prompt_cache)
         self.last_stats.cached_tokens = reused
+        def keep(held_ids: list[int], held_logits) -> None:
+            self.last_prompt_cache = PromptCache(ids=tuple(held_ids), layer_states=cache.state(),
+                                                 logits=np.asarray(held_logits, np.float32).reshape(-1),
+                                                 key=self.prompt_cache_key(), reused=reused)
+
         pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids[reused:], cache, sampler,
                                  max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
-                                 stats=self.last_stats, progress=progress, history=ids[:reused], logits=logits)
+                                 stats=self.last_stats, progress=progress, history=ids[:reused], logits=logits,
+                                 on_done=keep if keep_cache else None)
         return pieces if stream else "".join(pieces)
 
     # --- prompt caching (prompt_cache.py) ---------------------------------------------------------
@@ -143,10 +156,10 @@ class Model:
             return cache, 0, None
         return cache, keep, None
 
-    def _check_prompt_cache(self, prompt_cache: PromptCache) -> None:
+    def _check_prompt_cache(self, prompt_cache: PromptCache | None) -> None:
         if self.kv_spec.spilled:
             raise CupyllmError("prompt caching does not cover a spilled KV cache (kv_spill) yet; leave one of them off")
-        if prompt_cache.key != self.prompt_cache_key():
+        if prompt_cache is not None and prompt_cache.key != self.prompt_cache_key():
             raise CupyllmError("this prompt cache was made by another model or with other settings (KV types, ctx, "
                                "chunk, DCA, device); make it again with cache_prompt()")
 

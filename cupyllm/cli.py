@@ -163,8 +163,9 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     """One user turn a line of standard input; the reply streams to standard output, the turn's speed to
-    standard error. Each turn's prompt (the whole conversation in the chat template) reuses the previous turn's
-    prompt cache, so only the last reply and the new line are prefilled. Ctrl-C ends a reply early."""
+    standard error. Each turn's prompt (the whole conversation in the chat template) reuses the cache the previous
+    turn's generation left (its prompt and reply), so only the new line and the template's turn markers are
+    prefilled. Ctrl-C ends a reply early."""
     model = _load_model(args)
     sampling = _sampling(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -179,22 +180,23 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        start = time.perf_counter()
-        cached = model.cache_prompt(messages, chat=True, chat_template_kwargs=sampling["chat_template_kwargs"],
-                                    reuse=cached)
-        prefill_seconds = time.perf_counter() - start
         reply = []
+        pieces = model.generate(messages, stream=True, chat=True, prompt_cache=cached, keep_cache=True, **sampling)
         try:
-            for piece in model.generate(messages, stream=True, chat=True, prompt_cache=cached, **sampling):
+            for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
                 reply.append(piece)
         except KeyboardInterrupt:
             pass  # the reply so far stands
+        finally:
+            pieces.close()
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply).strip()})
-        _print_stats(model, cached, prefill_seconds)
+        # (a Ctrl-C inside the model leaves no cache of this turn: the previous turn's still serves)
+        cached = model.last_prompt_cache or cached
+        _print_stats(model, None, 0.0)
 
 
 def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):

@@ -90,11 +90,14 @@ class StopMatcher:
 def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cache: KVCache, sampler: Sampler, *,
                     max_tokens: int, stop: Sequence[str] = (), chunk: int = 512,
                     stats: GenerationStats | None = None, progress: bool | None = None,
-                    history: Sequence[int] = (), logits: np.ndarray | None = None) -> Iterator[str]:
+                    history: Sequence[int] = (), logits: np.ndarray | None = None,
+                    on_done: Callable[[list[int], np.ndarray], None] | None = None) -> Iterator[str]:
     """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix: the
     tokens `history`, which the repeat penalty sees too). `logits`: those after the last cached token, when
     prompt_ids is empty (the whole prompt is cached). A negative `max_tokens` (llama.cpp's -n -1) generates
-    until an end-of-generation token, a stop string or a full context."""
+    until an end-of-generation token, a stop string or a full context. `on_done(ids, logits)`: called when the
+    stream ends or is closed between tokens, with the tokens the cache then holds (the last sampled token is
+    never run) and the logits after them; not after an error inside the model (the cache may be half written)."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     room = cache.spec.ctx - cache.n_past - len(prompt_ids)
@@ -132,5 +135,12 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
             tail = matcher.feed(decoder.flush()) + matcher.flush()
             if tail:
                 yield tail
+    except GeneratorExit:  # closed at a yield: the cache is whole
+        if on_done is not None:
+            on_done(history[:cache.n_past], logits)
+        raise
+    else:
+        if on_done is not None:
+            on_done(history[:cache.n_past], logits)
     finally:
         stats.decode_seconds = time.perf_counter() - t0

@@ -62,6 +62,38 @@ def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model, arch, kv_type)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_generate_keeps_the_cache_of_prompt_and_reply(tiny_model, arch):
+    """keep_cache=True: last_prompt_cache holds the prompt and every reply token that ran (not the last sampled
+    one), with the logits after them; a next prompt that continues the reply prefills only what follows it."""
+    model = _model(tiny_model, arch)
+    reply = model.generate(PREFIX, max_tokens=7, temperature=0, keep_cache=True)
+    kept = model.last_prompt_cache
+    generated = model.last_stats.generated_tokens
+    assert kept.ids[:len(PREFIX)] == tuple(PREFIX) and len(kept.ids) == len(PREFIX) + generated - 1
+    assert model.detokenize(kept.ids[len(PREFIX):]) == reply[:len(model.detokenize(kept.ids[len(PREFIX):]))]
+    _assert_close(kept.logits, _fresh_logits(model, list(kept.ids)))
+    follow_up = list(kept.ids) + TAIL
+    fresh = model.generate(follow_up, max_tokens=6, temperature=0)
+    _scribble(model)
+    assert model.generate(follow_up, max_tokens=6, temperature=0, prompt_cache=kept) == fresh
+    assert model.last_stats.cached_tokens == len(kept.ids) and model.last_stats.prompt_tokens == len(TAIL)
+    model.generate(PREFIX, max_tokens=2, temperature=0)
+    assert model.last_prompt_cache is None  # only when asked for
+
+
+def test_a_stream_closed_early_keeps_what_ran(tiny_model):
+    """A stream closed between pieces (Ctrl-C in `cupyllm chat`) keeps the cache of what ran, logits included."""
+    model = _model(tiny_model, "qwen2")
+    pieces = model.generate(PREFIX, max_tokens=20, temperature=0, stream=True, keep_cache=True)
+    next(pieces)
+    next(pieces)
+    pieces.close()
+    kept = model.last_prompt_cache
+    assert len(PREFIX) < len(kept.ids) < len(PREFIX) + 20
+    _assert_close(kept.logits, _fresh_logits(model, list(kept.ids)))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_a_cached_prefix_with_dual_chunk_attention(tiny_model, arch):
     """DCA (keys cached at their in-chunk positions, 32-token chunks: the prefix spans three): the same text."""
     model = _model(tiny_model, arch, dca={"chunk_size": 32, "local_size": 4})
