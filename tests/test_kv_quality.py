@@ -101,3 +101,24 @@ def test_harness_end_to_end_on_a_tiny_model(tiny_model, tmp_path):
     assert "turbo2_tcq" in text_md and "K error on the attention logits" in text_md and "(K normalised)" in text_md
     assert "**K normalised** (the engine's default" in text_md
     assert report["targets"][str(path)]["q8_0 within noise of f16"]["f16_ppl_ci95"][0] < configs["f16"]["ppl"]
+
+
+def test_dump_kv_captures_what_the_cache_stores(tiny_model):
+    """tools/dump_kv.py (the TCQ codebooks' training data): every K and V row the cache stores, as rotated unit
+    groups, layer by layer; checked against the f32 cache's own rows after the run."""
+    import dump_kv
+
+    model = cupyllm.load(tiny_model("qwen2")[0], device="cpu", ctx=64, kv_type_k="f32", kv_type_v="f32",
+                         max_chunk=8, progress=False)
+    ids = list(range(3, 23))
+    capture = dump_kv.capture_kv(model, ids)
+    k_rows, per_layer = capture.stacked("k")
+    cache = model._cache
+    g = capture.group_values
+    assert per_layer == {i: len(ids) * cache.layers[i].n_kv * cache.layers[i].head_dim // g
+                         for i in range(len(cache.layers))}
+    np.testing.assert_allclose(np.linalg.norm(k_rows, axis=1), 1.0, rtol=1e-5)
+    for which, rows in (("k", k_rows), ("v", capture.stacked("v")[0])):
+        stored = getattr(cache.layers[0], f"{which}_f32")[:len(ids)]
+        want, _ = dump_kv.rotated_unit_groups(stored, g)
+        np.testing.assert_array_equal(rows[:per_layer[0]], want)

@@ -74,9 +74,9 @@ def capture_kv(model, ids: list[int], chunk: int | None = None) -> KVCapture:
     for index, layer_kv in enumerate(cache.layers):
         original = layer_kv.write
 
-        def write(k, v, positions, _layer=index, _write=original):
+        def write(k, v, positions, _layer=index, _write=original, **options):  # (queries=: K normalisation)
             capture.add(_layer, k, v)
-            _write(k, v, positions)
+            _write(k, v, positions, **options)
 
         layer_kv.write = write  # this cache object only; the engine code is untouched
     try:

@@ -4,9 +4,10 @@ The encoders search in exact int32 arithmetic (z and the centroids rounded to th
 makes the NumPy, numba and CUDA encoders agree bit for bit. This tool measures the price: the squared error per
 coordinate of the integer search's paths against that of the float32 search the encoders ran before (below:
 ``float_viterbi``, the same trellis and tie rules, costs in float32 with one rounding per operation), on
-N(0, 1) groups rotated and normalised as the encoder does, with the shipped codebooks.
+N(0, 1) groups rotated and normalised as the encoder does, and on real K/V dumped by tools/dump_kv.py (rotated
+unit groups), with the shipped codebooks.
 
-    python tools/tcq_search_precision.py [--groups 4096] [--out bench/results/tcq_search_precision.json]
+    python tools/tcq_search_precision.py [--groups 4096] [--npy DUMP_k.npy ...] [--out bench/results/tcq_search_precision.json]
 """
 from __future__ import annotations
 
@@ -52,28 +53,38 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "tcq_search_precision.json")
+    parser.add_argument("--npy", type=Path, nargs="*", default=[],
+                        help="tools/dump_kv.py dumps (float32 [n, G] rotated unit groups) to measure on as well")
     args = parser.parse_args()
+    rng = np.random.default_rng(args.seed)
+    sets = [(f"N(0,1) G={g}", g, turbo.group_norm_and_z(turbo.rotate(
+        rng.standard_normal((args.groups, g)).astype(np.float32), g))[1]) for g in (128, 64)]
+    for path in args.npy:
+        unit = np.load(path)
+        unit = unit[np.isfinite(unit).all(axis=1) & (np.abs(unit).sum(axis=1) > 0)]
+        pick = np.random.default_rng(args.seed).choice(len(unit), min(args.groups, len(unit)), replace=False)
+        g = unit.shape[1]
+        sets.append((path.name, g, (unit[np.sort(pick)] * np.float32(np.sqrt(g))).astype(np.float32)))
     rows = []
     for name, (k, L) in tcq.TCQ_PARAMS.items():
         codebook = tcq.load_codebook(name)
-        for g in (128, 64):
-            x = np.random.default_rng(args.seed).standard_normal((args.groups, g)).astype(np.float32)
-            _, z = turbo.group_norm_and_z(turbo.rotate(x, g))
+        for data, g, z in sets:
             float_states = float_viterbi(z, codebook, k, L)
             int_states, _ = tcq.viterbi_states(z, codebook, k, L)
             mse_float, mse_int = (float(np.mean((z - codebook[s]).astype(np.float64) ** 2))
                                   for s in (float_states, int_states))
             metric = tcq.metric_for(codebook, g, k)
-            rows.append({"format": name, "group_values": g, "frac_bits": metric.frac_bits, "z_bits": metric.z_bits,
+            rows.append({"format": name, "data": data, "group_values": g, "frac_bits": metric.frac_bits, "z_bits": metric.z_bits,
                          "mse_float_search": mse_float, "mse_integer_search": mse_int,
                          "relative_increase": mse_int / mse_float - 1,
                          "groups_on_another_path": float(np.mean((float_states != int_states).any(axis=1)))})
             r = rows[-1]
-            print(f"{name} G={g} (F={r['frac_bits']}): MSE float {mse_float:.6f}, integer {mse_int:.6f} "
+            print(f"{name} on {data} (F={r['frac_bits']}): MSE float {mse_float:.6f}, integer {mse_int:.6f} "
                   f"({r['relative_increase']:+.4%}); {r['groups_on_another_path']:.1%} of groups on another path")
     args.out.write_text(json.dumps({
         "what": "squared error per coordinate (N(0,1) units) of the integer Viterbi search's paths against a "
-                "float32 search's, same trellis and codebook (tools/tcq_search_precision.py)",
+                "float32 search's, same trellis and codebook (tools/tcq_search_precision.py); N(0,1) groups and "
+                "K/V dumps of real models (tools/dump_kv.py over tests/data/kv_eval_text.txt, raw K)",
         "groups": args.groups, "seed": args.seed, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
