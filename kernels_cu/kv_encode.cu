@@ -328,7 +328,7 @@ struct Encoder<FmtTcq<kK, kL, G>> {
     __device__ static void encode(const Src* x, u8* out, const float* table, int thread) {
         constexpr int U = kUnitsPerCta;
         __shared__ float z_smem[U][G];
-        __shared__ int step_smem[U][G];  // X_t
+        __shared__ __align__(16) int step_smem[U][G];  // X_t
         __shared__ __align__(16) int best_smem[U][2][kBestStride];  // best_t, double-buffered: one barrier a step
         __shared__ u8 choice[U][G][kLowStates];  // best r of step t for each set
         __shared__ short states[U][G];
@@ -369,12 +369,22 @@ struct Encoder<FmtTcq<kK, kL, G>> {
             centroid[r] = centroid_table[(me << kK) | r];
             square[r] = centroid_table[Fmt::kStates + ((me << kK) | r)];
         }
-        // best: the packed minimum over this thread's states of cost_{t-1}, here t = 1
-        int best = step_smem[unit][0] * centroid[0] + square[0];
+        // X_t of a run of kRenormSteps steps, read as 16-byte words (one load per four steps)
+        int steps[kRenormSteps];
+        const auto load_steps = [&](int run) {
 #pragma unroll
-        for (int r = 1; r < kPreds; ++r) best = min(best, step_smem[unit][0] * centroid[r] + square[r]);
+            for (int w = 0; w < kRenormSteps / 4; ++w) {
+                const int4 x4 = *reinterpret_cast<const int4*>(&step_smem[unit][run + 4 * w]);
+                steps[4 * w] = x4.x, steps[4 * w + 1] = x4.y, steps[4 * w + 2] = x4.z, steps[4 * w + 3] = x4.w;
+            }
+        };
+        load_steps(0);
+        // best: the packed minimum over this thread's states of cost_{t-1}, here t = 1
+        int best = steps[0] * centroid[0] + square[0];
+#pragma unroll
+        for (int r = 1; r < kPreds; ++r) best = min(best, steps[0] * centroid[r] + square[r]);
         // step t: store best_t (renormalised every kRenormSteps-th step) and the choices, then the next best
-        const auto search_step = [&](int t, bool renormalise) {
+        const auto search_step = [&](int t, int step, bool renormalise) {
             int* const best_t = best_smem[unit][t & 1];
             int masked = best & ~kTagMask;
             if (renormalise) masked -= best_smem[unit][(t - 1) & 1][best_index(0)];
@@ -387,17 +397,17 @@ struct Encoder<FmtTcq<kK, kL, G>> {
                 const int4 b4 = *reinterpret_cast<const int4*>(best_t + sets + 4 * w);
                 set_best[4 * w] = b4.x, set_best[4 * w + 1] = b4.y, set_best[4 * w + 2] = b4.z, set_best[4 * w + 3] = b4.w;
             }
-            const int step = step_smem[unit][t];
             best = step * centroid[0] + square[0] + set_best[0];
 #pragma unroll
             for (int r = 1; r < kPreds; ++r) best = __viaddmin_s32(step * centroid[r] + square[r], set_best[r], best);
         };
         static_assert(G % kRenormSteps == 0, "whole runs of steps between renormalisations");
 #pragma unroll
-        for (int t = 1; t < kRenormSteps; ++t) search_step(t, false);
+        for (int t = 1; t < kRenormSteps; ++t) search_step(t, steps[t], false);
         for (int run = kRenormSteps; run < G; run += kRenormSteps) {  // (unrolled inside: no test per step)
+            load_steps(run);
 #pragma unroll
-            for (int i = 0; i < kRenormSteps; ++i) search_step(run + i, i == 0);
+            for (int i = 0; i < kRenormSteps; ++i) search_step(run + i, steps[i], i == 0);
         }
 
         // argmin over the final costs, the smallest state on ties: best is this thread's (its states grow with r)
