@@ -97,8 +97,6 @@ class Model:
         prompt and the reply: the next turn of a conversation prefills only what follows the reply."""
         ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
         self.last_prompt_cache = None
-        if keep_cache and self.kv_spec.spilled:
-            self._check_prompt_cache(None)
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                          repeat_penalty=repeat_penalty, seed=seed))
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -156,10 +154,8 @@ class Model:
             return cache, 0, None
         return cache, keep, None
 
-    def _check_prompt_cache(self, prompt_cache: PromptCache | None) -> None:
-        if self.kv_spec.spilled:
-            raise CupyllmError("prompt caching does not cover a spilled KV cache (kv_spill) yet; leave one of them off")
-        if prompt_cache is not None and prompt_cache.key != self.prompt_cache_key():
+    def _check_prompt_cache(self, prompt_cache: PromptCache) -> None:
+        if prompt_cache.key != self.prompt_cache_key():
             raise CupyllmError("this prompt cache was made by another model or with other settings (KV types, ctx, "
                                "chunk, DCA, device); make it again with cache_prompt()")
 

@@ -113,3 +113,44 @@ def test_auto_types_take_the_free_device_memory(flash_models):
     free = model.transformer.ops.memory_available()
     assert abs(model.kv_plan.budget - 0.9 * free) <= 0.01 * free  # (free memory moves a little meanwhile)
     assert model.kv_plan.tier.name == "f16"  # a 64-token cache of a tiny model fits anywhere
+
+
+def test_prompt_cache_of_a_spilled_cache(flash_models, tmp_path):
+    """Prompt caching over a spilled cache (device ring + host rows): a cached prefix, a cache cut back below
+    its host part, a reply kept by generate(keep_cache=True) and a file round trip all give the fresh run's
+    tokens."""
+    import cupyllm
+    from cupyllm.kv.cache import KVSpec, kv_bytes
+    from cupyllm.prompt_cache import PromptCache
+    path = flash_models["qwen2"]
+    probe = cupyllm.load(path, device="gpu", ctx=96, max_chunk=4, progress=False)
+    budget = kv_bytes(probe.cfg, KVSpec(ctx=96, max_chunk=4, device_window=10))
+    model = cupyllm.load(path, device="gpu", ctx=96, max_chunk=4, kv_budget=budget, kv_spill=True, progress=False)
+    assert model.kv_spec.device_window == 10
+    prefix, tail = list(range(3, 33)), [7, 8, 9]
+
+    def scribble():
+        model.generate(list(range(150, 190)), max_tokens=2, temperature=0)
+
+    fresh = model.generate(prefix + tail, max_tokens=6, temperature=0)
+    cached = model.cache_prompt(prefix)
+    assert max(int(state["n_host"]) for state in cached.layer_states) == len(prefix) - 10
+    scribble()
+    assert model.generate(prefix + tail, max_tokens=6, temperature=0, prompt_cache=cached) == fresh
+    assert model.last_stats.cached_tokens == len(prefix)
+
+    longer = model.cache_prompt(prefix + list(range(100, 120)))  # its host part reaches past the shared 30
+    assert max(int(state["n_host"]) for state in longer.layer_states) > len(prefix)
+    scribble()
+    assert model.generate(prefix + tail, max_tokens=6, temperature=0, prompt_cache=longer) == fresh
+    assert model.last_stats.cached_tokens == len(prefix)
+
+    model.generate(prefix, max_tokens=5, temperature=0, keep_cache=True)
+    kept = model.last_prompt_cache
+    follow_up = list(kept.ids) + tail
+    want = model.generate(follow_up, max_tokens=6, temperature=0)
+    kept.save(tmp_path / "spilled.npz")
+    scribble()
+    assert model.generate(follow_up, max_tokens=6, temperature=0,
+                          prompt_cache=PromptCache.load(tmp_path / "spilled.npz")) == want
+    assert model.last_stats.cached_tokens == len(kept.ids)

@@ -133,5 +133,31 @@ class SpilledLayerKV:
         self.device.clear()
         self.n_host = 0
 
+    # prompt caching (KVCache.state / restore / truncate)
+    def state(self) -> dict:
+        """The device ring's state, and the host rows [0, n_host) (already host arrays: copied as they are)."""
+        return {**self.device.state(), "n_host": np.int64(self.n_host),
+                "host_k": self.host_k[:self.n_host].copy(), "host_v": self.host_v[:self.n_host].copy()}
+
+    def restore(self, state: dict) -> None:
+        n_host = int(state["n_host"])
+        if n_host > self.host_capacity:
+            raise CupyllmError(f"a prompt cache with {n_host} host positions does not fit this cache's "
+                               f"{self.host_capacity}")
+        self.device.restore({name: value for name, value in state.items()
+                             if name not in ("n_host", "host_k", "host_v")})
+        self.host_k[:n_host] = state["host_k"]
+        self.host_v[:n_host] = state["host_v"]
+        self.n_host = n_host
+
+    def can_truncate(self, n_keep: int) -> bool:
+        """Always: the ring holds [n_host, n_past) and the host [0, n_host), so a cut anywhere leaves every
+        position before it, and later writes move to the host only what the ring still holds."""
+        return True
+
+    def truncate(self, n_keep: int) -> None:
+        self.device.truncate(n_keep)
+        self.n_host = min(self.n_host, n_keep)
+
     def pad_used(self, n_slots: int) -> None:
         self.device.pad_used(n_slots)
