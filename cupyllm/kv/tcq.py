@@ -80,6 +80,7 @@ parallel over groups) implement the same arithmetic and return identical states 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,16 +187,24 @@ def _cost_bound(metric: TrellisMetric, L: int) -> int:
 
 
 def metric_for(codebook: np.ndarray, group_values: int, k: int) -> TrellisMetric:
-    """The finest TrellisMetric whose packed costs stay within int32 for this codebook, group size and trellis."""
-    cb = np.asarray(codebook, dtype=np.float64)
+    """The finest TrellisMetric whose packed costs stay within int32 for this codebook, group size and trellis
+    (made once per codebook: every encode asks for it)."""
+    return _metric_for_codebook(np.asarray(codebook, dtype=_F32).tobytes(), int(group_values), int(k))
+
+
+@functools.lru_cache(maxsize=64)
+def _metric_for_codebook(codebook_bytes: bytes, group_values: int, k: int) -> TrellisMetric:
+    cb = np.frombuffer(codebook_bytes, dtype=_F32).astype(np.float64)
     if not np.all(np.isfinite(cb)):
         raise KVFormatError("a TCQ codebook holds a non-finite value; retrain it")
     L = int(cb.size).bit_length() - 1
     for frac_bits in range(24, 0, -1):
         metric = _metric_for_bits(cb, group_values, k, frac_bits)
         if _cost_bound(metric, L) <= _INT32_MAX:
-            return TrellisMetric(**{**metric.__dict__, "centroid": metric.centroid.astype(np.int32),
-                                    "square": metric.square.astype(np.int32)})
+            centroid, square = metric.centroid.astype(np.int32), metric.square.astype(np.int32)
+            centroid.setflags(write=False)
+            square.setflags(write=False)
+            return dataclasses.replace(metric, centroid=centroid, square=square)
     raise KVFormatError(f"a TCQ codebook with |c| up to {np.max(np.abs(cb)):.3g} cannot be searched in int32; "
                         f"retrain it")
 
