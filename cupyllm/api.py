@@ -53,6 +53,7 @@ class Model:
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     last_prompt_cache: PromptCache | None = None  # generate(keep_cache=True): the prompt's and reply's cache
     _cache: KVCache | None = field(default=None, repr=False)
+    _cache_holds: PromptCache | None = field(default=None, repr=False)  # the working cache holds exactly this one
 
     # --- text <-> ids -----------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -74,6 +75,7 @@ class Model:
         if self._cache is None:
             self._cache = self.transformer.ops.new_cache(self.cfg, self.kv_spec)
         self._cache.clear()
+        self._cache_holds = None
         return self._cache
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -107,6 +109,7 @@ class Model:
             self.last_prompt_cache = PromptCache(ids=tuple(held_ids), layer_states=cache.state(),
                                                  logits=np.asarray(held_logits, np.float32).reshape(-1),
                                                  key=self.prompt_cache_key(), reused=reused)
+            self._cache_holds = self.last_prompt_cache
 
         pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids[reused:], cache, sampler,
                                  max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
@@ -124,11 +127,16 @@ class Model:
         ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
         if reuse is not None and tuple(ids) == reuse.ids:  # the very same prompt: nothing to run or copy
             self._check_prompt_cache(reuse)
-            return dataclasses.replace(reuse, reused=len(ids))
+            same = dataclasses.replace(reuse, reused=len(ids))
+            if self._cache_holds is reuse:
+                self._cache_holds = same
+            return same
         cache, reused, _ = self._cache_holding_prefix(ids, reuse)
         logits = prefill(self._forward_numpy, ids[reused:], cache, self.kv_spec.max_chunk, progress=progress)
-        return PromptCache(ids=tuple(ids), layer_states=cache.state(), logits=np.asarray(logits, np.float32).reshape(-1),
-                           key=self.prompt_cache_key(), reused=reused)
+        self._cache_holds = PromptCache(ids=tuple(ids), layer_states=cache.state(),
+                                        logits=np.asarray(logits, np.float32).reshape(-1),
+                                        key=self.prompt_cache_key(), reused=reused)
+        return self._cache_holds
 
     def prompt_cache_key(self) -> dict:
         """What a PromptCache of this model is valid for: the model file, the device, the KV spec and DCA."""
@@ -137,15 +145,21 @@ class Model:
 
     def _cache_holding_prefix(self, ids: list[int], prompt_cache: PromptCache | None):
         """The working cache holding the first `reused` of `ids` from prompt_cache, and the logits after all of
-        ids when it holds every one (else None)."""
-        cache = self.new_cache()
+        ids when it holds every one (else None). The caller changes the working cache from here on."""
+        held = prompt_cache is not None and prompt_cache is self._cache_holds  # (cache_prompt, keep_cache)
+        if held:
+            cache, self._cache_holds = self._cache, None
+        else:
+            cache = self.new_cache()
         if prompt_cache is None:
             return cache, 0, None
         self._check_prompt_cache(prompt_cache)
         shared = prompt_cache.shared_prefix(ids)
         if shared == 0:
+            cache.clear()
             return cache, 0, None
-        cache.restore(prompt_cache.layer_states, len(prompt_cache.ids))
+        if not held:  # (held: the working cache is that very cache already, nothing to copy)
+            cache.restore(prompt_cache.layer_states, len(prompt_cache.ids))
         if shared == len(ids) == len(prompt_cache.ids):
             return cache, shared, prompt_cache.logits
         keep = min(shared, len(ids) - 1)  # at least one token runs: its logits start the generation

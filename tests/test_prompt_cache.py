@@ -93,6 +93,28 @@ def test_a_stream_closed_early_keeps_what_ran(tiny_model):
     _assert_close(kept.logits, _fresh_logits(model, list(kept.ids)))
 
 
+def test_a_cache_the_model_still_holds_is_not_copied_back(tiny_model, monkeypatch):
+    """generate(prompt_cache=) right after the cache_prompt or keep_cache that made it uses the working cache as
+    it is (no restore, same tokens); once anything else ran, it restores."""
+    from cupyllm.kv.cache import KVCache
+    model = _model(tiny_model, "gemma3")
+    fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
+    restores = []
+    original = KVCache.restore
+    monkeypatch.setattr(KVCache, "restore", lambda self, *a: (restores.append(1), original(self, *a)))
+    cached = model.cache_prompt(PREFIX)
+    assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=cached, keep_cache=True) == fresh
+    assert restores == [] and model.last_stats.cached_tokens == len(PREFIX)
+    kept = model.last_prompt_cache
+    follow_up = list(kept.ids) + TAIL
+    assert model.generate(follow_up, max_tokens=4, temperature=0, prompt_cache=kept) == \
+        (want := model.generate(follow_up, max_tokens=4, temperature=0))
+    assert restores == []  # the second, fresh run did not use it
+    assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=cached) == fresh
+    assert restores == [1]  # the working cache held another prompt by then
+    assert model.generate(follow_up, max_tokens=4, temperature=0, prompt_cache=kept) == want and restores == [1, 1]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_a_cached_prefix_with_dual_chunk_attention(tiny_model, arch):
     """DCA (keys cached at their in-chunk positions, 32-token chunks: the prefix spans three): the same text."""
