@@ -177,9 +177,12 @@ def _metric_for_bits(cb: np.ndarray, group_values: int, k: int, frac_bits: int) 
 
 
 def _cost_bound(metric: TrellisMetric, L: int) -> int:
-    """|cost| of any state at any step, packed: a step moves a cost by at most ``step`` = max |e_t(s)|; every
-    state is reachable from every other in q = ceil(L / k) steps, so after a renormalisation the costs lie within
-    (2q + 3) steps of 0, and drift at most RENORM_STEPS steps before the next."""
+    """A bound on |cost| of any state at any step, packed. With E = max |e_t(s)| (``step``) and mu_t the least
+    cost at step t: every state is reachable from every other in q = ceil(L / k) steps, so the costs of a step
+    lie within 2qE above mu_t, and mu_t moves by at most E a step. A renormalisation at step t subtracts
+    best_{t-1}(0), within [mu_{t-2}, mu_{t-2} + 2qE], from values within [mu_{t-1}, mu_{t-1} + 2qE]: all then lie
+    within (2q + 1)E of 0, and they drift by at most E a step for the RENORM_STEPS steps to the next one (before
+    the first, a cost is a sum of at most RENORM_STEPS step costs). Three more steps of margin."""
     step = int(np.max(np.abs(metric.square.astype(np.int64) >> metric.k))) + metric.x_limit * int(
         np.max(np.abs(metric.centroid.astype(np.int64) >> metric.k)))
     q = -(-L // metric.k)
