@@ -45,7 +45,7 @@ def test_spilled_cache_passes_on_the_emulator():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_spill.py"]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert re.search(r"\b7 passed", result.stdout), result.stdout[-2000:]
+    assert re.search(r"\b8 passed", result.stdout), result.stdout[-2000:]
     bench = subprocess.run([sys.executable, "bench/spill_gpu.py", "--smoke", "--formats", "f16"], cwd=REPO,
                            env={**env, "PYTHONPATH": str(REPO / "tools" / "cuda_emu" / "fakecupy")},
                            capture_output=True, text=True, timeout=600)

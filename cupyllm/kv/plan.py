@@ -32,16 +32,16 @@ class KVTier:
 
 TIERS = (
     KVTier("f16", "f16", (0.0, 0.0)),
-    KVTier("q8_0", "q8_0", (0.000131, 0.00019)),
-    KVTier("q6_0", "q6_0", (0.00217, 0.00268)),
-    KVTier("q5_1", "q5_1", (0.00512, 0.00574)),
-    KVTier("q8_0", "turbo3_tcq", (0.00829, 0.00662)),
-    KVTier("q5_0", "q5_0", (0.0084, 0.00891)),
-    KVTier("turbo4", "turbo4", (0.0149, 0.0191)),
-    KVTier("turbo3_tcq", "turbo3_tcq", (0.0327, 0.0443)),
-    KVTier("turbo3_tcq", "turbo2_tcq", (0.0652, 0.0702)),
-    KVTier("turbo2_tcq", "turbo2_tcq", (0.206, 0.222)),
-    KVTier("turbo2", "turbo2", (0.42, 0.38)),
+    KVTier("q8_0", "q8_0", (0.000137, 0.000188)),
+    KVTier("q6_0", "q6_0", (0.00215, 0.0027)),
+    KVTier("q5_1", "q5_1", (0.00493, 0.00586)),
+    KVTier("q8_0", "turbo3_tcq", (0.00839, 0.00688)),
+    KVTier("q5_0", "q5_0", (0.00837, 0.00932)),
+    KVTier("turbo4", "turbo4", (0.0151, 0.0195)),
+    KVTier("turbo3_tcq", "turbo3_tcq", (0.0317, 0.0431)),
+    KVTier("turbo3_tcq", "turbo2_tcq", (0.0629, 0.0694)),
+    KVTier("turbo2_tcq", "turbo2_tcq", (0.192, 0.218)),
+    KVTier("turbo2", "turbo2", (0.427, 0.381)),
 )
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
