@@ -106,10 +106,7 @@ class Model:
         cache, reused, logits = self._cache_holding_prefix(ids, prompt_cache)
         self.last_stats.cached_tokens = reused
         def keep(held_ids: list[int], held_logits) -> None:
-            self.last_prompt_cache = PromptCache(ids=tuple(held_ids), layer_states=cache.state(),
-                                                 logits=np.asarray(held_logits, np.float32).reshape(-1),
-                                                 key=self.prompt_cache_key(), reused=reused)
-            self._cache_holds = self.last_prompt_cache
+            self.last_prompt_cache = self._snapshot(cache, held_ids, held_logits, reused)
 
         pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids[reused:], cache, sampler,
                                  max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
@@ -133,6 +130,10 @@ class Model:
             return same
         cache, reused, _ = self._cache_holding_prefix(ids, reuse)
         logits = prefill(self._forward_numpy, ids[reused:], cache, self.kv_spec.max_chunk, progress=progress)
+        return self._snapshot(cache, ids, logits, reused)
+
+    def _snapshot(self, cache: KVCache, ids: Sequence[int], logits, reused: int) -> PromptCache:
+        """The PromptCache of what the working cache holds now (`ids`, the logits after them), marked as held."""
         self._cache_holds = PromptCache(ids=tuple(ids), layer_states=cache.state(),
                                         logits=np.asarray(logits, np.float32).reshape(-1),
                                         key=self.prompt_cache_key(), reused=reused)
@@ -156,7 +157,8 @@ class Model:
         self._check_prompt_cache(prompt_cache)
         shared = prompt_cache.shared_prefix(ids)
         if shared == 0:
-            cache.clear()
+            if held:  # (new_cache cleared it otherwise)
+                cache.clear()
             return cache, 0, None
         if not held:  # (held: the working cache is that very cache already, nothing to copy)
             cache.restore(prompt_cache.layer_states, len(prompt_cache.ids))

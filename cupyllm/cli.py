@@ -196,7 +196,7 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": "".join(reply).strip()})
         # (a Ctrl-C inside the model leaves no cache of this turn: the previous turn's still serves)
         cached = model.last_prompt_cache or cached
-        _print_stats(model, None, 0.0)
+        _print_stats(model)
 
 
 def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
