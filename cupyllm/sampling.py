@@ -40,15 +40,53 @@ def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float)
     return logits
 
 
+def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest logits (0 < k < len), largest first, equal logits by smaller id: the first k of a
+    stable descending sort, found without sorting the vocabulary. The k-th largest logit of a strided sample
+    that holds at least k values bounds the k-th largest of all from below, so only the logits at or above it
+    (about k * stride of them) are looked at again. NaN is never a candidate."""
+    n = len(logits)
+    stride = max(1, int(np.sqrt(n / k)))  # the sample (>= sqrt(n k) >= k values) and the pool about equal
+    sample = logits[::stride]
+    sample = sample[sample == sample]
+    if len(sample) < k:  # mostly NaN: the sort itself
+        order = np.lexsort((np.arange(n), -logits))
+        return order[:k]
+    bound = np.partition(sample, len(sample) - k)[len(sample) - k]
+    pool = np.flatnonzero(logits >= bound)  # ascending ids; >= k of them
+    vals = logits[pool]
+    if len(pool) > k:
+        kth = np.partition(vals, len(vals) - k)[len(vals) - k]
+        above = np.flatnonzero(vals > kth)
+        ties = np.flatnonzero(vals == kth)[:k - len(above)]  # the smallest ids of the k-th value
+        keep = np.concatenate([above, ties])
+        pool, vals = pool[keep], vals[keep]
+    return pool[np.lexsort((pool, -vals))]
+
+
 def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Surviving token ids and their logits after top-k, top-p and min-p, sorted by logit descending."""
-    k = p.top_k if 0 < p.top_k < len(logits) else len(logits)
-    ids = np.argpartition(-logits, k - 1)[:k] if k < len(logits) else np.arange(len(logits))
-    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    """Surviving token ids and their logits after top-k, top-p and min-p, sorted by logit descending (equal
+    logits by id). Only the tokens that can survive are sorted: the top k, or with top-k off and min-p on those
+    within min-p of the largest (top-p then divides by the sum over the whole vocabulary, as it would).
+    bench/sampling.py times it against the filter over sorted logits."""
+    n = len(logits)
+    total = None  # the top-p normaliser, when it is not the survivors' own sum
+    if 0 < p.top_k < n:
+        ids = top_k_ids(logits, p.top_k)
+    elif p.min_p > 0.0:
+        largest = np.float64(np.nanmax(logits))
+        floor = np.nextafter(np.float32(largest + np.log(p.min_p)), np.float32(-np.inf))  # a superset
+        ids = np.flatnonzero(logits >= floor)
+        ids = ids[np.lexsort((ids, -logits[ids]))]
+        if p.top_p < 1.0:  # float32 exps summed in float64 (~1e-8 relative; float64 exps cost 10x)
+            shifted = np.exp(logits - np.float32(largest))
+            total = float(np.sum(shifted, dtype=np.float64, where=shifted == shifted))
+    else:
+        ids = np.lexsort((np.arange(n), -logits))
     vals = logits[ids].astype(np.float64)
     if p.top_p < 1.0:
         probs = np.exp(vals - vals[0])
-        probs /= probs.sum()
+        probs /= probs.sum() if total is None else total
         keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix reaching top_p
         ids, vals = ids[:keep], vals[:keep]
     if p.min_p > 0.0:

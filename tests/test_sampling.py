@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyllm.sampling import Sampler, SamplingParams, apply_repeat_penalty, candidates
+from cupyllm.sampling import Sampler, SamplingParams, apply_repeat_penalty, candidates, top_k_ids
 
 
 def brute_force_candidates(logits, top_k, top_p, min_p):
@@ -34,6 +34,44 @@ def test_filters_match_definitions(top_k, top_p, min_p):
         logits = (rng.standard_normal(200) * 3).astype(np.float32)
         ids, _ = candidates(logits, SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p))
         assert list(ids) == brute_force_candidates(logits, top_k, top_p, min_p)
+
+
+def _vocabularies():
+    """Logit vectors that stress the top-k search: random, sorted either way, all equal, coarse (many ties at
+    the k-th value), masked (-inf) and NaN entries, and Gemma's vocabulary size."""
+    rng = np.random.default_rng(2)
+    n = 20000
+    yield (rng.standard_normal(n) * 3).astype(np.float32)
+    yield np.arange(n, dtype=np.float32)
+    yield np.arange(n, 0, -1).astype(np.float32)
+    yield np.zeros(n, np.float32)
+    yield np.round(rng.standard_normal(n)).astype(np.float32)  # five or so distinct values
+    masked = (rng.standard_normal(n) * 3).astype(np.float32)
+    masked[rng.random(n) < 0.999] = -np.inf
+    yield masked
+    with_nan = (rng.standard_normal(n) * 3).astype(np.float32)
+    with_nan[rng.integers(0, n, 300)] = np.nan
+    yield with_nan
+    yield (rng.standard_normal(262144) * 3).astype(np.float32)
+
+
+@pytest.mark.parametrize("k", [1, 7, 40, 1000])
+def test_top_k_is_the_head_of_a_stable_descending_sort(k):
+    for logits in _vocabularies():
+        finite_first = np.lexsort((np.arange(len(logits)), -np.nan_to_num(logits, nan=0.0), np.isnan(logits)))
+        np.testing.assert_array_equal(top_k_ids(logits, k), finite_first[:k])
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(40, 0.95, 0.05), (0, 0.9, 0.05), (0, 1.0, 0.1), (1000, 0.5, 0.0)])
+def test_filters_on_large_vocabularies(top_k, top_p, min_p):
+    """The shortcuts (top-k without sorting, the min-p pool with top-k off) against the definitions."""
+    rng = np.random.default_rng(3)
+    for scale in (1.0, 3.0, 10.0):
+        logits = (rng.standard_normal(5000) * scale).astype(np.float32)
+        logits[rng.integers(0, 5000, 50)] = logits.max()  # ties at the top
+        ids, vals = candidates(logits, SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p))
+        assert list(ids) == brute_force_candidates(logits, top_k, top_p, min_p)
+        np.testing.assert_array_equal(vals, logits[ids].astype(np.float64))
 
 
 def test_repeat_penalty_rule():
