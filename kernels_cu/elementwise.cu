@@ -1,5 +1,5 @@
 // Row and element operations of the decoder blocks, float32: RMSNorm (optionally fused with the residual
-// add before it), rotary embedding, SiLU / tanh-GELU (plain or gated: act(gate) * up), soft-capping.
+// add before or after it), rotary embedding, SiLU / tanh-GELU (plain or gated: act(gate) * up), soft-capping.
 //
 // NumPy twins: cupyllm/backend/cpu.py (CPUBackend.rms_norm, silu, gelu_tanh), cupyllm/backend/cpu_kernels.py
 // (rms_norm_rows), cupyllm/rope.py (rope_tables, apply_rope) and models/build.py (final soft-cap). Each
@@ -35,11 +35,18 @@ __device__ __forceinline__ float activate(float x) {
 }  // namespace cupyllm
 
 // ---- RMSNorm: one warp per row -------------------------------------------------------------------------
-//   x, residual, sum_out (x + residual), out: [n_rows, d]; residual and sum_out are used only when
-//   kResidual (any float array otherwise: the emulator takes no nullptr)
-//   out = (v / sqrt(mean(v^2) + eps)) * weight with v = x (+ residual); weight [d]
+//   x, residual, sum_out, out: [n_rows, d]; weight [d]; norm(v) = (v / sqrt(mean(v^2) + eps)) * weight
+//   kResidual = kNoResidual:     out = norm(x)
+//               kResidualBefore: sum_out = x + residual, out = norm(sum_out)  (a pre-norm block's add, next norm)
+//               kResidualAfter:  out = residual + norm(x)                     (a sandwich block's post-norm, add)
+//   residual and sum_out are read / written only where the mode uses them (any float array otherwise: the
+//   emulator takes no nullptr)
 // Launch: blockDim = 256 (8 rows), gridDim = ceil(n_rows / 8).
-template <bool kResidual>
+namespace cupyllm {
+enum ResidualMode : int { kNoResidual = 0, kResidualBefore = 1, kResidualAfter = 2 };
+}
+
+template <int kResidual>
 __global__ void __launch_bounds__(256)
 rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ weight,
          int n_rows, int d, float eps, float* __restrict__ sum_out, float* __restrict__ out) {
@@ -51,7 +58,7 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const 
     float ss = 0.0f;
     for (int c = lane; c < d; c += 32) {
         float v = x[base + c];
-        if constexpr (kResidual) {
+        if constexpr (kResidual == kResidualBefore) {
             v = __fadd_rn(v, residual[base + c]);
             sum_out[base + c] = v;
         }
@@ -60,8 +67,9 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const 
     ss = warp_sum(ss);
     const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(d)), eps)));
     for (int c = lane; c < d; c += 32) {
-        const float v = kResidual ? sum_out[base + c] : x[base + c];
-        out[base + c] = __fmul_rn(__fmul_rn(v, inv), weight[c]);
+        const float v = kResidual == kResidualBefore ? sum_out[base + c] : x[base + c];
+        const float normed = __fmul_rn(__fmul_rn(v, inv), weight[c]);
+        out[base + c] = kResidual == kResidualAfter ? __fadd_rn(residual[base + c], normed) : normed;
     }
 }
 

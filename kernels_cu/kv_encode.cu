@@ -1,10 +1,15 @@
-// Encode on append: quantize n new tokens' K (or V) rows and scatter them into the cache.
+// Encode on append: quantize n new tokens' K and V rows and scatter them into their caches, in one launch.
 //
-//   src   [n_new, n_heads, head_dim]  float or __half
-//   slots [n_new] int32                cache row of each token, distinct within one launch (rows outside
-//                                      [0, n_slots) are skipped: padding tokens can pass -1)
-//   cache [n_slots, n_heads, row_bytes] uint8, row_bytes = head_dim / kBlockValues * kBlockBytes
+//   k_src, v_src      [n_new, n_heads, k_head_dim | v_head_dim]  float or __half
+//   positions [n_new] int32  each token's position; its cache row (slot) is the position, or with `ring`
+//                      (a sliding-window layer) the position mod n_slots; distinct slots within one launch
+//                      (rows outside [0, n_slots) and negative positions are skipped: padding passes -1)
+//   k_cache, v_cache  [n_slots, n_heads, row_bytes] uint8, row_bytes = head_dim / kBlockValues * kBlockBytes
+//   slot_pos  [n_slots] int32  with record_positions, slot_pos[slot] = position (the cache's position table)
 //   table  the format's float table (kv_formats.cuh); scalar formats ignore it
+// gridDim.y = 2 encodes K (y = 0) and V (y = 1) of one format; gridDim.y = 1 only K (v_* are not read).
+// Folding the slot rule, the position table and V into the launch saves a decode step three launches a
+// layer (the remainder, the scatter and the second encode: tools/count_decode_launches.py).
 //
 // One kernel template, kv_encode<Fmt, Src, kNormMode>; the work of one "unit" (a value, a block or a
 // group) is done by Encoder<Fmt>, one specialization per format family. Every encoder reproduces the
@@ -12,7 +17,7 @@
 // once (__f*_rn intrinsics, never contracted into FMAs), same tie-breaks.
 //
 // Launch geometry (mirrored in cupyllm/backend/gpu_kv.py): blockDim = Encoder::kCtaThreads,
-// gridDim = ceil(n_units / Encoder::kUnitsPerCta), n_units = n_new * n_heads * head_dim / kBlockValues.
+// gridDim.x = ceil(max(K, V units) / Encoder::kUnitsPerCta), units = n_new * n_heads * head_dim / kBlockValues.
 #include "kv_formats.cuh"
 
 namespace cupyllm {
@@ -482,9 +487,15 @@ struct SyncsCta<E, decltype(void(E::kSyncsCta))> { static constexpr bool value =
 
 template <class Fmt, class Src, int kNormMode>
 __global__ void __launch_bounds__(cupyllm::Encoder<Fmt>::kCtaThreads)
-kv_encode(const Src* __restrict__ src, const int* __restrict__ slots, cupyllm::u8* __restrict__ cache,
-          int n_new, int n_slots, int n_heads, int head_dim, const float* __restrict__ table) {
+kv_encode(const Src* __restrict__ k_src, const Src* __restrict__ v_src, const int* __restrict__ positions,
+          cupyllm::u8* __restrict__ k_cache, cupyllm::u8* __restrict__ v_cache, int* __restrict__ slot_pos,
+          int record_positions, int n_new, int n_slots, int ring, int n_heads, int k_head_dim, int v_head_dim,
+          const float* __restrict__ table) {
     using E = cupyllm::Encoder<Fmt>;
+    const bool is_v = blockIdx.y == 1;
+    const Src* const src = is_v ? v_src : k_src;
+    cupyllm::u8* const cache = is_v ? v_cache : k_cache;
+    const int head_dim = is_v ? v_head_dim : k_head_dim;
     const int units_per_head = head_dim / Fmt::kBlockValues;
     const long long n_units = static_cast<long long>(n_new) * n_heads * units_per_head;
     long long unit = static_cast<long long>(blockIdx.x) * E::kUnitsPerCta + threadIdx.x / E::kUnitThreads;
@@ -494,8 +505,11 @@ kv_encode(const Src* __restrict__ src, const int* __restrict__ slots, cupyllm::u
     if (past_end) unit = n_units - 1;  // (computes on a real group, stores nothing)
     const int token = static_cast<int>(unit / (static_cast<long long>(n_heads) * units_per_head));
     const int within = static_cast<int>(unit % (static_cast<long long>(n_heads) * units_per_head));
-    const int slot = slots[token];
+    const int position = positions[token];
+    const int slot = position < 0 ? -1 : ring ? position % n_slots : position;
     const bool skipped = past_end || slot < 0 || slot >= n_slots;
+    if (record_positions && !skipped && !is_v && within == 0 && threadIdx.x % E::kUnitThreads == 0)
+        slot_pos[slot] = position;
     if (skipped && !kStay) return;
     const size_t row_bytes = static_cast<size_t>(units_per_head) * Fmt::kBlockBytes;
     const int head = within / units_per_head;

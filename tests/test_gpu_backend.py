@@ -171,7 +171,7 @@ def test_embed_rejects_out_of_range_ids(backend):
 
 # ---- rows and elements ---------------------------------------------------------------------------------
 
-def test_rms_norm_and_fused_residual(backend, cp):
+def test_rms_norm_and_fused_residuals(backend, cp):
     from cupyllm.backend.cpu import CPUBackend
     rng = np.random.default_rng(8)
     for shape in ((5, 896), (3, 4, 128), (2, 3584)):
@@ -184,6 +184,8 @@ def test_rms_norm_and_fused_residual(backend, cp):
         total, normed = backend.rms_norm_residual(cp.asarray(x), cp.asarray(r), cp.asarray(w), 1e-6)
         np.testing.assert_array_equal(cp.asnumpy(total), x + r)
         np.testing.assert_allclose(cp.asnumpy(normed), CPUBackend.rms_norm(x + r, w, 1e-6), rtol=2e-6, atol=1e-6)
+        added = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6)  # r + norm(x)
+        np.testing.assert_allclose(cp.asnumpy(added), r + want, rtol=2e-6, atol=2e-6)
 
 
 ROPE_CASES = {
@@ -230,27 +232,35 @@ def test_activations_and_softcap(backend, cp):
 # ---- KV cache and attention -------------------------------------------------------------------------------
 
 def _layer_pair(backend, kv_type: str, head_dim: int = 64, n_kv: int = 2, capacity: int = 40, ring: bool = False,
-                window: int = 0):
+                window: int = 0, v_type: str | None = None, v_head_dim: int | None = None):
     from cupyllm.backend.gpu_cache import device_layer_factory
     from cupyllm.backend.gpu_kv import GpuKVCodec
     from cupyllm.kv.cache import LayerKV
     from cupyllm.kv.formats import get_format
-    fmt = get_format(kv_type, head_dim=head_dim)
+    v_head_dim = v_head_dim or head_dim
+    fmt, v_fmt = get_format(kv_type, head_dim=head_dim), get_format(v_type or kv_type, head_dim=v_head_dim)
     make = device_layer_factory(lambda f, d, n: GpuKVCodec(f, d, n, registry=backend.registry), backend.inputs)
-    args = (fmt, fmt, n_kv, head_dim, head_dim)
+    args = (fmt, v_fmt, n_kv, head_dim, v_head_dim)
     options = dict(capacity=capacity, ring=ring, window=window)
     return LayerKV(*args, **options), make(*args, **options)
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q4_0", "turbo3"])
-def test_device_cache_holds_the_cpu_cache_bytes(backend, cp, kv_type):
+# (K type, V type, V head dim): one launch encodes K and V of one encoder (kv_encode.cu gridDim.y = 2), V of a
+# wider head included; other formats or group sizes take a launch each
+KV_WRITES = [("f16", None, None), ("q8_0", None, None), ("q4_0", None, None), ("turbo3", None, None),
+             ("turbo3_tcq", None, None), ("q8_0", "turbo3", None), ("q8_0", None, 128), ("turbo3", None, 128)]
+
+
+@pytest.mark.parametrize("kv_type,v_type,v_head_dim", KV_WRITES)
+def test_device_cache_holds_the_cpu_cache_bytes(backend, cp, kv_type, v_type, v_head_dim):
     rng = np.random.default_rng(11)
     for ring in (False, True):
-        cpu, gpu = _layer_pair(backend, kv_type, capacity=24 if ring else 60, ring=ring, window=16 if ring else 0)
+        cpu, gpu = _layer_pair(backend, kv_type, capacity=24 if ring else 60, ring=ring, window=16 if ring else 0,
+                               v_type=v_type, v_head_dim=v_head_dim)
         for start, n in ((0, 13), (13, 1), (14, 20), (34, 1)):
             positions = np.arange(start, start + n)
             k = rng.standard_normal((n, 2, 64)).astype(np.float32)
-            v = rng.standard_normal((n, 2, 64)).astype(np.float32)
+            v = rng.standard_normal((n, 2, v_head_dim or 64)).astype(np.float32)
             cpu.write(k, v, positions)
             gpu.write(cp.asarray(k), cp.asarray(v), positions)
         np.testing.assert_array_equal(cp.asnumpy(gpu.k_data), cpu.k_data)

@@ -93,11 +93,24 @@ class CPUBackend:
         rms_norm_rows(rows, weight, np.float32(eps), out)
         return out.reshape(x.shape)
 
+    def rms_norm_residual(self, x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float):
+        """(x + residual, rms_norm(x + residual)): a pre-norm block's residual add and the next norm."""
+        total = x + residual
+        return total, self.rms_norm(total, weight, eps)
+
+    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """residual + rms_norm(x): a sandwich block's post-norm and residual add."""
+        return residual + self.rms_norm(x, weight, eps)
+
     def silu(self, x: np.ndarray) -> np.ndarray:
         return self._threads.rows(silu, x)
 
     def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
         return self._threads.rows(gelu_tanh, x)
+
+    def gated_act(self, gate: np.ndarray, up: np.ndarray, activation: str) -> np.ndarray:
+        """act(gate) * up (activation: silu | gelu_tanh)."""
+        return (self.silu(gate) if activation == "silu" else self.gelu_tanh(gate)) * up
 
     def rope(self, x: np.ndarray, rope_cfg, positions: np.ndarray) -> np.ndarray:
         key = (rope_cfg, np.asarray(positions).tobytes())

@@ -178,6 +178,10 @@ class GPUBackend:
         """(x + residual, rms_norm(x + residual)) in one pass."""
         return self.kernels.rms_norm(x, weight, eps, residual=residual)
 
+    def add_rms_norm(self, residual, x, weight, eps: float):
+        """residual + rms_norm(x) in one pass."""
+        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True)
+
     def silu(self, x):
         return self.kernels.act(x, "silu")
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..kv.cache import EMPTY, LayerKV
 from ..kv.formats import KVFormat
+from .gpu_kv import encode_kv
 
 
 @dataclass
@@ -46,15 +47,14 @@ class DeviceLayerKV(LayerKV):
         cp = self.xp
         n = int(k.shape[0])
         pos = self.inputs.int32(positions)
-        slots = pos % np.int32(self.capacity) if self.ring else pos
         k_codec, v_codec = self.codecs
         k = k.reshape(n, self.n_kv, self.head_dim)
         host = self.inputs.host_values(positions)
         if self.normalize_k:  # device positions (host None): every key counts for the first write's statistics
             k = self._normalized(k.astype(cp.float32), host, queries, xp=cp)
-        k_codec.encode(cp.ascontiguousarray(k), slots, self.k_data)
-        v_codec.encode(cp.ascontiguousarray(v.reshape(n, self.n_kv, self.v_head_dim)), slots, self.v_data)
-        self.slot_pos[slots] = pos
+        # one launch: the ring's slot = position % capacity, both encodes and slot_pos[slot] = position
+        encode_kv(k_codec, k, self.k_data, pos, v_codec, v.reshape(n, self.n_kv, self.v_head_dim), self.v_data,
+                  slot_pos=self.slot_pos, ring=self.ring)
         if host is None:  # device positions: their largest slot is unknown without a copy, so read every slot
             self.n_used = self.capacity  # (empty ones hold -1 and are masked)
         elif len(host):

@@ -71,8 +71,12 @@ def mma_kernel_name(fmt_name: str) -> str:
     return f"weight_mma<{_weight_cpp(fmt_name)}>"
 
 
-def rms_norm_kernel_name(residual: bool) -> str:
-    return f"rms_norm<{'true' if residual else 'false'}>"
+RESIDUAL_MODES = {None: 0, "before": 1, "after": 2}  # elementwise.cu ResidualMode
+
+
+def rms_norm_kernel_name(residual: str | None) -> str:
+    """residual: None, "before" (norm of x + residual) or "after" (residual + norm of x)."""
+    return f"rms_norm<{RESIDUAL_MODES[residual]}>"
 
 
 def rope_kernel_name(neox: bool) -> str:
@@ -95,7 +99,7 @@ def kernel_sets() -> list[KernelSet]:
         sets.append(KernelSet(DEQUANT_FILE, tuple(dequant_kernel_name(n, o) for n in names for o in DEQUANT_OUTPUTS),
                               label=family))
         sets.append(KernelSet(MMA_FILE, tuple(mma_kernel_name(n) for n in names), label=family))
-    elementwise = [rms_norm_kernel_name(False), rms_norm_kernel_name(True), rope_kernel_name(True),
+    elementwise = [*(rms_norm_kernel_name(mode) for mode in RESIDUAL_MODES), rope_kernel_name(True),
                    rope_kernel_name(False), SOFTCAP_KERNEL]
     elementwise += [act_kernel_name(a, g) for a in ACTIVATIONS for g in (False, True)]
     sets.append(KernelSet(ELEMENTWISE_FILE, tuple(elementwise)))
@@ -204,8 +208,9 @@ class GpuKernels:
         return out
 
     # --- rows and elements -------------------------------------------------------------------------
-    def rms_norm(self, x, weight, eps: float, residual=None):
-        """RMSNorm over the last axis (len(weight)); with `residual`, of x + residual, returning (sum, norm)."""
+    def rms_norm(self, x, weight, eps: float, residual=None, add_after: bool = False):
+        """RMSNorm over the last axis (len(weight)); with `residual`, of x + residual, returning (sum, norm), or
+        with add_after, residual + norm(x)."""
         cp = self.cp
         d = int(weight.shape[-1])
         weight = cp.ascontiguousarray(weight, dtype=cp.float32)
@@ -213,17 +218,15 @@ class GpuKernels:
         n_rows = x.size // d
         out = cp.empty(x.shape, dtype=cp.float32)
         grid = max(1, (n_rows + NORM_ROWS_PER_CTA - 1) // NORM_ROWS_PER_CTA)
-        if residual is None:
-            self._fn(rms_norm_kernel_name(False))(
-                (grid,), (32 * NORM_ROWS_PER_CTA,),
-                (x, x, weight, np.int32(n_rows), np.int32(d), np.float32(eps), out, out))
-            return out
-        residual = cp.ascontiguousarray(residual, dtype=cp.float32)
-        total = cp.empty(x.shape, dtype=cp.float32)
-        self._fn(rms_norm_kernel_name(True))(
+        mode = None if residual is None else "after" if add_after else "before"
+        residual = x if residual is None else cp.ascontiguousarray(residual, dtype=cp.float32)
+        if residual.shape != x.shape:
+            raise DeviceError(f"RMSNorm's residual must have x's shape {x.shape}, got {residual.shape}")
+        total = cp.empty(x.shape, dtype=cp.float32) if mode == "before" else out
+        self._fn(rms_norm_kernel_name(mode))(
             (grid,), (32 * NORM_ROWS_PER_CTA,),
             (x, residual, weight, np.int32(n_rows), np.int32(d), np.float32(eps), total, out))
-        return total, out
+        return (total, out) if mode == "before" else out
 
     def rope(self, x, positions, inv_freq, mscale: float, neox: bool, n_rot: int):
         """Rotate x [n, n_heads, head_dim] at int32 device `positions` with float64 device `inv_freq`."""

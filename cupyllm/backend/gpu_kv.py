@@ -6,7 +6,8 @@ byte what ``fmt.encode`` (cupyllm/kv) returns for that row.
 
 ``GpuKVCodec(fmt, head_dim, n_kv_heads).encode(src, slots, cache)`` quantizes ``src [n_new, n_kv_heads,
 head_dim]`` (float32 or float16) into ``cache[slots]``; ``decode(cache, row_start, n_rows)`` returns float16
-``[n_rows, n_kv_heads, head_dim]``. The kernels reproduce the NumPy references bit for bit (the f16 decode
+``[n_rows, n_kv_heads, head_dim]``. ``encode_kv`` writes a layer's K and V at token positions (the ring rule
+of sliding-window layers and the cache's position table included) in one launch. The kernels reproduce the NumPy references bit for bit (the f16 decode
 output is the reference's float32 rounded once). Unlike the references, the kernels cannot raise: NaN/inf
 values and rotated groups whose norm overflows fp16 are stored as whatever the arithmetic gives (the
 engine checks its activations), and the f32 arithmetic runs with CuPy's -ftz=true, which only matters
@@ -239,27 +240,17 @@ class GpuKVCodec:
     def encode(self, src, slots, cache) -> None:
         """Quantize src [n_new, n_kv_heads, head_dim] into cache[slots[i]] (in place, on the current
         stream). Slots outside [0, n_slots) are skipped."""
-        cp = self._cp
+        encode_kv(self, src, cache, slots)
+
+    def encoder_name(self, src) -> str:
+        """The kv_encode instantiation for `src` (checked: [n_new, n_kv_heads, head_dim], f32 or f16)."""
         src_dtype = np.dtype(src.dtype).name
         if src.ndim != 3 or src.shape[1:] != (self.n_kv_heads, self.head_dim):
             raise KVFormatError(
                 f"KV encode takes src [n_new, {self.n_kv_heads}, {self.head_dim}], got {tuple(src.shape)}")
         if src_dtype not in SOURCE_TYPES:
             raise KVFormatError(f"KV encode takes float32 or float16 src, got {src_dtype}; cast it first")
-        n_new = src.shape[0]
-        if slots.dtype != np.int32 or slots.shape != (n_new,):
-            raise KVFormatError(f"KV encode takes int32 slots [{n_new}], got {slots.dtype} {tuple(slots.shape)}")
-        self._check_cache(cache)
-        if n_new == 0:
-            return
-        src = cp.ascontiguousarray(src)
-        slots = cp.ascontiguousarray(slots)
-        kernel = self._registry.function(_encode_kernel(self._cpp_type, self._rotated, src_dtype, self._norm_mode))
-        geometry = encode_geometry(self.fmt)
-        n_units = n_new * self.n_kv_heads * (self.head_dim // geometry.unit_values)
-        kernel((geometry.grid(n_units),), (geometry.cta_threads,),
-               (src, slots, cache, np.int32(n_new), np.int32(cache.shape[0]), np.int32(self.n_kv_heads),
-                np.int32(self.head_dim), self._encode_table))
+        return _encode_kernel(self._cpp_type, self._rotated, src_dtype, self._norm_mode)
 
     def decode(self, cache, row_start: int, n_rows: int, out=None, unrotate: bool = True):
         """float16 [n_rows, n_kv_heads, head_dim] of cache rows row_start .. row_start + n_rows - 1.
@@ -294,6 +285,42 @@ class GpuKVCodec:
             raise KVFormatError(
                 f"KV cache for {self.fmt.name!r} must be C-contiguous uint8 [n_slots, {self.n_kv_heads}, "
                 f"{self.row_bytes}], got {cache.dtype} {tuple(cache.shape)}; allocate it with codec.allocate()")
+
+
+def encode_kv(k_codec: GpuKVCodec, k, k_cache, positions, v_codec: GpuKVCodec | None = None, v=None,
+              v_cache=None, slot_pos=None, ring: bool = False) -> None:
+    """Quantize k [n_new, n_kv, head_dim] into k_cache and, with v_codec, v into v_cache, at the slots of
+    `positions` (int32 [n_new]: the slot is the position, or with `ring` the position mod the cache's rows;
+    slots outside the cache are skipped), writing each position into slot_pos [n_slots] when given. One
+    launch when K and V share an encoder (same format and group, same source dtype), else two."""
+    cp = k_codec._cp
+    n_new = int(k.shape[0])
+    tensors = [(k_codec, k, k_cache)] + ([(v_codec, v, v_cache)] if v_codec is not None else [])
+    names = [codec.encoder_name(src) for codec, src, _ in tensors]
+    if positions.dtype != np.int32 or positions.shape != (n_new,):
+        raise KVFormatError(f"KV encode takes int32 slots [{n_new}], got {positions.dtype} {tuple(positions.shape)}")
+    for (codec, src, cache) in tensors:
+        codec._check_cache(cache)
+        if src.shape[0] != n_new or cache.shape[0] != k_cache.shape[0]:
+            raise KVFormatError(f"K and V encode the same {n_new} tokens into caches of one length, got "
+                                f"{src.shape[0]} tokens and {cache.shape[0]} rows")
+    if n_new == 0:
+        return
+    positions = cp.ascontiguousarray(positions)
+    record = slot_pos is not None
+    launches = [tensors] if len(tensors) == 2 and names[0] == names[1] else [[t] for t in tensors]
+    for i, launch in enumerate(launches):
+        codec = launch[0][0]
+        first, second = launch[0], launch[-1]
+        srcs = [cp.ascontiguousarray(src) for _, src, _ in (first, second)]
+        geometry = encode_geometry(codec.fmt)
+        units = n_new * codec.n_kv_heads * max(c.head_dim for c, _, _ in launch) // geometry.unit_values
+        kernel = codec._registry.function(codec.encoder_name(first[1]))
+        kernel((geometry.grid(units), len(launch)), (geometry.cta_threads,),
+               (srcs[0], srcs[1], positions, first[2], second[2], slot_pos if record else positions,
+                np.int32(record and i == 0), np.int32(n_new), np.int32(k_cache.shape[0]), np.int32(ring),
+                np.int32(codec.n_kv_heads), np.int32(first[0].head_dim), np.int32(second[0].head_dim),
+                codec._encode_table))
 
 
 # --- other trellis sizes: the TCQ encoder at (k, L) pairs no format names, to time and check a smaller search ----

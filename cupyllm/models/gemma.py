@@ -18,22 +18,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layers import activate, gated_mlp, moe_mlp, self_attention
+from .layers import gated_mlp, moe_mlp, self_attention
 
 
 def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None, per_layer_input=None):
     attn = self_attention(ops, cfg, w, layer, ops.rms_norm(x, w.attn_norm, cfg.norm_eps), positions, cache, attention)
-    h = x + ops.rms_norm(attn, w.post_attn_norm, cfg.norm_eps)
+    h = ops.add_rms_norm(x, attn, w.post_attn_norm, cfg.norm_eps)  # x + PostNorm_attn(attn), one pass
     mlp = gated_mlp(ops, w, ops.rms_norm(h, w.ffn_norm, cfg.norm_eps), cfg.activation)
     if w.moe is not None:
         experts = moe_mlp(ops, cfg, w.moe, ops.rms_norm(h, w.experts_norm, cfg.norm_eps),
                           router_input=ops.rms_norm(h, w.router_norm, cfg.norm_eps))
         mlp = (ops.rms_norm(mlp, w.post_dense_norm, cfg.norm_eps)
                + ops.rms_norm(experts, w.post_experts_norm, cfg.norm_eps))
-    y = h + ops.rms_norm(mlp, w.post_ffn_norm, cfg.norm_eps)
+    y = ops.add_rms_norm(h, mlp, w.post_ffn_norm, cfg.norm_eps)
     if per_layer_input is not None:
-        gate = activate(ops, ops.linear(y, w.ple_gate), cfg.activation)
-        y = y + ops.rms_norm(ops.linear(gate * per_layer_input, w.ple_proj), w.ple_post_norm, cfg.norm_eps)
+        gated = ops.gated_act(ops.linear(y, w.ple_gate), per_layer_input, cfg.activation)
+        y = ops.add_rms_norm(y, ops.linear(gated, w.ple_proj), w.ple_post_norm, cfg.norm_eps)
     if w.out_scale is not None:
         y = y * w.out_scale
     return y

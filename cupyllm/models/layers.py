@@ -147,11 +147,7 @@ def dca_attention(dca):
 def gated_mlp(ops, w: LayerWeights, x, activation: str):
     """down( act(gate(x)) * up(x) ): SwiGLU for Qwen, GeGLU (tanh GELU) for Gemma."""
     gate, up = ops.linear_many(x, (w.w_gate, w.w_up))
-    return ops.linear(activate(ops, gate, activation) * up, w.w_down)
-
-
-def activate(ops, x, activation: str):
-    return ops.silu(x) if activation == "silu" else ops.gelu_tanh(x)
+    return ops.linear(ops.gated_act(gate, up, activation), w.w_down)
 
 
 @dataclass(frozen=True)
@@ -208,7 +204,7 @@ def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, x, router_input):
             gate, up = gate_up[:, :gate_up.shape[-1] // 2], gate_up[:, gate_up.shape[-1] // 2:]
         else:
             gate, up = ops.linear_many(routed, (moe.gate[expert], moe.up[expert]))
-        y = ops.linear(activate(ops, gate, cfg.activation) * up, moe.down[expert])
+        y = ops.linear(ops.gated_act(gate, up, cfg.activation), moe.down[expert])
         out[rows_on_device] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
     return out
 

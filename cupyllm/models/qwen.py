@@ -10,8 +10,8 @@ from .layers import gated_mlp, moe_mlp, self_attention
 
 
 def qwen_block(ops, cfg, w, layer, x, positions, cache, attention=None):
-    h = x + self_attention(ops, cfg, w, layer, ops.rms_norm(x, w.attn_norm, cfg.norm_eps), positions, cache, attention)
-    n = ops.rms_norm(h, w.ffn_norm, cfg.norm_eps)
+    attn = self_attention(ops, cfg, w, layer, ops.rms_norm(x, w.attn_norm, cfg.norm_eps), positions, cache, attention)
+    h, n = ops.rms_norm_residual(x, attn, w.ffn_norm, cfg.norm_eps)  # h = x + attn, n = RMSNorm(h), one pass
     if w.moe is not None:
         return h + moe_mlp(ops, cfg, w.moe, n, router_input=n)
     return h + gated_mlp(ops, w, n, cfg.activation)

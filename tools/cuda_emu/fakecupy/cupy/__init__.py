@@ -10,9 +10,16 @@ Closer to CuPy than plain NumPy where it catches bugs: kernel arguments are chec
 kernel's parameter types (dtype of each pointer, exact scalar types, C-contiguity, device arrays only),
 ufuncs refuse to mix device arrays with host NumPy arrays, dynamic shared memory above 48 KB needs
 `kernel.max_dynamic_shared_size_bytes` raised first, as on a GPU.
+
+`launches` counts what would be a device launch on CuPy (tools/count_decode_launches.py reads it): each
+RawModule kernel by name, each ufunc call as `cupy_<ufunc>` (CuPy runs one elementwise or reduction kernel
+per call), and the copies and fills CuPy runs as kernels (`cupy_copy`: astype, copy, a copying
+ascontiguousarray, concatenate, stack, device-to-device asarray; `cupy_fill`; `cupy_gather` / `cupy_scatter`:
+fancy indexing). Host-device transfers are not launches and are not counted.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import sys
@@ -37,6 +44,15 @@ _ARCH = int(os.environ.get("CUPYLLM_EMULATE_ARCH", "90"))
 _SMEM_OPTIN = {80: 166912, 86: 101376, 89: 101376, 90: 232448}.get(_ARCH, 232448)
 _SMEM_DEFAULT = 49152
 _SM_COUNT = {80: 108, 90: 132}.get(_ARCH, 132)
+
+
+launches: collections.Counter = collections.Counter()
+
+
+def _fancy(key) -> bool:
+    """Whether an index is advanced (arrays or lists: a gather / scatter kernel on CuPy)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, (np.ndarray, list)) for k in keys)
 
 
 # ---- device memory -----------------------------------------------------------------------------------
@@ -94,11 +110,34 @@ class ndarray(np.ndarray):
             raise TypeError("ndarray.set takes a host NumPy array")
         self.view(np.ndarray)[...] = arr
 
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
+        if copy or np.dtype(dtype) != self.dtype:
+            launches["cupy_copy"] += 1
+        return np.ndarray.astype(self, dtype, order=order, casting=casting, subok=subok, copy=copy)
+
+    def copy(self, order="C"):
+        launches["cupy_copy"] += 1
+        return np.ndarray.copy(self, order=order)
+
+    def fill(self, value):
+        launches["cupy_fill"] += 1
+        np.ndarray.fill(self, value)
+
+    def __getitem__(self, key):
+        if _fancy(key):
+            launches["cupy_gather"] += 1
+        return np.ndarray.__getitem__(self, key)
+
+    def __setitem__(self, key, value):
+        launches["cupy_scatter" if _fancy(key) else "cupy_copy"] += 1
+        np.ndarray.__setitem__(self, key, value)
+
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         for x in inputs + (out or ()):
             if isinstance(x, np.ndarray) and not isinstance(x, ndarray) and x.ndim > 0:
                 raise TypeError(f"Unsupported type {type(x)}: a host NumPy array mixed with a device array "
                                 "(use cupy.asarray / cupy.asnumpy)")
+        launches[f"cupy_{ufunc.__name__}"] += 1
         base_inputs = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in inputs)
         if out is not None:
             kwargs["out"] = tuple(x.view(np.ndarray) if isinstance(x, ndarray) else x for x in out)
@@ -141,19 +180,27 @@ def _device_copy(host: np.ndarray) -> ndarray:
     return out
 
 
+def _copy_on_device(a) -> None:
+    if isinstance(a, ndarray) or isinstance(a, (list, tuple)) and any(isinstance(x, ndarray) for x in a):
+        launches["cupy_copy"] += 1
+
+
 def asarray(a, dtype=None, order=None):
     if isinstance(a, ndarray) and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
+    _copy_on_device(a)
     return _device_copy(np.asarray(_unwrap(a), dtype=dtype))
 
 
 def array(a, dtype=None, copy=True, order="K"):
+    _copy_on_device(a)
     return _device_copy(np.array(_unwrap(a), dtype=dtype))
 
 
 def ascontiguousarray(a, dtype=None):
     if isinstance(a, ndarray) and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
+    _copy_on_device(a)
     return _device_copy(np.ascontiguousarray(_unwrap(a), dtype=dtype))
 
 
@@ -170,6 +217,7 @@ def empty(shape, dtype=float, order="C"):
 
 
 def zeros(shape, dtype=float, order="C"):
+    launches["cupy_fill"] += 1
     out = ndarray(shape, dtype)
     out.view(np.ndarray).fill(0)
     return out
@@ -181,6 +229,7 @@ def ones(shape, dtype=float, order="C"):
 
 def full(shape, fill_value, dtype=None, order="C"):
     dt = np.dtype(dtype) if dtype is not None else np.asarray(fill_value).dtype
+    launches["cupy_fill"] += 1
     out = ndarray(shape, dt)
     out.view(np.ndarray).fill(fill_value)
     return out
@@ -203,10 +252,12 @@ def arange(*args, dtype=None):
 
 
 def concatenate(arrays, axis=0, out=None, dtype=None):
+    _copy_on_device(list(arrays))
     return _device_copy(np.concatenate(_unwrap(list(arrays)), axis=axis, dtype=dtype))
 
 
 def stack(arrays, axis=0):
+    _copy_on_device(list(arrays))
     return _device_copy(np.stack(_unwrap(list(arrays)), axis=axis))
 
 
@@ -222,8 +273,9 @@ def __getattr__(name):  # other NumPy functions act on device arrays and return 
 class RawKernel:
     """A kernel of a RawModule; `kernel(grid, block, args, shared_mem=0)` runs it on the emulator."""
 
-    def __init__(self, function):
+    def __init__(self, function, name: str = "kernel"):
         self._function = function
+        self._name = name
         self.max_dynamic_shared_size_bytes = 0
 
     def __setattr__(self, name, value):
@@ -243,6 +295,7 @@ class RawKernel:
             raise cuda.driver.CUDADriverError(
                 f"CUDA_ERROR_INVALID_VALUE: {shared_mem} bytes of dynamic shared memory, but the kernel "
                 f"allows {limit} (set kernel.max_dynamic_shared_size_bytes first; sm_{_ARCH} max {_SMEM_OPTIN})")
+        launches[self._name] += 1
         try:
             self._function(grid, block, tuple(args), shared_mem,
                            is_device_array=lambda a: isinstance(a, ndarray))
@@ -273,7 +326,7 @@ class RawModule:
 
     def get_function(self, name):
         self.compile()
-        return RawKernel(self._library.function(name))
+        return RawKernel(self._library.function(name), name)
 
 
 def _nvrtc_check(code, options, names):
