@@ -1,5 +1,6 @@
 // Row and element operations of the decoder blocks, float32: RMSNorm (optionally fused with the residual
-// add before or after it), rotary embedding, SiLU / tanh-GELU (plain or gated: act(gate) * up), soft-capping.
+// add before or after it), rotary embedding (optionally after a per-head RMSNorm), SiLU / tanh-GELU (plain
+// or gated: act(gate) * up), soft-capping.
 //
 // NumPy twins: cupyllm/backend/cpu.py (CPUBackend.rms_norm, silu, gelu_tanh), cupyllm/backend/cpu_kernels.py
 // (rms_norm_rows), cupyllm/rope.py (rope_tables, apply_rope) and models/build.py (final soft-cap). Each
@@ -73,42 +74,62 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const 
     }
 }
 
-// ---- rotary embedding ---------------------------------------------------------------------------------
-//   x, out     [n_tokens, n_heads, head_dim] (out may be x)
-//   positions  [n_tokens] int32
+// ---- rotary embedding, optionally after a per-head RMSNorm; q and k rows in one launch ----------------------
+//   q, q_out   [n_tokens, n_q_heads, head_dim];  k, k_out [n_tokens, n_k_heads, head_dim] (n_k_heads = 0: q only,
+//              k / k_out / k_norm / k_positions then any array: the emulator takes no nullptr)
+//   q_positions, k_positions  [n_tokens] int32
+//   q_norm, k_norm  [head_dim]: with kNorm each row is first x <- (x / sqrt(mean(x^2) + eps)) * weight, in
+//              rms_norm's operations and order (Qwen3's and Gemma's q / k norms: the norm and the rotation
+//              that follows it are one launch, and q and k share it: four launches a layer become one)
 //   inv_freq   [n_rot / 2] float64: rope.inverse_frequencies (base, freq factors, linear / YaRN scaling)
 //   mscale     the YaRN magnitude scale (1.0 otherwise)
 // cos, sin = float32(cos(pos * inv_freq) * mscale), float32(sin(...) * mscale), computed in float64 like
-// rope.rope_tables; NEOX rotates (i, i + n_rot/2), normal (2i, 2i + 1); dims >= n_rot pass through.
-// One thread per pair slot i < head_dim / 2 of a (token, head) row: slot i < n_rot / 2 rotates pair i,
-// the others copy dims n_rot + 2 (i - n_rot / 2) and the one after it.
-// Launch: blockDim = 256, gridDim = ceil(n_tokens * n_heads * head_dim / 2 / 256).
-template <bool kNeox>
+// rope.rope_tables; NEOX rotates (i, i + n_rot/2), normal (2i, 2i + 1); dims >= n_rot pass through (normed).
+// One warp per (token, head) row, q rows first; lane l takes pair slots i = l, l + 32, ... < head_dim / 2:
+// slot i < n_rot / 2 rotates pair i, the others copy dims n_rot + 2 (i - n_rot / 2) and the one after it.
+// Launch: blockDim = 256 (8 rows), gridDim = ceil(n_tokens * (n_q_heads + n_k_heads) / 8).
+template <bool kNeox, bool kNorm>
 __global__ void __launch_bounds__(256)
-rope(const float* __restrict__ x, float* __restrict__ out, const int* __restrict__ positions,
-     const double* __restrict__ inv_freq, double mscale, int n_tokens, int n_heads, int head_dim, int n_rot) {
-    const int half_dim = head_dim / 2, half_rot = n_rot / 2;
-    const long long slot = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (slot >= static_cast<long long>(n_tokens) * n_heads * half_dim) return;
-    const long long row = slot / half_dim;
-    const int i = static_cast<int>(slot % half_dim);
-    const float* src = x + row * head_dim;
-    float* dst = out + row * head_dim;
-    if (i >= half_rot) {
-        const int c = n_rot + 2 * (i - half_rot);
-        const float a = src[c], b = src[c + 1];
-        dst[c] = a;
-        dst[c + 1] = b;
-        return;
+rope(const float* __restrict__ q, const float* __restrict__ k, float* __restrict__ q_out, float* __restrict__ k_out,
+     const int* __restrict__ q_positions, const int* __restrict__ k_positions, const float* __restrict__ q_norm,
+     const float* __restrict__ k_norm, const double* __restrict__ inv_freq, double mscale, float eps, int n_tokens,
+     int n_q_heads, int n_k_heads, int head_dim, int n_rot) {
+    using namespace cupyllm;
+    const long long row = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const long long q_rows = static_cast<long long>(n_tokens) * n_q_heads;
+    if (row >= q_rows + static_cast<long long>(n_tokens) * n_k_heads) return;
+    const bool is_q = row < q_rows;
+    const long long head_row = is_q ? row : row - q_rows;
+    const float* const src = (is_q ? q : k) + head_row * head_dim;
+    float* const dst = (is_q ? q_out : k_out) + head_row * head_dim;
+    const int token = static_cast<int>(head_row / (is_q ? n_q_heads : n_k_heads));
+    const float* const weight = is_q ? q_norm : k_norm;
+    float inv = 1.0f;
+    if constexpr (kNorm) {
+        float ss = 0.0f;
+        for (int c = lane; c < head_dim; c += 32) ss = fmaf(src[c], src[c], ss);
+        ss = warp_sum(ss);
+        inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(head_dim)), eps)));
     }
-    const int token = static_cast<int>(row / n_heads);
-    double s64, c64;
-    sincos(static_cast<double>(positions[token]) * inv_freq[i], &s64, &c64);
-    const float cs = static_cast<float>(c64 * mscale), sn = static_cast<float>(s64 * mscale);
-    const int ia = kNeox ? i : 2 * i, ib = kNeox ? i + half_rot : 2 * i + 1;
-    const float a = src[ia], b = src[ib];
-    dst[ia] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
-    dst[ib] = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
+    const auto value = [&](int c) { return kNorm ? __fmul_rn(__fmul_rn(src[c], inv), weight[c]) : src[c]; };
+    const int half_dim = head_dim / 2, half_rot = n_rot / 2;
+    const int position = (is_q ? q_positions : k_positions)[token];
+    for (int i = lane; i < half_dim; i += 32) {
+        if (i >= half_rot) {
+            const int c = n_rot + 2 * (i - half_rot);
+            dst[c] = value(c);
+            dst[c + 1] = value(c + 1);
+            continue;
+        }
+        double s64, c64;
+        sincos(static_cast<double>(position) * inv_freq[i], &s64, &c64);
+        const float cs = static_cast<float>(c64 * mscale), sn = static_cast<float>(s64 * mscale);
+        const int ia = kNeox ? i : 2 * i, ib = kNeox ? i + half_rot : 2 * i + 1;
+        const float a = value(ia), b = value(ib);
+        dst[ia] = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(b, sn));
+        dst[ib] = __fadd_rn(__fmul_rn(a, sn), __fmul_rn(b, cs));
+    }
 }
 
 // ---- activations ------------------------------------------------------------------------------------------

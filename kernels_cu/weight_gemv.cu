@@ -4,6 +4,9 @@
 //   x       [n_tokens, n_in] float32, n_tokens <= kTokens, n_in % W::kBlockValues == 0, 16-byte aligned
 //   bias    [n_out] float32, read when has_bias (a dummy array otherwise: the emulator takes no nullptr)
 //   y       [n_tokens, n_out] float32
+// Up to three matrices of one format and width share x and one launch (a layer's q / k / v projections,
+// its gate and up): blockIdx.y = m picks weights_m, n_out_m, bias_m (bit m of has_bias) and y_m; the
+// others' arguments are not read. Each matrix's sums are those of a launch of its own, bit for bit.
 //
 // NumPy twin: cupyllm/quant/weights.py dequantize (the values) then x @ W.T (the sums; float32
 // accumulation, so the order of the additions differs and results agree to rounding, not bit for bit).
@@ -18,7 +21,7 @@
 // keeps one span of every row in flight. Lane sums are reduced with warp shuffles at the end.
 //
 // Launch (cupyllm/backend/gpu_kernels.py): blockDim = 32 * kGemvWarps,
-// gridDim = ceil(n_out / (kGemvWarps * kRows)).
+// gridDim = (ceil(max n_out_m / (kGemvWarps * kRows)), matrices).
 #include "weight_formats.cuh"
 
 namespace cupyllm {
@@ -43,11 +46,19 @@ struct GemvSpan {
 
 template <class W, int kTokens, int kRows>
 __global__ void __launch_bounds__(cupyllm::kGemvWarps * 32)
-weight_gemv(const cupyllm::u8* __restrict__ weights, long long row_bytes, int n_out, int n_in,
-            const float* __restrict__ x, int n_tokens, const float* __restrict__ bias, int has_bias,
-            float* __restrict__ y) {
+weight_gemv(const cupyllm::u8* __restrict__ weights0, const cupyllm::u8* __restrict__ weights1,
+            const cupyllm::u8* __restrict__ weights2, long long row_bytes, int n_out0, int n_out1, int n_out2,
+            int n_in, const float* __restrict__ x, int n_tokens, const float* __restrict__ bias0,
+            const float* __restrict__ bias1, const float* __restrict__ bias2, int has_bias,
+            float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2) {
     using namespace cupyllm;
     using Span = GemvSpan<W>;
+    const int m = blockIdx.y;  // the matrix
+    const u8* const weights = m == 0 ? weights0 : m == 1 ? weights1 : weights2;
+    const int n_out = m == 0 ? n_out0 : m == 1 ? n_out1 : n_out2;
+    const float* const bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;
+    float* const y = m == 0 ? y0 : m == 1 ? y1 : y2;
+    const bool biased = (has_bias >> m) & 1;
     __shared__ uint4 stage[kGemvWarps][kRows][Span::kLoadsPerLane * 32];
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -158,7 +169,7 @@ weight_gemv(const cupyllm::u8* __restrict__ weights, long long row_bytes, int n_
             const float sum = warp_sum(acc[r][t]);
             const int row = row0 + r;
             if (lane == 0 && row < n_out && t < n_tokens)
-                y[static_cast<size_t>(t) * n_out + row] = has_bias ? __fadd_rn(sum, bias[row]) : sum;
+                y[static_cast<size_t>(t) * n_out + row] = biased ? __fadd_rn(sum, bias[row]) : sum;
         }
     }
 }

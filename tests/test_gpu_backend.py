@@ -122,6 +122,27 @@ def test_gemv_every_instantiation(backend, cp, type_name):
             assert_sums_close(cp.asnumpy(got), w, x, bias if with_bias else None)
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_gemv_of_several_matrices_in_one_launch(backend, cp, type_name):
+    """gemv_many: up to three matrices of one type (different row counts, a bias on some) give each the sums
+    of a launch of its own, bit for bit; linear_many groups by type (a Q5_0 matrix among them runs apart)."""
+    weights = [backend.upload(make_weight(type_name, n_out, 512, seed=5 + i)[0]) for i, n_out in enumerate((70, 9, 33))]
+    rng = np.random.default_rng(6)
+    biases = [None, cp.asarray(rng.standard_normal(9).astype(np.float32)), None]
+    for n in (1, 3):
+        x = cp.asarray(rng.standard_normal((n, 512)).astype(np.float32))
+        together = backend.kernels.gemv_many(weights, x, biases)
+        for weight, bias, got in zip(weights, biases, together):
+            np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(backend.kernels.gemv(weight, x, bias)))
+        other = backend.upload(make_weight("Q5_0", 17, 512, seed=9)[0])
+        mixed = backend.linear_many(x, [weights[0], other, weights[2]], [None, None, None])
+        for weight, got in zip((weights[0], other, weights[2]), mixed):
+            np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(backend.kernels.gemv(weight, x)))
+    from cupyllm.errors import DeviceError
+    with pytest.raises(DeviceError, match="one type and width"):
+        backend.kernels.gemv_many([weights[0], other], x)
+
+
 @pytest.mark.parametrize("type_name", _weight_types())
 def test_mma_matmul(backend, cp, type_name):
     """The tensor-core prefill kernel: two row tiles and two token tiles, both partial, with a bias."""
@@ -212,6 +233,32 @@ def test_rope_variants(backend, cp, case):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     if rope.n_rot < 64:
         np.testing.assert_array_equal(got[..., rope.n_rot:], x[..., rope.n_rot:])
+
+
+@pytest.mark.parametrize("case", ["neox", "normal", "partial"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_rope_of_normed_q_and_k_in_one_launch(backend, cp, case, head_dim):
+    """rope_qk: q and k (their own heads and positions, as DCA has them) each RMS-normed per head, then
+    rotated, against the CPU backend's rms_norm and rope one after the other."""
+    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.config import RopeConfig
+    rope = RopeConfig(**{**ROPE_CASES[case], "n_rot": min(head_dim, ROPE_CASES[case]["n_rot"] * head_dim // 64)})
+    rng = np.random.default_rng(10)
+    q_pos, k_pos = np.array([0, 5, 4095, 70000]), np.array([0, 5, 3000, 3001])
+    q = (rng.standard_normal((4, 6, head_dim)) * 4).astype(np.float32)
+    k = (rng.standard_normal((4, 2, head_dim)) * 4).astype(np.float32)
+    q_norm, k_norm = (1 + 0.2 * rng.standard_normal((2, head_dim))).astype(np.float32)
+    cpu = CPUBackend()
+    for norms in ((None, None), (q_norm, k_norm)):
+        want_q, want_k = cpu.rope_qk(q, k, rope, q_pos, k_pos, *norms, eps=1e-6)
+        got_q, got_k = backend.rope_qk(cp.asarray(q), cp.asarray(k), rope, q_pos, k_pos,
+                                       *(None if w is None else cp.asarray(w) for w in norms), eps=1e-6)
+        np.testing.assert_allclose(cp.asnumpy(got_q), want_q, rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(cp.asnumpy(got_k), want_k, rtol=2e-6, atol=2e-6)
+        alone, none = backend.rope_qk(cp.asarray(q), None, rope, q_pos, None,
+                                      None if norms[0] is None else cp.asarray(norms[0]), None, eps=1e-6)
+        assert none is None
+        np.testing.assert_array_equal(cp.asnumpy(alone), cp.asnumpy(got_q))
 
 
 def test_activations_and_softcap(backend, cp):

@@ -125,6 +125,18 @@ class CPUBackend:
         rope_rows(np.ascontiguousarray(x), *table, rope_cfg.neox, out)  # apply_rope's values, one call
         return out
 
+    def rope_qk(self, q, k, rope_cfg, q_positions, k_positions=None, q_norm=None, k_norm=None, eps: float = 0.0):
+        """(rope(rms_norm(q)), rope(rms_norm(k))): each norm only where its weight is given, k may be None
+        (q alone), k_positions default to q's. The GPU runs it as one launch."""
+        if q_norm is not None:
+            q = self.rms_norm(q, q_norm, eps)
+        q = self.rope(q, rope_cfg, q_positions)
+        if k is None:
+            return q, None
+        if k_norm is not None:
+            k = self.rms_norm(k, k_norm, eps)
+        return q, self.rope(k, rope_cfg, q_positions if k_positions is None else k_positions)
+
     # --- attention --------------------------------------------------------------------------------
     def attention(self, q: np.ndarray, q_pos: np.ndarray, layer_kv: LayerKV, *, scale: float, window: int = 0,
                   softcap: float = 0.0) -> np.ndarray:

@@ -34,7 +34,7 @@ from .gpu_attention import attend_decoded
 from .gpu_blas import matmul_f16_f32
 from .gpu_cache import device_layer_factory
 from .gpu_inputs import DeviceInputs
-from .gpu_kernels import GEMV_MAX_TOKENS, GpuKernels, kernel_format_fits, mma_fits
+from .gpu_kernels import GEMV_GROUP, GEMV_MAX_TOKENS, GpuKernels, kernel_format_fits, mma_fits
 
 PREFILL_PATHS = ("auto", "cublas", "mma")
 DEFAULT_PREFILL = "auto"
@@ -156,9 +156,27 @@ class GPUBackend:
         return y + bias if bias is not None else y
 
     def linear_many(self, x, weights, biases=None):
-        """[linear(x, w, b) for w, b in zip(weights, biases)] (each GEMV is one launch already)."""
+        """[linear(x, w, b) for w, b in zip(weights, biases)]; for a few tokens the matrices of one type and
+        width share a GEMV launch (q / k / v, gate / up)."""
         biases = biases or (None,) * len(weights)
-        return [self.linear(x, w, b) for w, b in zip(weights, biases)]
+        n_in = weights[0].shape[-1]
+        x2 = x.reshape(-1, n_in)
+        if x2.shape[0] > GEMV_MAX_TOKENS:
+            return [self.linear(x, w, b) for w, b in zip(weights, biases)]
+        out: list = [None] * len(weights)
+        groups: dict = {}
+        for i, w in enumerate(weights):
+            if kernel_format_fits(w.fmt.name, w.shape[-1]) and w.shape[-1] == n_in:
+                groups.setdefault(w.fmt.name, []).append(i)
+            else:
+                out[i] = self.linear(x, w, biases[i])
+        for members in groups.values():
+            for start in range(0, len(members), GEMV_GROUP):
+                chunk = members[start:start + GEMV_GROUP]
+                ys = self.kernels.gemv_many([weights[i] for i in chunk], x2, [biases[i] for i in chunk])
+                for i, y in zip(chunk, ys):
+                    out[i] = y
+        return out
 
     def embed(self, weight: Weight, ids):
         host = self.inputs.host_values(ids)
@@ -196,12 +214,20 @@ class GPUBackend:
         return self.kernels.softcap(x, cap)
 
     def rope(self, x, rope_cfg, positions):
+        return self.rope_qk(x, None, rope_cfg, positions)[0]
+
+    def rope_qk(self, q, k, rope_cfg, q_positions, k_positions=None, q_norm=None, k_norm=None, eps: float = 0.0):
+        """(rope(rms_norm(q)), rope(rms_norm(k))) in one launch: each norm only where its weight is given, k
+        may be None (q alone), k_positions default to q's."""
         table = self._rope_tables.get(rope_cfg)
         if table is None:  # rope.py's inverse frequencies, once per configuration
             inv_freq, mscale = inverse_frequencies(rope_cfg)
             table = self._rope_tables[rope_cfg] = (self.cp.asarray(np.asarray(inv_freq, np.float64)), float(mscale))
         inv_freq, mscale = table
-        return self.kernels.rope(x, self.inputs.int32(positions), inv_freq, mscale, rope_cfg.neox, rope_cfg.n_rot)
+        q_pos = self.inputs.int32(q_positions)
+        k_pos = q_pos if k_positions is None else self.inputs.int32(k_positions)
+        return self.kernels.rope(q, k, q_pos, k_pos, inv_freq, mscale, rope_cfg.neox, rope_cfg.n_rot,
+                                 q_norm=q_norm, k_norm=k_norm, eps=eps)
 
     # --- attention --------------------------------------------------------------------------------
     def attention(self, q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0):

@@ -39,6 +39,7 @@ WEIGHT_PAD_BYTES = 16
 GEMV_SHAPES = ((1, 2), (1, 4), (2, 2), (4, 1), (8, 1))
 GEMV_MAX_TOKENS = max(t for t, _ in GEMV_SHAPES)
 GEMV_WARPS = 4  # kGemvWarps in weight_gemv.cu
+GEMV_GROUP = 3  # matrices one weight_gemv launch can take
 GEMV_WIDE_ROWS = 8192  # from this many output rows, single-token GEMV gives each warp 4 rows (fewer x reloads)
 
 MMA_ROWS, MMA_TOKENS, MMA_DEPTH, MMA_THREADS = 64, 64, 128, 128  # weight_mma.cu tile
@@ -79,8 +80,9 @@ def rms_norm_kernel_name(residual: str | None) -> str:
     return f"rms_norm<{RESIDUAL_MODES[residual]}>"
 
 
-def rope_kernel_name(neox: bool) -> str:
-    return f"rope<{'true' if neox else 'false'}>"
+def rope_kernel_name(neox: bool, norm: bool = False) -> str:
+    """norm: RMSNorm each head row first (q / k norms)."""
+    return f"rope<{'true' if neox else 'false'}, {'true' if norm else 'false'}>"
 
 
 def act_kernel_name(activation: str, gated: bool) -> str:
@@ -99,8 +101,8 @@ def kernel_sets() -> list[KernelSet]:
         sets.append(KernelSet(DEQUANT_FILE, tuple(dequant_kernel_name(n, o) for n in names for o in DEQUANT_OUTPUTS),
                               label=family))
         sets.append(KernelSet(MMA_FILE, tuple(mma_kernel_name(n) for n in names), label=family))
-    elementwise = [*(rms_norm_kernel_name(mode) for mode in RESIDUAL_MODES), rope_kernel_name(True),
-                   rope_kernel_name(False), SOFTCAP_KERNEL]
+    elementwise = [*(rms_norm_kernel_name(mode) for mode in RESIDUAL_MODES), SOFTCAP_KERNEL,
+                   *(rope_kernel_name(neox, norm) for neox in (True, False) for norm in (False, True))]
     elementwise += [act_kernel_name(a, g) for a in ACTIVATIONS for g in (False, True)]
     sets.append(KernelSet(ELEMENTWISE_FILE, tuple(elementwise)))
     return sets
@@ -158,21 +160,34 @@ class GpuKernels:
     def gemv(self, weight: Weight, x, bias=None, out=None, shape: tuple[int, int] | None = None):
         """y [n, n_out] = x [n, n_in] @ W.T (+ bias), n <= GEMV_MAX_TOKENS, from the blocks.
         `shape` forces a (tokens, rows per warp) instantiation of GEMV_SHAPES (tests, benchmarks)."""
+        return self.gemv_many([weight], x, [bias], outs=[out], shape=shape)[0]
+
+    def gemv_many(self, weights, x, biases=None, outs=None, shape: tuple[int, int] | None = None) -> list:
+        """[gemv(w, x, b) for w, b in zip(weights, biases)] for up to GEMV_GROUP matrices of one format and
+        width, in one launch (weight_gemv.cu: blockIdx.y picks the matrix); the same sums as apart."""
         cp = self.cp
-        n_out, n_in = weight.shape[0], weight.shape[-1]
+        n_in, fmt_name = weights[0].shape[-1], weights[0].fmt.name
+        if len(weights) > GEMV_GROUP or any(w.fmt.name != fmt_name or w.shape[-1] != n_in for w in weights):
+            raise DeviceError(f"one GEMV launch takes up to {GEMV_GROUP} matrices of one type and width")
+        n_outs = [w.shape[0] for w in weights]
         n = x.shape[0]
-        tokens, rows = shape if shape is not None else gemv_shape(n, n_out)
+        tokens, rows = shape if shape is not None else gemv_shape(n, sum(n_outs))
         if shape is not None and (shape not in GEMV_SHAPES or n > tokens):
             raise DeviceError(f"GEMV shape {shape} is not one of {GEMV_SHAPES} for {n} tokens")
         x = cp.ascontiguousarray(x, dtype=cp.float32)
-        if out is None:
-            out = cp.empty((n, n_out), dtype=cp.float32)
-        kernel = self._fn(gemv_kernel_name(weight.fmt.name, tokens, rows))
-        grid = (n_out + GEMV_WARPS * rows - 1) // (GEMV_WARPS * rows)
-        kernel((grid,), (32 * GEMV_WARPS,),
-               (weight.data, np.int64(weight.data.shape[1]), np.int32(n_out), np.int32(n_in), x, np.int32(n),
-                *self._bias_args(bias), out))
-        return out
+        outs = [cp.empty((n, n_out), dtype=cp.float32) if out is None else out
+                for n_out, out in zip(n_outs, outs or [None] * len(weights))]
+        biases = list(biases or [None] * len(weights))
+        has_bias = sum(1 << m for m, b in enumerate(biases) if b is not None)
+        biases = [self._unused_f32 if b is None else cp.ascontiguousarray(b, dtype=cp.float32) for b in biases]
+        pad = GEMV_GROUP - len(weights)  # (the unused matrices' arguments repeat the first's; never read)
+        kernel = self._fn(gemv_kernel_name(fmt_name, tokens, rows))
+        grid = (max(n_outs) + GEMV_WARPS * rows - 1) // (GEMV_WARPS * rows)
+        kernel((grid, len(weights)), (32 * GEMV_WARPS,),
+               (*[w.data for w in weights], *[weights[0].data] * pad, np.int64(weights[0].data.shape[1]),
+                *[np.int32(v) for v in n_outs + [n_outs[0]] * pad], np.int32(n_in), x, np.int32(n),
+                *biases, *biases[:1] * pad, np.int32(has_bias), *outs, *outs[:1] * pad))
+        return outs
 
     def dequantize(self, weight: Weight, rows=None, dtype: str = "float32", out=None):
         """float32 or float16 [n_rows, n_in]: all rows, or the rows of the int32 device array `rows`."""
@@ -228,21 +243,34 @@ class GpuKernels:
             (x, residual, weight, np.int32(n_rows), np.int32(d), np.float32(eps), total, out))
         return (total, out) if mode == "before" else out
 
-    def rope(self, x, positions, inv_freq, mscale: float, neox: bool, n_rot: int):
-        """Rotate x [n, n_heads, head_dim] at int32 device `positions` with float64 device `inv_freq`."""
+    def rope(self, q, k, q_positions, k_positions, inv_freq, mscale: float, neox: bool, n_rot: int,
+             q_norm=None, k_norm=None, eps: float = 0.0):
+        """Rotate q [n, n_q_heads, head_dim] and k [n, n_k_heads, head_dim] (None: q only) at int32 device
+        positions with float64 device `inv_freq`, each head row RMS-normed first with q_norm / k_norm when
+        given; one launch. Returns (q_out, k_out or None)."""
         cp = self.cp
-        n, n_heads, head_dim = x.shape
-        x = cp.ascontiguousarray(x, dtype=cp.float32)
-        out = cp.empty_like(x)
-        slots = n * n_heads * (head_dim // 2)
-        if slots == 0:
-            return out
-        grid = (slots + ELEMENT_THREADS - 1) // ELEMENT_THREADS
-        self._fn(rope_kernel_name(neox))(
-            (grid,), (ELEMENT_THREADS,),
-            (x, out, positions, inv_freq, np.float64(mscale), np.int32(n), np.int32(n_heads), np.int32(head_dim),
-             np.int32(n_rot)))
-        return out
+        n, n_q_heads, head_dim = q.shape
+        q = cp.ascontiguousarray(q, dtype=cp.float32)
+        q_out = cp.empty_like(q)
+        norm = q_norm is not None
+        if k is not None and (k_norm is not None) != norm:
+            raise DeviceError("a rope after RMSNorm takes a weight for q and, with a k, one for k")
+        if k is None:  # (any arrays stand in for the absent k)
+            k, k_out, n_k_heads, k_positions, k_norm = q, q_out, 0, q_positions, q_norm
+        else:
+            if k.shape[0] != n or k.shape[2] != head_dim:
+                raise DeviceError(f"rope of q {tuple(q.shape)} and k {tuple(k.shape)}: tokens and head dims must match")
+            k = cp.ascontiguousarray(k, dtype=cp.float32)
+            k_out, n_k_heads = cp.empty_like(k), k.shape[1]
+        weights = [cp.ascontiguousarray(w, dtype=cp.float32) if norm else self._unused_f32 for w in (q_norm, k_norm)]
+        rows = n * (n_q_heads + n_k_heads)
+        if rows:
+            self._fn(rope_kernel_name(neox, norm))(
+                ((rows + NORM_ROWS_PER_CTA - 1) // NORM_ROWS_PER_CTA,), (32 * NORM_ROWS_PER_CTA,),
+                (q, k, q_out, k_out, q_positions, k_positions, *weights, inv_freq, np.float64(mscale),
+                 np.float32(eps), np.int32(n), np.int32(n_q_heads), np.int32(n_k_heads), np.int32(head_dim),
+                 np.int32(n_rot)))
+        return q_out, (k_out if n_k_heads else None)
 
     def _grid(self, n: int) -> int:
         return max(1, min(MAX_GRID, (n + ELEMENT_THREADS - 1) // ELEMENT_THREADS))

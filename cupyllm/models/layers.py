@@ -102,25 +102,28 @@ def self_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, x, positi
     if kv:
         k = kv[0].reshape(n, n_kv, head_dim)
         v = kv[1].reshape(n, n_kv, v_head_dim) if len(kv) > 1 else k  # Gemma 4 global layers: V is K's projection
-    if w.q_norm is not None:
-        q = ops.rms_norm(q, w.q_norm, cfg.norm_eps)
-        if k is not None:
-            k = ops.rms_norm(k, w.k_norm, cfg.norm_eps)
     if w.v_norm is not None and v is not None:
         v = ops.rms_norm(v, w.v_norm, cfg.norm_eps)
     attention = attention or default_attention
-    out = attention(ops, cfg, layer, q, k, v, positions, cache)
+    out = attention(ops, cfg, w, layer, q, k, v, positions, cache)
     return ops.linear(out.reshape(n, cfg.n_head * v_head_dim), w.wo)
 
 
-def default_attention(ops, cfg: ModelConfig, layer: int, q, k, v, positions: np.ndarray, cache: KVCache):
-    """RoPE at the true positions, write k/v into the cache (k None: a KV-shared layer, whose source layer has
-    written them), then causal (or sliding-window) attention."""
-    rope = cfg.rope_for(layer)
-    q = ops.rope(q, rope, positions)
+def rotate(ops, cfg: ModelConfig, w: LayerWeights, layer: int, q, k, q_positions, k_positions=None):
+    """RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) with the layer's per-head q / k norms (Qwen3, Gemma; none: RoPE
+    alone); k None: q alone. One pass on the GPU."""
+    return ops.rope_qk(q, k, cfg.rope_for(layer), q_positions, k_positions, w.q_norm,
+                       w.k_norm if k is not None else None, cfg.norm_eps)
+
+
+def default_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, q, k, v, positions: np.ndarray,
+                      cache: KVCache):
+    """Norm and RoPE q and k at the true positions, write k/v into the cache (k None: a KV-shared layer, whose
+    source layer has written them), then causal (or sliding-window) attention."""
+    q, k = rotate(ops, cfg, w, layer, q, k, positions)
     layer_kv = cache.layers[layer]
     if k is not None:
-        layer_kv.write(ops.rope(k, rope, positions), v, positions, queries=q)
+        layer_kv.write(k, v, positions, queries=q)
     window = cfg.sliding_window if cfg.is_sliding(layer) else 0
     return ops.attention(q, positions, layer_kv, scale=cfg.attn_scale, window=window, softcap=cfg.attn_logit_softcap)
 
@@ -130,14 +133,17 @@ def dca_attention(dca):
     K is roped and cached at its in-chunk position, Q roped three times (intra, successive, inter)."""
     from ..attention.dca import key_positions, query_positions
 
-    def attention(ops, cfg: ModelConfig, layer: int, q, k, v, positions: np.ndarray, cache: KVCache):
+    def attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, q, k, v, positions: np.ndarray,
+                  cache: KVCache):
         if cfg.is_sliding(layer):
-            return default_attention(ops, cfg, layer, q, k, v, positions, cache)
-        rope = cfg.rope_for(layer)
+            return default_attention(ops, cfg, w, layer, q, k, v, positions, cache)
         layer_kv = cache.layers[layer]
-        q_intra, q_successive, q_inter = (ops.rope(q, rope, p) for p in query_positions(positions, dca))
-        if k is not None:  # None: a KV-shared layer reads what its source layer wrote
-            layer_kv.write(ops.rope(k, rope, key_positions(positions, dca)), v, positions, queries=q_intra)
+        intra, successive, inter = query_positions(positions, dca)
+        keys = key_positions(positions, dca) if k is not None else None  # None: a KV-shared layer
+        q_intra, k = rotate(ops, cfg, w, layer, q, k, intra, keys)
+        (q_successive, _), (q_inter, _) = (rotate(ops, cfg, w, layer, q, None, p) for p in (successive, inter))
+        if k is not None:
+            layer_kv.write(k, v, positions, queries=q_intra)
         return ops.dca_attention(q_intra, q_successive, q_inter, positions, layer_kv, dca, scale=cfg.attn_scale,
                                  softcap=cfg.attn_logit_softcap)
 
