@@ -36,21 +36,32 @@ __device__ __forceinline__ float activate(float x) {
 }  // namespace cupyllm
 
 // ---- RMSNorm: one warp per row -------------------------------------------------------------------------
-//   x, residual, sum_out, out: [n_rows, d]; weight [d]; norm(v) = (v / sqrt(mean(v^2) + eps)) * weight
-//   kResidual = kNoResidual:     out = norm(x)
-//               kResidualBefore: sum_out = x + residual, out = norm(sum_out)  (a pre-norm block's add, next norm)
-//               kResidualAfter:  out = residual + norm(x)                     (a sandwich block's post-norm, add)
-//   residual and sum_out are read / written only where the mode uses them (any float array otherwise: the
-//   emulator takes no nullptr)
+//   x, residual, sum_out, out: [n_rows, d]; weight, next_weight [d]; norm(v, w) = (v / sqrt(mean(v^2) + eps)) * w
+//   kResidual = kNoResidual:     out = norm(x, weight)
+//               kResidualBefore: sum_out = x + residual, out = norm(sum_out, weight)  (a pre-norm block's add
+//                                and the next norm)
+//               kResidualAfter:  out = residual + norm(x, weight)   (a sandwich block's post-norm and add)
+//               kResidualAfterThenNorm: sum_out = residual + norm(x, weight), out = norm(sum_out, next_weight)
+//                                (the post-norm, the add and the norm of the next sublayer's input)
+//   residual, sum_out and next_weight are read / written only where the mode uses them (any float array
+//   otherwise: the emulator takes no nullptr). Each norm sums v^2 in the same lane order, so a fused mode
+//   gives what the modes one after another give, bit for bit.
 // Launch: blockDim = 256 (8 rows), gridDim = ceil(n_rows / 8).
 namespace cupyllm {
-enum ResidualMode : int { kNoResidual = 0, kResidualBefore = 1, kResidualAfter = 2 };
+enum ResidualMode : int { kNoResidual = 0, kResidualBefore = 1, kResidualAfter = 2, kResidualAfterThenNorm = 3 };
+
+// 1 / sqrt(mean(v^2) + eps) from this lane's partial sum of squares
+__device__ __forceinline__ float inverse_rms(float lane_squares, int d, float eps) {
+    const float ss = warp_sum(lane_squares);
+    return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(d)), eps)));
 }
+}  // namespace cupyllm
 
 template <int kResidual>
 __global__ void __launch_bounds__(256)
 rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ weight,
-         int n_rows, int d, float eps, float* __restrict__ sum_out, float* __restrict__ out) {
+         const float* __restrict__ next_weight, int n_rows, int d, float eps, float* __restrict__ sum_out,
+         float* __restrict__ out) {
     using namespace cupyllm;
     const int row = static_cast<int>(blockIdx.x) * 8 + static_cast<int>(threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
@@ -65,12 +76,22 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const 
         }
         ss = fmaf(v, v, ss);
     }
-    ss = warp_sum(ss);
-    const float inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(d)), eps)));
+    const float inv = inverse_rms(ss, d, eps);
+    float next_ss = 0.0f;
     for (int c = lane; c < d; c += 32) {
         const float v = kResidual == kResidualBefore ? sum_out[base + c] : x[base + c];
         const float normed = __fmul_rn(__fmul_rn(v, inv), weight[c]);
-        out[base + c] = kResidual == kResidualAfter ? __fadd_rn(residual[base + c], normed) : normed;
+        if constexpr (kResidual == kResidualAfterThenNorm) {
+            const float h = __fadd_rn(residual[base + c], normed);
+            sum_out[base + c] = h;
+            next_ss = fmaf(h, h, next_ss);
+        } else {
+            out[base + c] = kResidual == kResidualAfter ? __fadd_rn(residual[base + c], normed) : normed;
+        }
+    }
+    if constexpr (kResidual == kResidualAfterThenNorm) {
+        const float next_inv = inverse_rms(next_ss, d, eps);
+        for (int c = lane; c < d; c += 32) out[base + c] = __fmul_rn(__fmul_rn(sum_out[base + c], next_inv), next_weight[c]);
     }
 }
 

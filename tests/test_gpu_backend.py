@@ -207,6 +207,12 @@ def test_rms_norm_and_fused_residuals(backend, cp):
         np.testing.assert_allclose(cp.asnumpy(normed), CPUBackend.rms_norm(x + r, w, 1e-6), rtol=2e-6, atol=1e-6)
         added = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6)  # r + norm(x)
         np.testing.assert_allclose(cp.asnumpy(added), r + want, rtol=2e-6, atol=2e-6)
+        w2 = (1 + 0.1 * rng.standard_normal(shape[-1])).astype(np.float32)
+        h, h_normed = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6, next_norm=cp.asarray(w2))
+        np.testing.assert_array_equal(cp.asnumpy(h), cp.asnumpy(added))  # the fused pass: the two kernels' bits
+        np.testing.assert_array_equal(cp.asnumpy(h_normed), cp.asnumpy(backend.rms_norm(h, cp.asarray(w2), 1e-6)))
+        np.testing.assert_allclose(cp.asnumpy(h_normed), CPUBackend.rms_norm(cp.asnumpy(h), w2, 1e-6),
+                                   rtol=2e-6, atol=1e-6)
 
 
 ROPE_CASES = {

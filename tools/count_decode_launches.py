@@ -8,13 +8,18 @@ CuPy's elementwise, reduction, copy and fill kernels). The H200 profile of the s
 (tools/profile_decode_gpu.py) counted 473 kernels for gemma3-270m at 512 prompt tokens.
 
     python tools/count_decode_launches.py [--models gemma3-270m qwen2.5-0.5b] [--prompt-tokens 512]
-                                          [--out bench/results/decode_launches.json]
+                                          [--baseline REV] [--out bench/results/decode_launches.json]
+
+--baseline REV counts the same steps at an earlier commit too (a git worktree of REV, given this tool and the
+emulated CuPy's counter), in the same run, and reports both.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,12 +66,36 @@ def count_step(name: str, prompt_tokens: int) -> dict:
             "launches": dict(sorted(counted.items(), key=lambda item: -item[1]))}
 
 
+def count_at(rev: str, models: list[str], prompt_tokens: int) -> dict:
+    """The same count at commit `rev`: a worktree of it with this tool and the counting fakecupy copied in."""
+    work = Path(tempfile.mkdtemp(prefix="cupyllm-launches-base-"))
+    tree = work / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    try:
+        fakecupy = Path("tools/cuda_emu/fakecupy/cupy/__init__.py")
+        shutil.copy(ROOT / fakecupy, tree / fakecupy)
+        shutil.copy(Path(__file__), tree / "tools" / Path(__file__).name)
+        out = work / "baseline.json"
+        subprocess.run([sys.executable, str(tree / "tools" / Path(__file__).name), "--models", *models,
+                        "--prompt-tokens", str(prompt_tokens), "--out", str(out)], check=True, cwd=tree,
+                       env={**__import__("os").environ, "PYTHONPATH": str(tree)})
+        rows = json.loads(out.read_text())["rows"]
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True, capture_output=True,
+                                text=True).stdout.strip()
+        return {"commit": commit, "rows": rows}
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gemma3-270m", "qwen2.5-0.5b"])
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--baseline", help="also count at this earlier commit, in the same run")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "decode_launches.json")
     args = parser.parse_args(argv)
+    baseline = count_at(args.baseline, args.models, args.prompt_tokens) if args.baseline else None
     rows = []
     for name in tqdm(args.models, desc="decode launches (emulated)", unit="model"):
         rows.append(count_step(name, args.prompt_tokens))
@@ -77,6 +106,12 @@ def main(argv=None) -> int:
             print(f"  {calls:5d}  {kernel}")
     report = {"tool": "count_decode_launches", "device": "CUDA emulator (tools/cuda_emu), sm_90 limits",
               "narrowed": NARROW, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
+    if baseline is not None:
+        report["baseline"] = baseline
+        before = {row["model"]: row["launches_per_step"] for row in baseline["rows"]}
+        for row in rows:
+            print(f"{row['model']}: {before[row['model']]} -> {row['launches_per_step']} launches per step "
+                  f"(at {baseline['commit'][:7]} -> now)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -98,9 +98,11 @@ class CPUBackend:
         total = x + residual
         return total, self.rms_norm(total, weight, eps)
 
-    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        """residual + rms_norm(x): a sandwich block's post-norm and residual add."""
-        return residual + self.rms_norm(x, weight, eps)
+    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float, next_norm=None):
+        """residual + rms_norm(x): a sandwich block's post-norm and residual add; with next_norm, (that sum h,
+        rms_norm(h, next_norm)), the next sublayer's input too."""
+        total = residual + self.rms_norm(x, weight, eps)
+        return total if next_norm is None else (total, self.rms_norm(total, next_norm, eps))
 
     def silu(self, x: np.ndarray) -> np.ndarray:
         return self._threads.rows(silu, x)

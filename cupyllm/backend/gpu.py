@@ -196,9 +196,9 @@ class GPUBackend:
         """(x + residual, rms_norm(x + residual)) in one pass."""
         return self.kernels.rms_norm(x, weight, eps, residual=residual)
 
-    def add_rms_norm(self, residual, x, weight, eps: float):
-        """residual + rms_norm(x) in one pass."""
-        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True)
+    def add_rms_norm(self, residual, x, weight, eps: float, next_norm=None):
+        """residual + rms_norm(x) in one pass; with next_norm, (that sum h, rms_norm(h, next_norm))."""
+        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_norm)
 
     def silu(self, x):
         return self.kernels.act(x, "silu")

@@ -72,11 +72,12 @@ def mma_kernel_name(fmt_name: str) -> str:
     return f"weight_mma<{_weight_cpp(fmt_name)}>"
 
 
-RESIDUAL_MODES = {None: 0, "before": 1, "after": 2}  # elementwise.cu ResidualMode
+RESIDUAL_MODES = {None: 0, "before": 1, "after": 2, "after_then_norm": 3}  # elementwise.cu ResidualMode
 
 
 def rms_norm_kernel_name(residual: str | None) -> str:
-    """residual: None, "before" (norm of x + residual) or "after" (residual + norm of x)."""
+    """residual: None, "before" (norm of x + residual), "after" (residual + norm of x) or "after_then_norm"
+    (that sum and its own norm)."""
     return f"rms_norm<{RESIDUAL_MODES[residual]}>"
 
 
@@ -223,9 +224,9 @@ class GpuKernels:
         return out
 
     # --- rows and elements -------------------------------------------------------------------------
-    def rms_norm(self, x, weight, eps: float, residual=None, add_after: bool = False):
+    def rms_norm(self, x, weight, eps: float, residual=None, add_after: bool = False, next_weight=None):
         """RMSNorm over the last axis (len(weight)); with `residual`, of x + residual, returning (sum, norm), or
-        with add_after, residual + norm(x)."""
+        with add_after, residual + norm(x), and with next_weight too (sum, norm(sum, next_weight))."""
         cp = self.cp
         d = int(weight.shape[-1])
         weight = cp.ascontiguousarray(weight, dtype=cp.float32)
@@ -233,15 +234,18 @@ class GpuKernels:
         n_rows = x.size // d
         out = cp.empty(x.shape, dtype=cp.float32)
         grid = max(1, (n_rows + NORM_ROWS_PER_CTA - 1) // NORM_ROWS_PER_CTA)
-        mode = None if residual is None else "after" if add_after else "before"
+        mode = (None if residual is None else "before" if not add_after else
+                "after" if next_weight is None else "after_then_norm")
         residual = x if residual is None else cp.ascontiguousarray(residual, dtype=cp.float32)
         if residual.shape != x.shape:
             raise DeviceError(f"RMSNorm's residual must have x's shape {x.shape}, got {residual.shape}")
-        total = cp.empty(x.shape, dtype=cp.float32) if mode == "before" else out
+        next_weight = weight if next_weight is None else cp.ascontiguousarray(next_weight, dtype=cp.float32)
+        two_outputs = mode in ("before", "after_then_norm")
+        total = cp.empty(x.shape, dtype=cp.float32) if two_outputs else out
         self._fn(rms_norm_kernel_name(mode))(
             (grid,), (32 * NORM_ROWS_PER_CTA,),
-            (x, residual, weight, np.int32(n_rows), np.int32(d), np.float32(eps), total, out))
-        return (total, out) if mode == "before" else out
+            (x, residual, weight, next_weight, np.int32(n_rows), np.int32(d), np.float32(eps), total, out))
+        return (total, out) if two_outputs else out
 
     def rope(self, q, k, q_positions, k_positions, inv_freq, mscale: float, neox: bool, n_rot: int,
              q_norm=None, k_norm=None, eps: float = 0.0):

@@ -23,8 +23,9 @@ from .layers import gated_mlp, moe_mlp, self_attention
 
 def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None, per_layer_input=None):
     attn = self_attention(ops, cfg, w, layer, ops.rms_norm(x, w.attn_norm, cfg.norm_eps), positions, cache, attention)
-    h = ops.add_rms_norm(x, attn, w.post_attn_norm, cfg.norm_eps)  # x + PostNorm_attn(attn), one pass
-    mlp = gated_mlp(ops, w, ops.rms_norm(h, w.ffn_norm, cfg.norm_eps), cfg.activation)
+    # h = x + PostNorm_attn(attn) and PreNorm_ffn(h), one pass
+    h, h_normed = ops.add_rms_norm(x, attn, w.post_attn_norm, cfg.norm_eps, next_norm=w.ffn_norm)
+    mlp = gated_mlp(ops, w, h_normed, cfg.activation)
     if w.moe is not None:
         experts = moe_mlp(ops, cfg, w.moe, ops.rms_norm(h, w.experts_norm, cfg.norm_eps),
                           router_input=ops.rms_norm(h, w.router_norm, cfg.norm_eps))
