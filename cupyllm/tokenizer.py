@@ -227,6 +227,44 @@ class _SpecialSplitter:
 # SentencePiece BPE
 
 
+def merge_pairs(word: str, priority) -> list[str]:
+    """The pieces of `word` after merging adjacent symbols pair by pair, starting from its code points:
+    always the queued pair of the smallest priority(left, right) (None: the pair never merges), leftmost on
+    ties, as llama.cpp's llm_bigram_spm / llm_bigram_bpe queues do."""
+    n = len(word)
+    if n == 0:
+        return []
+    length = [1] * n  # symbol i starts at code point i; 0 once merged into its left neighbour
+    nxt = list(range(1, n + 1))
+    nxt[-1] = -1
+    prv = list(range(-1, n - 1))
+    heap = []
+    for i in range(n - 1):
+        key = priority(word[i], word[i + 1])
+        if key is not None:
+            heap.append((key, i, i + 1, 2))
+    heapq.heapify(heap)
+    while heap:
+        _, left, right, size = heapq.heappop(heap)
+        if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
+            continue  # stale: one side has changed since this pair was queued
+        length[left] += length[right]
+        length[right] = 0
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        for a, b in ((prv[left], left), (left, nxt[left])):
+            if a >= 0 and b >= 0:
+                key = priority(word[a:b], word[b:b + length[b]])
+                if key is not None:
+                    heapq.heappush(heap, (key, a, b, length[a] + length[b]))
+    pieces, i = [], 0
+    while i != -1:
+        pieces.append(word[i:i + length[i]])
+        i = nxt[i]
+    return pieces
+
+
 class _SentencePieceMerger:
     """llama.cpp's llm_tokenizer_spm_session over text whose spaces are already U+2581."""
 
@@ -276,42 +314,18 @@ class _SentencePieceMerger:
 
     def _merge(self, word: str) -> list[int]:
         lookup, scores = self._token_to_id, self._scores
-        n = len(word)
-        length = [1] * n  # symbol i starts at code point i; 0 once merged into its left neighbour
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            tid = lookup.get(word[i:i + 2])
-            if tid is not None:
-                heap.append((-scores[tid], i, i + 1, 2))
-        heapq.heapify(heap)  # best score first, then leftmost: llama.cpp's llm_bigram_spm order
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
-                continue  # stale: one side has changed since this pair was queued
-            length[left] += length[right]
-            length[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            for a, b in ((prv[left], left), (left, nxt[left])):
-                if a >= 0 and b >= 0:
-                    span = length[a] + length[b]
-                    tid = lookup.get(word[a:a + span])
-                    if tid is not None:
-                        heapq.heappush(heap, (-scores[tid], a, b, span))
+
+        def priority(left: str, right: str):  # best score first: llama.cpp's llm_bigram_spm order
+            tid = lookup.get(left + right)
+            return None if tid is None else -scores[tid]
+
         out: list[int] = []
-        i = 0
-        while i != -1:
-            piece = word[i:i + length[i]]
+        for piece in merge_pairs(word, priority):
             tid = lookup.get(piece)
             if tid is not None:
                 out.append(tid)
             else:
                 out.extend(self._byte_token(b) for b in piece.encode("utf-8"))
-            i = nxt[i]
         return out
 
     def _byte_token(self, b: int) -> int:
@@ -384,35 +398,12 @@ class _ByteLevelBpe:
         lookup, ranks = self._token_to_id, self._ranks
         if (self._ignore_merges or (not self._byte_encode and not word.strip("\n"))) and word in lookup:
             return [lookup[word]]
-        n = len(word)
-        length = [1] * n
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            rank = ranks.get(word[i] + " " + word[i + 1])
-            if rank is not None:
-                heap.append((rank, i, i + 1, 2))
-        heapq.heapify(heap)  # lowest rank first, then leftmost: llama.cpp's llm_bigram_bpe order
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
-                continue
-            length[left] += length[right]
-            length[right] = 0
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prv[nxt[right]] = left
-            for a, b in ((prv[left], left), (left, nxt[left])):
-                if a >= 0 and b >= 0:
-                    rank = ranks.get(word[a:b] + " " + word[b:b + length[b]])
-                    if rank is not None:
-                        heapq.heappush(heap, (rank, a, b, length[a] + length[b]))
+
+        def priority(left: str, right: str):  # lowest rank first: llama.cpp's llm_bigram_bpe order
+            return ranks.get(left + " " + right)
+
         out: list[int] = []
-        i = 0
-        while i != -1:
-            piece = word[i:i + length[i]]
+        for piece in merge_pairs(word, priority):
             tid = lookup.get(piece)
             if tid is not None:
                 out.append(tid)
@@ -425,7 +416,6 @@ class _ByteLevelBpe:
                     tid = lookup.get(chr(b)) if b < 0x80 else None
                     if tid is not None:
                         out.append(tid)
-            i = nxt[i]
         return out
 
 
