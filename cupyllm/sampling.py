@@ -40,6 +40,12 @@ def apply_repeat_penalty(logits: np.ndarray, recent: np.ndarray, penalty: float)
     return logits
 
 
+def by_logit(logits: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """`ids` (default: every token) ordered by logit descending, equal logits by smaller id (NaN last)."""
+    ids = np.arange(len(logits)) if ids is None else ids
+    return ids[np.lexsort((ids, -logits[ids]))]
+
+
 def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest logits (0 < k < len), largest first, equal logits by smaller id: the first k of a
     stable descending sort, found without sorting the vocabulary. The k-th largest logit of a strided sample
@@ -50,8 +56,7 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     sample = logits[::stride]
     sample = sample[sample == sample]
     if len(sample) < k:  # mostly NaN: the sort itself
-        order = np.lexsort((np.arange(n), -logits))
-        return order[:k]
+        return by_logit(logits)[:k]
     bound = np.partition(sample, len(sample) - k)[len(sample) - k]
     pool = np.flatnonzero(logits >= bound)  # ascending ids; >= k of them
     vals = logits[pool]
@@ -60,8 +65,8 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
         above = np.flatnonzero(vals > kth)
         ties = np.flatnonzero(vals == kth)[:k - len(above)]  # the smallest ids of the k-th value
         keep = np.concatenate([above, ties])
-        pool, vals = pool[keep], vals[keep]
-    return pool[np.lexsort((pool, -vals))]
+        pool = pool[keep]
+    return by_logit(logits, pool)
 
 
 def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
@@ -76,13 +81,12 @@ def candidates(logits: np.ndarray, p: SamplingParams) -> tuple[np.ndarray, np.nd
     elif p.min_p > 0.0:
         largest = np.float64(np.nanmax(logits))
         floor = np.nextafter(np.float32(largest + np.log(p.min_p)), np.float32(-np.inf))  # a superset
-        ids = np.flatnonzero(logits >= floor)
-        ids = ids[np.lexsort((ids, -logits[ids]))]
+        ids = by_logit(logits, np.flatnonzero(logits >= floor))
         if p.top_p < 1.0:  # float32 exps summed in float64 (~1e-8 relative; float64 exps cost 10x)
             shifted = np.exp(logits - np.float32(largest))
             total = float(np.sum(shifted, dtype=np.float64, where=shifted == shifted))
     else:
-        ids = np.lexsort((np.arange(n), -logits))
+        ids = by_logit(logits)
     vals = logits[ids].astype(np.float64)
     if p.top_p < 1.0:
         probs = np.exp(vals - vals[0])

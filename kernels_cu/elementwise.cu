@@ -130,8 +130,7 @@ rope(const float* __restrict__ q, const float* __restrict__ k, float* __restrict
     if constexpr (kNorm) {
         float ss = 0.0f;
         for (int c = lane; c < head_dim; c += 32) ss = fmaf(src[c], src[c], ss);
-        ss = warp_sum(ss);
-        inv = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, static_cast<float>(head_dim)), eps)));
+        inv = inverse_rms(ss, head_dim, eps);
     }
     const auto value = [&](int c) { return kNorm ? __fmul_rn(__fmul_rn(src[c], inv), weight[c]) : src[c]; };
     const int half_dim = head_dim / 2, half_rot = n_rot / 2;

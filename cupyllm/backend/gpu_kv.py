@@ -308,19 +308,18 @@ def encode_kv(k_codec: GpuKVCodec, k, k_cache, positions, v_codec: GpuKVCodec | 
         return
     positions = cp.ascontiguousarray(positions)
     record = slot_pos is not None
+    tensors = [(codec, cp.ascontiguousarray(src), cache, name) for (codec, src, cache), name in zip(tensors, names)]
     launches = [tensors] if len(tensors) == 2 and names[0] == names[1] else [[t] for t in tensors]
     for i, launch in enumerate(launches):
-        codec = launch[0][0]
-        first, second = launch[0], launch[-1]
-        srcs = [cp.ascontiguousarray(src) for _, src, _ in (first, second)]
+        (codec, first_src, first_cache, name), (second_codec, second_src, second_cache, _) = launch[0], launch[-1]
         geometry = encode_geometry(codec.fmt)
-        units = n_new * codec.n_kv_heads * max(c.head_dim for c, _, _ in launch) // geometry.unit_values
-        kernel = codec._registry.function(codec.encoder_name(first[1]))
-        kernel((geometry.grid(units), len(launch)), (geometry.cta_threads,),
-               (srcs[0], srcs[1], positions, first[2], second[2], slot_pos if record else positions,
-                np.int32(record and i == 0), np.int32(n_new), np.int32(k_cache.shape[0]), np.int32(ring),
-                np.int32(codec.n_kv_heads), np.int32(first[0].head_dim), np.int32(second[0].head_dim),
-                codec._encode_table))
+        units = n_new * codec.n_kv_heads * max(t[0].head_dim for t in launch) // geometry.unit_values
+        codec._registry.function(name)(
+            (geometry.grid(units), len(launch)), (geometry.cta_threads,),
+            (first_src, second_src, positions, first_cache, second_cache, slot_pos if record else positions,
+             np.int32(record and i == 0), np.int32(n_new), np.int32(k_cache.shape[0]), np.int32(ring),
+             np.int32(codec.n_kv_heads), np.int32(codec.head_dim), np.int32(second_codec.head_dim),
+             codec._encode_table))
 
 
 # --- other trellis sizes: the TCQ encoder at (k, L) pairs no format names, to time and check a smaller search ----
