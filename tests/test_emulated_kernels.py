@@ -123,9 +123,24 @@ __global__ void divergent_barrier(int* out) {  // half a warp at __syncthreads, 
 }
 
 __global__ void takes_int(int* out, int value) { out[threadIdx.x] = value; }
+
+// one uint4 (16 bytes) from byte `offset` of src: a misaligned-address fault on a GPU unless offset % 16 == 0
+__global__ void vector_load(const unsigned char* src, unsigned* out, int offset) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src + offset);
+    out[0] = v.x ^ v.y ^ v.z ^ v.w;
+}
+
+// element `index` of a register array and of a shared array of 8
+__global__ void fixed_arrays(int* out, int index) {
+    __shared__ int shared_values[8];
+    int values[8];
+    for (int i = 0; i < 8; ++i) values[i] = shared_values[i] = 10 * i + out[i];
+    out[0] = values[index] + shared_values[index % 8];
+}
 """
 
-NAMES = ("collectives", "mma_tile", "ldmatrix_rows", "ldmatrix_mma", "async_copy", "divergent_barrier", "takes_int")
+NAMES = ("collectives", "mma_tile", "ldmatrix_rows", "ldmatrix_mma", "async_copy", "divergent_barrier", "takes_int",
+         "vector_load", "fixed_arrays")
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +232,24 @@ def test_arguments_are_checked_against_the_kernel_signature(lib):
         lib.function("takes_int")((1,), (4,), (out.astype(np.float32), np.int32(7)))
     lib.function("takes_int")((1,), (4,), (out, np.int32(7)))
     assert (out == 7).all()
+
+
+def test_misaligned_vector_access_is_reported(lib):
+    """What a GPU reports as a misaligned address (x86 would read it) fails the launch with the source line."""
+    src = np.arange(64, dtype=np.uint8)
+    out = np.zeros(1, np.uint32)
+    lib.function("vector_load")((1,), (1,), (src, out, np.int32(16)))
+    assert out[0] == np.bitwise_xor.reduce(src[16:32].view(np.uint32))
+    with pytest.raises(emulator.EmuLaunchError, match=r"misaligned access at main.cu:\d+: .* 16-byte alignment"):
+        lib.function("vector_load")((1,), (1,), (src, out, np.int32(4)))
+
+
+def test_index_past_a_fixed_array_is_reported(lib):
+    out = np.zeros(8, np.int32)
+    lib.function("fixed_arrays")((1,), (1,), (out, np.int32(7)))
+    assert out[0] == 140
+    with pytest.raises(emulator.EmuLaunchError, match="index 8 out of bounds"):
+        lib.function("fixed_arrays")((1,), (1,), (np.zeros(8, np.int32), np.int32(8)))
 
 
 # ---- a subset of the GPU test files, under the fake cupy ---------------------------------------------------

@@ -39,6 +39,9 @@ CXX_ENV = "CUPYLLM_EMU_CXX"
 CXX_FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fPIC", "-pthread",
              "-Wno-unknown-pragmas", "-Wno-attributes")
 SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".inl")
+# Kernel units only: a misaligned typed access (a uint4 load from an address that is not 16-byte aligned faults
+# on a GPU, x86 does not mind) or an index past a fixed-size array fails the launch (emu_runtime.cpp's handlers).
+SANITIZE_FLAGS = ("-fsanitize=alignment,bounds",)
 KERNELS_PER_UNIT = 6  # name expressions per translation unit (units compile in parallel)
 
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?P<type>[^;\[]*?)\s*\b(?P<name>\w+)\s*\[\s*\]\s*;")
@@ -255,7 +258,8 @@ def build(code: str, name_expressions: Sequence[str], options: Sequence[str] = (
                                        f'namespace {{\n#include "main.cu"\n}}\nnamespace {{\n{regs}\n}}\n')
     shim_files = {p.name: p.read_text() for p in sorted(SHIM_DIR.iterdir()) if p.is_file()}
     digest = hashlib.sha256()
-    for part in (compiler(), _compiler_version(compiler()), " ".join(CXX_FLAGS), " ".join(include_args)):
+    for part in (compiler(), _compiler_version(compiler()), " ".join(CXX_FLAGS + SANITIZE_FLAGS),
+                 " ".join(include_args)):
         digest.update(part.encode() + b"\0")
     for name, text in sorted({**stage_files, **{f"shim/{k}": v for k, v in shim_files.items()}}.items()):
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
@@ -286,7 +290,8 @@ def _compile(stage_files: dict[str, str], include_args: list[str], n_units: int,
         objects = [stage / f"obj{i}.o" for i in range(len(sources))]
 
         def run(i: int):
-            return subprocess.run(base + [str(sources[i]), "-o", str(objects[i])], cwd=stage,
+            flags = base if sources[i] == RUNTIME_SOURCE else base + list(SANITIZE_FLAGS)
+            return subprocess.run(flags + [str(sources[i]), "-o", str(objects[i])], cwd=stage,
                                   capture_output=True, text=True)
 
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:

@@ -510,3 +510,31 @@ EMU_API int emu_kernel_launch(int i, void** args, unsigned gx, unsigned gy, unsi
                               unsigned bz, unsigned long long dynamic_smem) {
   return emu::entries()[i].launch(args, dim3(gx, gy, gz), dim3(bx, by, bz), static_cast<size_t>(dynamic_smem));
 }
+
+// ---- UBSan hooks: what a GPU reports as "misaligned address" or reads past a fixed array -----------------
+// Kernel units are built with -fsanitize=alignment,bounds (emulator.py SANITIZE_FLAGS) and no sanitizer
+// runtime: these handlers stand in for it and fail the launch with the kernel source line. x86 tolerates a
+// misaligned vector load that faults on the device; an index past a register or shared array is silent there.
+namespace {
+struct UbsanLocation { const char* file; uint32_t line; uint32_t column; };
+struct UbsanType { uint16_t kind; uint16_t info; char name[1]; };
+struct UbsanTypeMismatch { UbsanLocation loc; const UbsanType* type; unsigned char log_alignment; unsigned char kind; };
+struct UbsanOutOfBounds { UbsanLocation loc; const UbsanType* array_type; const UbsanType* index_type; };
+
+const char* base_name(const char* path) {
+  const char* slash = std::strrchr(path, '/');
+  return slash ? slash + 1 : path;
+}
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) void __ubsan_handle_type_mismatch_v1(UbsanTypeMismatch* data,
+                                                                                       uintptr_t pointer) {
+  emu::fail("misaligned access at %s:%u: address %p of %s needs %u-byte alignment", base_name(data->loc.file),
+            data->loc.line, reinterpret_cast<void*>(pointer), data->type->name, 1u << data->log_alignment);
+}
+
+extern "C" __attribute__((visibility("default"))) void __ubsan_handle_out_of_bounds(UbsanOutOfBounds* data,
+                                                                                    uintptr_t index) {
+  emu::fail("index %lld out of bounds of %s at %s:%u", static_cast<long long>(index), data->array_type->name,
+            base_name(data->loc.file), data->loc.line);
+}
