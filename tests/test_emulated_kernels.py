@@ -1,14 +1,16 @@
 """CI without a GPU: our CUDA kernels run on the CPU emulator (tools/cuda_emu).
 
-* The emulator itself: warp collectives, barriers, dynamic shared memory, cp.async groups and mma.sync
-  (checked against NumPy with the PTX fragment layout), and the errors it must raise (deadlock,
-  mismatched argument types).
+* The emulator itself: warp collectives, barriers, dynamic and static shared memory, cp.async groups and
+  mma.sync (checked against NumPy with the PTX fragment layout), and the errors it must raise (deadlock,
+  mismatched argument types, a misaligned access, an index past a fixed array), and EMU_ORDER=reverse.
 * A representative subset of the GPU test files, run in a subprocess with CUPYLLM_EMULATE=1 (the fake
   NumPy-backed `cupy` must be imported before anything else imports CuPy): KV encode/decode (TCQ: the
   Viterbi encoder at its formats' size and at the smaller trellises bench/kv_encode.py times), the
   flash-attention chunk readers of every format (f32 and f16 readers), the dequantizing-pass benchmark kernel,
   FA-VEC, MMA and MMA's decode layout at head dim 128 for every K and V format once, split-KV, argument
-  errors, prompt caching with the cache in device memory; the same for the fused Dual Chunk Attention kernels (tests/test_gpu_dca.py). The full matrix: `CUPYLLM_EMULATE=1 python -m pytest -m gpu tests/`.
+  errors, prompt caching with the cache in device memory; the same for the fused Dual Chunk Attention kernels
+  (tests/test_gpu_dca.py). Each subset runs twice: blocks and threads in order, then in reverse (EMU_ORDER).
+  The full matrix: `CUPYLLM_EMULATE=1 python -m pytest -m gpu tests/` (and again with EMU_ORDER=reverse).
 
 Skipped when g++ (or $CUPYLLM_EMU_CXX) cannot compile C++20. Builds are cached under
 $CUPYLLM_EMU_CACHE (default ~/.cache/cupyllm/cuda_emu); a cold run builds 7 libraries (~1.5 min on 2 cores).
@@ -137,10 +139,36 @@ __global__ void fixed_arrays(int* out, int index) {
     for (int i = 0; i < 8; ++i) values[i] = shared_values[i] = 10 * i + out[i];
     out[0] = values[index] + shared_values[index % 8];
 }
+
+// static shared memory: what each block reads before writing it, then after
+__global__ void static_shared_first_read(int* out) {
+    __shared__ int word[2];
+    if (threadIdx.x == 0) {
+        out[2 * blockIdx.x] = word[1];
+        word[1] = 7 + blockIdx.x;
+    }
+    __syncthreads();
+    if (threadIdx.x == 1) out[2 * blockIdx.x + 1] = word[1];
+}
+
+// the order blocks run in: out[1 + b] = how many blocks ran before block b
+__global__ void block_arrival(int* out) {
+    if (threadIdx.x == 0) out[1 + blockIdx.x] = atomicAdd(&out[0], 1);
+}
+
+// a missing barrier: thread t reads the word thread t + 1 writes (dynamic shared memory, filled with 0xFF)
+__global__ void racy_neighbour(int* out, int barrier) {
+    extern __shared__ int words[];
+    const int t = threadIdx.x, n = blockDim.x;
+    words[t] = t + 1;
+    if (barrier) __syncthreads();
+    out[t] = words[(t + 1) % n];
+}
 """
 
 NAMES = ("collectives", "mma_tile", "ldmatrix_rows", "ldmatrix_mma", "async_copy", "divergent_barrier", "takes_int",
-         "vector_load", "fixed_arrays")
+         "vector_load", "fixed_arrays", "racy_neighbour",
+         "static_shared_first_read", "block_arrival")
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +280,36 @@ def test_index_past_a_fixed_array_is_reported(lib):
         lib.function("fixed_arrays")((1,), (1,), (np.zeros(8, np.int32), np.int32(8)))
 
 
+def test_static_shared_memory_is_the_blocks_own_and_unset(lib):
+    """Each block gets its own static shared memory, 0xFF-filled (a GPU's is garbage, not the last block's)."""
+    out = np.zeros(6, np.int32)
+    lib.function("static_shared_first_read")((3,), (2,), (out,))
+    np.testing.assert_array_equal(out, [-1, 7, -1, 8, -1, 9])
+
+
+def test_thread_order_exposes_a_missing_barrier(lib, monkeypatch):
+    """EMU_ORDER=reverse runs blocks and threads last to first between collectives: a read of another thread's
+    unsynchronised write sees it in one order and not the other; with the barrier both orders agree."""
+    n = 8
+    results = {}
+    for order in ("forward", "reverse"):
+        monkeypatch.setenv("EMU_ORDER", order)
+        for barrier in (0, 1):
+            out = np.zeros(n, np.int32)
+            lib.function("racy_neighbour")((1,), (n,), (out, np.int32(barrier)), shared_mem=4 * n)
+            results[order, barrier] = out
+        arrival = np.zeros(4, np.int32)
+        lib.function("block_arrival")((3,), (32,), (arrival,))
+        results[order, "blocks"] = arrival[1:]
+    want = (np.arange(n) + 1) % n + 1
+    np.testing.assert_array_equal(results["forward", 1], want)
+    np.testing.assert_array_equal(results["reverse", 1], want)
+    np.testing.assert_array_equal(results["forward", 0], np.r_[np.full(n - 1, -1), 1])  # the writes come later
+    np.testing.assert_array_equal(results["reverse", 0], np.r_[want[:-1], -1])
+    np.testing.assert_array_equal(results["forward", "blocks"], [0, 1, 2])
+    np.testing.assert_array_equal(results["reverse", "blocks"], [2, 1, 0])
+
+
 # ---- a subset of the GPU test files, under the fake cupy ---------------------------------------------------
 
 GPU_SUBSET = (
@@ -263,31 +321,31 @@ GPU_SUBSET = (
 )
 
 
-def test_gpu_tests_pass_on_the_emulator():
-    env = dict(os.environ, CUPYLLM_EMULATE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-           "tests/test_gpu_kv.py", "tests/test_gpu_attention.py", "tests/test_gpu_backend.py", "-k", GPU_SUBSET]
+def _run_emulated(files: list[str], subset: str, min_passed: int, order: str) -> None:
+    """pytest -m gpu on `files` (-k `subset`) under the emulator, blocks and threads run in `order` (EMU_ORDER: a
+    race between threads or blocks passes in at most one of the two orders)."""
+    env = dict(os.environ, CUPYLLM_EMULATE="1", EMU_ORDER=order)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files, "-k", subset]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, f"EMU_ORDER={order} {' '.join(cmd)}\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
     assert " passed" in summary and "skipped" not in summary, summary
-    n_passed = int(summary.split(" passed")[0].split()[-1])
-    assert n_passed >= 70, summary  # the subset did not silently shrink
+    assert int(summary.split(" passed")[0].split()[-1]) >= min_passed, summary  # the subset did not silently shrink
+
+
+@pytest.mark.parametrize("order", ("forward", "reverse"))
+def test_gpu_tests_pass_on_the_emulator(order):
+    _run_emulated(["tests/test_gpu_kv.py", "tests/test_gpu_attention.py", "tests/test_gpu_backend.py"], GPU_SUBSET,
+                  70, order)
 
 
 # Fused Dual Chunk Attention (tests/test_gpu_dca.py): FA-VEC, MMA decode and MMA prefill at head dim 128 for
 # every K and V format once, against NumPy and the three-call LSE path; splits, empty rows, the fallback.
-# About 45 s cold, 25 s warm on 2 cores.
+# About 45 s cold, 25 s warm on 2 cores (each order).
 DCA_SUBSET = ("(test_vec_decode or test_mma_decode or test_mma_prefill) and [128- or test_split_count "
               "or test_rows_without_keys or test_bad_arguments or test_decoding_fallback")
 
 
-def test_gpu_dca_tests_pass_on_the_emulator():
-    env = dict(os.environ, CUPYLLM_EMULATE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu_dca.py",
-           "-k", DCA_SUBSET]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
-    assert " passed" in summary and "skipped" not in summary, summary
-    assert int(summary.split(" passed")[0].split()[-1]) >= 47, summary  # the subset did not silently shrink
+@pytest.mark.parametrize("order", ("forward", "reverse"))
+def test_gpu_dca_tests_pass_on_the_emulator(order):
+    _run_emulated(["tests/test_gpu_dca.py"], DCA_SUBSET, 47, order)

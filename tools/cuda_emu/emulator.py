@@ -90,11 +90,53 @@ def cache_dir() -> Path:
 
 
 def rewrite_source(text: str) -> str:
-    """`extern __shared__ T name[];` -> a pointer to the emulator's dynamic shared memory."""
+    """`extern __shared__ T name[];` -> a pointer to the emulator's dynamic shared memory; `__shared__ T a[..], b;`
+    -> references to this block's copies of them (`_rewrite_static_shared`)."""
     def replace(match: re.Match) -> str:
         ctype = _ALIGN.sub("", match["type"]).strip()
         return f"{ctype}* const {match['name']} = reinterpret_cast<{ctype}*>(::emu::dynamic_smem());"
-    return _EXTERN_SHARED.sub(replace, text)
+    return _rewrite_static_shared(_EXTERN_SHARED.sub(replace, text))
+
+
+_STATIC_SHARED = re.compile(r"(?<![\w.])__shared__\s+(?P<decl>[^;{}]*);")
+_DECLARATOR = re.compile(r"^(?P<type>.*?)\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\]]*\]\s*)*)$", re.S)
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`a[x], b<c, d>[y]` -> its comma-separated parts outside <>, () and []."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "<(["
+        depth -= ch in ">)]"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def _rewrite_static_shared(text: str) -> str:
+    """Each static `__shared__` declarator -> a reference to the running block's copy, which the runtime places in
+    its static shared memory and fills with 0xFF (NaN) at the block's first use (emu.h `static_shared`): a read
+    before any write shows, as do blocks that pass values through shared memory. Declarations it cannot parse stay
+    block-scope statics (emu.h `#define __shared__ static`)."""
+    counter = iter(range(1 << 30))
+
+    def replace(match: re.Match) -> str:
+        parts = _split_top_level(_ALIGN.sub("", match["decl"]).strip())
+        first = _DECLARATOR.match(parts[0].strip())
+        if first is None or not first["type"].strip():
+            return match[0]
+        base = first["type"].strip()
+        out = []
+        for i, part in enumerate(parts):
+            d = first if i == 0 else _DECLARATOR.match(part.strip())
+            if d is None or (i and d["type"].strip()):
+                return match[0]
+            k = next(counter)
+            out.append(f"static ::emu::SharedSlot emu_shared_slot_{k}; using emu_shared_t_{k} = {base}{d['dims']}; "
+                       f"emu_shared_t_{k}& {d['name']} = ::emu::static_shared<emu_shared_t_{k}>(emu_shared_slot_{k});")
+        return " ".join(out)
+    return _STATIC_SHARED.sub(replace, text)
 
 
 def include_dirs_from_options(options: Iterable[str]) -> list[Path]:

@@ -41,7 +41,7 @@
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))  // GCC takes it anywhere in the decl-specifiers, as nvcc does
-// Static __shared__ variables are block-scope statics: shared by every thread of the block (blocks
+// Static __shared__ variables the build script does not rewrite (static_shared below) are block-scope statics: shared by every thread of the block (blocks
 // run one at a time). `extern __shared__` (dynamic shared memory) is rewritten by the build script to
 // a plain `extern` array that the generated wrapper defines (see emulator.py).
 #define __shared__ static
@@ -98,6 +98,22 @@ const char* last_error();
 constexpr size_t kDynamicSmemCapacity = 232448;  // sm_90's opt-in maximum (227 KB)
 unsigned char* dynamic_smem();
 size_t dynamic_smem_size();  // bytes requested by the running launch
+
+// Static shared memory of the running block: the build script rewrites `__shared__ T name[..];` to
+// `static SharedSlot slot; T (&name)[..] = static_shared<T[..]>(slot);`. The first thread of a block to reach the
+// declaration places it in the block's static shared memory (16-byte aligned, at most 48 KB, and with the dynamic
+// request at most the 227 KB an SM gives a block) and fills it with 0xFF; the block's other threads get the same
+// address. So a read before any write sees NaN / -1 bits, as a GPU would show garbage, not the previous block's.
+constexpr size_t kStaticSmemCapacity = 49152;
+struct SharedSlot {
+  unsigned long long block = 0;  // the block (emulator-wide count) that placed it; 0: none yet
+  unsigned char* address = nullptr;
+};
+unsigned char* static_shared(SharedSlot& slot, size_t bytes);
+template <class T>
+inline T& static_shared(SharedSlot& slot) {
+  return *reinterpret_cast<T*>(static_shared(slot, sizeof(T)));
+}
 
 // cp.async (deferred: the copy lands at the wait that covers it)
 void cp_async(void* dst, const void* src, unsigned bytes, unsigned src_bytes);

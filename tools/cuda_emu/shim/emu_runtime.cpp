@@ -319,6 +319,16 @@ std::string describe_waits(int n_threads) {
   return s;
 }
 
+// EMU_ORDER=reverse runs a launch's blocks, and a block's threads between collectives, from the last to the first.
+// Code between two barriers may run in any order on a GPU, and blocks in any order; here they run one after
+// another, so a read of memory that another thread writes without a barrier in between (or another block, with no
+// ordering at all) sees the write in one order and misses it in the other: a test that passes in both orders has
+// no such race between threads or blocks of lower and higher index.
+bool in_reverse() {
+  const char* env = std::getenv("EMU_ORDER");
+  return env && std::strcmp(env, "reverse") == 0;
+}
+
 int run_block(int n_threads) {
   for (int t = 0; t < n_threads; ++t) {
     Fiber& f = g_fibers[t];
@@ -333,8 +343,10 @@ int run_block(int n_threads) {
     init_context(&f);
   }
   const int n_warps = (n_threads + 31) / 32;
+  const bool reverse = in_reverse();
   for (;;) {
-    for (int t = 0; t < n_threads; ++t) {
+    for (int i = 0; i < n_threads; ++i) {
+      const int t = reverse ? n_threads - 1 - i : i;
       if (g_fibers[t].wait == Wait::kNone) {
         switch_to(&g_fibers[t]);
         if (g_abort) return -1;
@@ -391,6 +403,7 @@ void fail(const char* fmt, ...) {
 const char* last_error() { return g_error.c_str(); }
 
 unsigned char* dynamic_smem();
+void begin_block_static_smem();
 namespace { size_t g_dynamic_smem_bytes = 0; }
 size_t dynamic_smem_size() { return g_dynamic_smem_bytes; }
 
@@ -430,10 +443,14 @@ int launch(void (*thread_body)(void*), void* ctx, dim3 grid, dim3 block, size_t 
   g_body_ctx = ctx;
   g_block_dim = block;
   g_grid_dim = grid;
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
+  const bool reverse = in_reverse();
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        const unsigned x = reverse ? grid.x - 1 - bx : bx, y = reverse ? grid.y - 1 - by : by,
+                       z = reverse ? grid.z - 1 - bz : bz;
         g_block_idx = uint3{x, y, z};
+        begin_block_static_smem();
         if (dynamic_smem_bytes)  // NaN bytes, also a little past the request: uninitialised reads show
           std::memset(dynamic_smem(), 0xFF, std::min(kDynamicSmemCapacity, dynamic_smem_bytes + 4096));
         if (run_block(int(n_threads)) != 0) {
@@ -495,6 +512,33 @@ alignas(128) unsigned char g_dynamic_smem[kDynamicSmemCapacity];
 }  // namespace
 
 unsigned char* dynamic_smem() { return g_dynamic_smem; }
+
+namespace {
+alignas(128) unsigned char g_static_smem[kStaticSmemCapacity];
+unsigned long long g_block_serial = 0;  // counts every block run; SharedSlot::block names the one that placed it
+size_t g_static_smem_top = 0;          // bytes of g_static_smem placed by the running block
+}  // namespace
+
+void begin_block_static_smem() {
+  ++g_block_serial;
+  g_static_smem_top = 0;
+}
+
+unsigned char* static_shared(SharedSlot& slot, size_t bytes) {
+  if (slot.block == g_block_serial) return slot.address;
+  if (!g_cur) fail("a __shared__ variable used outside a kernel (at namespace scope?)");
+  const size_t offset = (g_static_smem_top + 15) / 16 * 16;
+  if (offset + bytes > kStaticSmemCapacity)
+    fail("static shared memory of %zu bytes exceeds 48 KB", offset + bytes);
+  if (offset + bytes + dynamic_smem_size() > kDynamicSmemCapacity)
+    fail("static (%zu bytes) and dynamic (%zu bytes) shared memory exceed the 227 KB an SM gives a block",
+         offset + bytes, dynamic_smem_size());
+  g_static_smem_top = offset + bytes;
+  std::memset(g_static_smem + offset, 0xFF, bytes);
+  slot.block = g_block_serial;
+  slot.address = g_static_smem + offset;
+  return slot.address;
+}
 
 void register_kernel(const char* name, const std::string& signature, LaunchFn launch) {
   entries().push_back(Entry{name, signature, launch});
