@@ -2,6 +2,20 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+from cupyllm.cuda import gpu_count
+
+# every GPU test module: `pytestmark = GPU_TEST_MARKS` (selected by -m gpu; skipped without a device)
+GPU_TEST_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
+]
+
+# flash-attention tolerances (test_gpu_attention, test_gpu_dca)
+VEC_TOL = 2e-5     # |dO| / max|V| for FA-VEC (f32 arithmetic on the exact decoded values); |dLSE| <= 10x
+MMA_TOL_O = 2e-3   # |dO| / max|V| for MMA against the f16-rounded reference (P is rounded to f16)
+MMA_TOL_LSE = 2e-4
 
 
 def emulated() -> bool:

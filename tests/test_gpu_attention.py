@@ -23,20 +23,14 @@ import types
 import numpy as np
 import pytest
 
-from cupyllm.cuda import gpu_count
-from gpu_helpers import emulated, get_test_format, rounded_f16, rounded_f16_query
+from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format, rounded_f16,
+                         rounded_f16_query)
 from test_attention_reference import dense
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
-]
+pytestmark = GPU_TEST_MARKS
 
 HEAD_DIMS = (64, 128, 256, 512)
 MASK_CASES = ("causal", "window_ring", "softcap", "additive", "empty_rows", "unused_slots")
-VEC_TOL = 2e-5     # |dO| / max|V| and |dLSE| for FA-VEC (f32 arithmetic on the exact decoded values)
-MMA_TOL_O = 2e-3   # |dO| / max|V| for MMA against the f16-rounded reference (P is rounded to f16)
-MMA_TOL_LSE = 2e-4
 
 
 def _formats():

@@ -27,13 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupyllm.cuda import gpu_count
-from gpu_helpers import emulated
+from gpu_helpers import GPU_TEST_MARKS, emulated
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
-]
+pytestmark = GPU_TEST_MARKS
 
 REPO = Path(__file__).resolve().parents[1]
 

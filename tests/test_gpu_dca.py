@@ -25,18 +25,12 @@ import types
 import numpy as np
 import pytest
 
-from cupyllm.cuda import gpu_count
-from gpu_helpers import emulated, get_test_format, rounded_f16, rounded_f16_query
+from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format, rounded_f16,
+                         rounded_f16_query)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
-]
+pytestmark = GPU_TEST_MARKS
 
 HEAD_DIMS = (64, 128, 256, 512)
-VEC_TOL = 2e-5     # |dO| / max|V| (f32 arithmetic on the exact decoded values); |dLSE| <= 10x
-MMA_TOL_O = 2e-3   # |dO| / max|V| against the f16-rounded references (P is rounded to f16)
-MMA_TOL_LSE = 2e-4
 # (S, W, yarn factor): chunk_len L = S - W
 CONFIGS = {"L56": (64, 8, 1.0), "L32": (40, 8, 1.0), "L88_yarn": (100, 12, 4.0)}
 # query sets: "end" = the last positions (decode), "chunk0" = inside chunk 0, "boundary" = first/last

@@ -11,14 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyllm.cuda import gpu_count
 from cupyllm.kv import turbo
-from gpu_helpers import get_test_format
+from gpu_helpers import GPU_TEST_MARKS, get_test_format
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
-]
+pytestmark = GPU_TEST_MARKS
 
 N_KV_HEADS = 8
 HEAD_DIMS = (64, 128, 256)

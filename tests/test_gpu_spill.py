@@ -8,12 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cupyllm.cuda import gpu_count
+from gpu_helpers import GPU_TEST_MARKS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
-]
+pytestmark = GPU_TEST_MARKS
 
 IDS = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77, 9, 120, 4, 57, 81]
 
