@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
+from host_cpu import cpu_description
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -178,7 +177,7 @@ def main(argv=None) -> int:
         for peer in [e for e in engines if e != "cupyllm" and e in row]:
             row[f"ratio_vs_{peer}"] = {k: ours[k] / row[peer][k] for k in ("prefill_tps", "decode_tps")}
     report = {
-        "bench": "e2e_cpu", "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "bench": "e2e_cpu", "device": cpu_description(),
         "threads": THREADS, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "rounds": args.rounds,
         "figures": "median over the rounds (engines interleaved)",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results,

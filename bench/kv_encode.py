@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -30,8 +29,10 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # (also when loaded as a module: tests/test_cuda_compile.py)
 
 from cupyllm.cuda import device_name, gpu_count  # noqa: E402
+from host_cpu import cpu_description  # noqa: E402
 from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -39,14 +40,6 @@ N_KV_HEADS = 8
 HEAD_DIMS = (128, 256)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
 def kv_rows(rng, n_tokens: int, head_dim: int) -> np.ndarray:
@@ -228,8 +221,8 @@ def main(argv=None) -> int:
         for name, hd in tqdm(cases, desc="CPU kv encode"):
             tokens = args.cpu_tcq_tokens if name.endswith("_tcq") else args.cpu_tokens
             rows.append(bench_cpu(get_format(name, head_dim=hd), hd, tokens, args.cpu_seconds, rng))
-        path = write_results("cpu", cpu_name(), rows, {"implementation": "cupyllm.kv (NumPy / numba)"})
-        print_table(f"CPU ({cpu_name()}) -> {path}", rows)
+        path = write_results("cpu", cpu_description(), rows, {"implementation": "cupyllm.kv (NumPy / numba)"})
+        print_table(f"CPU ({cpu_description()}) -> {path}", rows)
 
     if args.device in ("gpu", "all"):
         if gpu_count() == 0:

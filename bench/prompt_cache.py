@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
+from host_cpu import cpu_description
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         from cupyllm.cuda import device_name
         device = device_name()
     else:
-        device = f"CPU: {platform.machine()}, {platform.processor() or ''}"
+        device = cpu_description()
     result = {"bench": "prompt_cache", "device": device,
               "model": model.path.name + (" (random weights, real shapes)" if args.preset else ""),
               "document_tokens": len(cached.ids),

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cupyllm.sampling import SamplingParams, apply_repeat_penalty, candidates  # noqa: E402
+from host_cpu import cpu_description  # noqa: E402
 
 CASES = {  # llama.cpp's defaults, with the repeat penalty, top-k off, top-k off and top-p off
     "top-k 40, top-p 0.95, min-p 0.05": SamplingParams(),
@@ -84,8 +83,7 @@ def main(argv=None) -> int:
                      "speedup": peer_s / ours_s})
         print(f"{name}: {ours_s * 1e3:.3f} ms against {peer_s * 1e3:.3f} ms sorted ({peer_s / ours_s:.1f}x), "
               f"{len(ours[0])} candidates")
-    report = {"bench": "sampling", "device": f"CPU: {platform.processor() or platform.machine()}, "
-                                             f"{os.cpu_count()} cores",
+    report = {"bench": "sampling", "device": cpu_description(),
               "vocab": args.vocab, "rounds": args.rounds, "figures": "median per call, penalty included",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,7 @@ def test_engine_with_normalized_keys(tiny_model, monkeypatch):
     stays close to the exact logits. The f32 comparison runs the matmuls on float32 activations
     (ACTIVATION_CODES off): their 16-bit codes would turn a last-bit difference into a whole code step
     (1/32767 of a block's largest value) wherever a value sits at a rounding boundary, measured 1.3e-5 of the
-    logit scale on a Zen 3 host, beyond what this bound is about."""
+    logit scale on an x86_64 host, beyond what this bound is about."""
     path, _, _ = tiny_model("qwen2")
     model = cupyllm.load(path, device="cpu", ctx=32, kv_type_k="f32", kv_type_v="f32", progress=False)
     ids = np.arange(4, 24)
