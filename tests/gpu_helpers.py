@@ -51,3 +51,21 @@ def rounded_f16(x, fmt):
 def rounded_f16_query(q, k_format, scale):
     """q * scale rounded to f16 in K's storage domain (fa_prep_q for fa_mma), back in the original domain."""
     return rounded_f16(q.astype(np.float32) * np.float32(scale), k_format)
+
+
+def mma_lacks_shared_memory(runner, layer, n_q: int, n_head: int, head_dim: int) -> bool:
+    """Whether fa_mma's tiles for this call need more shared memory than the device gives a block (an A100's
+    163 KB: an f32 cache at head dim 512). The engine never asks for them (dispatch.choose_kernel sends f32 decode
+    to fa_vec; checked here); an explicit kernel="mma" gets AttentionArgumentError, which the caller checks."""
+    from cupyllm.attention import gpu_kernels as fk
+    from cupyllm.attention.dispatch import choose_kernel
+    n_kv = layer.k_data.shape[1]
+    rows = n_q * (n_head // n_kv)
+    need = fk.mma_launch_smem_bytes(head_dim, fk.mma_is_decode(rows), layer.k_format, layer.v_format,
+                                    layer.k_data.shape[2], layer.v_data.shape[2])
+    if runner.smem_optin is None or need <= runner.smem_optin:
+        return False
+    assert choose_kernel(n_q, n_head, n_kv, head_dim, layer.k_format.name, layer.v_format.name) == "vec", (
+        f"the engine would pick fa_mma for K {layer.k_format.name} / V {layer.v_format.name} at head dim {head_dim}, "
+        f"which needs {need} bytes of shared memory, more than the device's {runner.smem_optin}")
+    return True

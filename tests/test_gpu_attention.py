@@ -23,8 +23,8 @@ import types
 import numpy as np
 import pytest
 
-from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format, rounded_f16,
-                         rounded_f16_query)
+from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format,
+                         mma_lacks_shared_memory, rounded_f16, rounded_f16_query)
 from test_attention_reference import dense
 
 pytestmark = GPU_TEST_MARKS
@@ -169,6 +169,11 @@ def _run_case(runner, head_dim, k_name, v_name, case, kernel, seed=0, shapes=Non
     layer, q_pos, opts = _case_inputs(rng, head_dim, k_name, v_name, case, n_q, n_head, n_kv, n_slots)
     q = rng.standard_normal((n_q, n_head, head_dim)).astype(np.float32)
     scale = head_dim ** -0.5
+    if kernel == "mma" and mma_lacks_shared_memory(runner, layer, n_q, n_head, head_dim):
+        from cupyllm.attention.dispatch import AttentionArgumentError
+        with pytest.raises(AttentionArgumentError, match="shared memory.*use kernel='vec'"):
+            runner.attention_lse(cp.asarray(q), q_pos, layer, scale=scale, kernel=kernel, **opts)
+        return
     o, lse = runner.attention_lse(cp.asarray(q), q_pos, layer, scale=scale, kernel=kernel, n_split=SPLITS[case],
                                   **opts)
     ref_o, ref_lse = reference(q, q_pos, layer, scale=scale, f16_inputs=kernel == "mma", **opts)

@@ -25,8 +25,8 @@ import types
 import numpy as np
 import pytest
 
-from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format, rounded_f16,
-                         rounded_f16_query)
+from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format,
+                         mma_lacks_shared_memory, rounded_f16, rounded_f16_query)
 
 pytestmark = GPU_TEST_MARKS
 
@@ -162,6 +162,12 @@ def run_case(runner, head_dim, k_name, v_name, config, kernel, queries, *, shape
     n_q = len(q_pos)
     q3 = [rng.standard_normal((n_q, n_head, head_dim)).astype(np.float32) for _ in range(3)]
     scale = head_dim ** -0.5
+    if kernel == "mma" and mma_lacks_shared_memory(runner, layer, n_q, n_head, head_dim):
+        from cupyllm.attention.dispatch import AttentionArgumentError
+        with pytest.raises(AttentionArgumentError, match="shared memory.*use kernel='vec'"):
+            gpu_dca_attention_lse(*(cp.asarray(q) for q in q3), q_pos, layer, dca, scale=scale, kernel=kernel,
+                                  runner=runner)
+        return None
     o, lse = gpu_dca_attention_lse(*(cp.asarray(q) for q in q3), q_pos, layer, dca, scale=scale, softcap=softcap,
                                    kernel=kernel, n_split=n_split, runner=runner)
     o, lse = cp.asnumpy(o), cp.asnumpy(lse)
