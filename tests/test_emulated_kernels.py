@@ -151,6 +151,8 @@ __global__ void static_shared_first_read(int* out) {
     if (threadIdx.x == 1) out[2 * blockIdx.x + 1] = word[1];
 }
 
+__global__ void __launch_bounds__(64) bounded(int* out) { out[threadIdx.x] = 1; }
+
 // the order blocks run in: out[1 + b] = how many blocks ran before block b
 __global__ void block_arrival(int* out) {
     if (threadIdx.x == 0) out[1 + blockIdx.x] = atomicAdd(&out[0], 1);
@@ -168,7 +170,7 @@ __global__ void racy_neighbour(int* out, int barrier) {
 
 NAMES = ("collectives", "mma_tile", "ldmatrix_rows", "ldmatrix_mma", "async_copy", "divergent_barrier", "takes_int",
          "vector_load", "fixed_arrays", "racy_neighbour",
-         "static_shared_first_read", "block_arrival")
+         "static_shared_first_read", "block_arrival", "bounded")
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +280,14 @@ def test_index_past_a_fixed_array_is_reported(lib):
     assert out[0] == 140
     with pytest.raises(emulator.EmuLaunchError, match="index 8 out of bounds"):
         lib.function("fixed_arrays")((1,), (1,), (np.zeros(8, np.int32), np.int32(8)))
+
+
+def test_a_block_past_the_launch_bounds_is_refused(lib):
+    out = np.zeros(128, np.int32)
+    lib.function("bounded")((1,), (64,), (out,))
+    assert out[:64].all() and not out[64:].any()
+    with pytest.raises(emulator.EmuLaunchError, match=r"128 threads exceeds the kernel's __launch_bounds__\(64\)"):
+        lib.function("bounded")((1,), (128,), (out,))
 
 
 def test_static_shared_memory_is_the_blocks_own_and_unset(lib):

@@ -95,7 +95,36 @@ def rewrite_source(text: str) -> str:
     def replace(match: re.Match) -> str:
         ctype = _ALIGN.sub("", match["type"]).strip()
         return f"{ctype}* const {match['name']} = reinterpret_cast<{ctype}*>(::emu::dynamic_smem());"
-    return _rewrite_static_shared(_EXTERN_SHARED.sub(replace, text))
+    return _check_launch_bounds(_rewrite_static_shared(_EXTERN_SHARED.sub(replace, text)))
+
+
+def _balanced(text: str, open_at: int) -> int:
+    """The index just past the parenthesis that closes the one at `open_at`."""
+    depth = 0
+    for i in range(open_at, len(text)):
+        depth += text[i] == "("
+        depth -= text[i] == ")"
+        if depth == 0:
+            return i + 1
+    raise EmuBuildError(f"unbalanced parentheses from: {text[open_at:open_at + 80]!r}")
+
+
+def _check_launch_bounds(text: str) -> str:
+    """`__global__ void __launch_bounds__(N, ...) name(params) {` -> the same with `::emu::check_launch_bounds(N);`
+    first in the body (on the brace's line: line numbers stay), so a launch with more threads a block than the
+    kernel was compiled for fails, as on a GPU (the expression is evaluated in the kernel's template context)."""
+    out, pos = [], 0
+    while (at := text.find("__launch_bounds__", pos)) >= 0:
+        open_at = text.find("(", at)
+        close = _balanced(text, open_at)
+        max_threads = _split_top_level(text[open_at + 1:close - 1])[0].strip()
+        params_at = text.find("(", close)
+        body_at = text.find("{", _balanced(text, params_at))
+        if not max_threads or params_at < 0 or body_at < 0 or text[_balanced(text, params_at):body_at].strip():
+            raise EmuBuildError(f"cannot read the kernel after: {text[at:at + 120]!r}")
+        out.append(text[pos:body_at + 1] + f" ::emu::check_launch_bounds(static_cast<long>({max_threads}));")
+        pos = body_at + 1
+    return "".join(out) + text[pos:]
 
 
 _STATIC_SHARED = re.compile(r"(?<![\w.])__shared__\s+(?P<decl>[^;{}]*);")

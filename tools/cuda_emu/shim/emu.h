@@ -115,6 +115,14 @@ inline T& static_shared(SharedSlot& slot) {
   return *reinterpret_cast<T*>(static_shared(slot, sizeof(T)));
 }
 
+// First in every kernel with __launch_bounds__ (the build script puts it there): a block of more threads than the
+// kernel was compiled for is refused on a GPU ("too many resources requested for launch").
+inline void check_launch_bounds(long max_threads) {
+  const long n_threads = long(g_block_dim.x) * g_block_dim.y * g_block_dim.z;
+  if (n_threads > max_threads)
+    fail("a block of %ld threads exceeds the kernel's __launch_bounds__(%ld)", n_threads, max_threads);
+}
+
 // cp.async (deferred: the copy lands at the wait that covers it)
 void cp_async(void* dst, const void* src, unsigned bytes, unsigned src_bytes);
 void cp_async_commit();
