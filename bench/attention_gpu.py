@@ -15,8 +15,10 @@ model's decode step does, so small contexts are not served from L2.
     python bench/attention_gpu.py                       # everything that fits
     python bench/attention_gpu.py --quick               # 4k and 64k, f16 / q8_0 / q4_0 / turbo3
 
-Writes bench/results/attention_gpu.json (device named in it) and copies it into $OUT when set.
-Needs a CUDA device (exits with a message otherwise, and refuses the CPU emulator).
+    python bench/attention_gpu.py --smoke               # one tiny row: checks the script (the CUDA emulator too)
+
+Writes bench/results/attention_gpu.json (device named in it; $CUPYLLM_BENCH_RESULTS moves the folder) and copies
+it into $OUT when set. Needs a CUDA device (exits with a message otherwise; refuses the CPU emulator but with --smoke).
 """
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ sys.path.insert(0, str(REPO))
 from cupyllm.cuda import device_name, gpu_count  # noqa: E402
 from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
 
-RESULTS = REPO / "bench" / "results"
+# where the GPU benchmarks write their JSON (tests/test_gpu_bench_smoke.py points it at a temporary folder)
+RESULTS = Path(os.environ.get("CUPYLLM_BENCH_RESULTS") or REPO / "bench" / "results")
 SHAPES = {  # name: (head_dim, n_head, n_kv)
     "hd128_32q8kv": (128, 32, 8),
     "hd256_8q4kv": (256, 8, 4),
@@ -57,13 +60,14 @@ L2_MULTIPLE = 2.0      # cycle through layers totalling this many times the L2 s
 MEMORY_FRACTION = 0.6  # of the free device memory, for the caches of one run
 
 
-def real_cupy(bench: str):
-    """CuPy on a CUDA device, or None (saying why) without one or under the CPU emulator."""
+def real_cupy(bench: str, smoke: bool = False):
+    """CuPy on a CUDA device, or None (saying why) without one or under the CPU emulator (allowed for a smoke
+    run: it checks the script, its timings mean nothing)."""
     if gpu_count() == 0:
         print(f"{bench}: no CUDA device (CuPy finds none); nothing to measure")
         return None
     import cupy as cp
-    if getattr(cp, "__cupyllm_emulated__", False):
+    if getattr(cp, "__cupyllm_emulated__", False) and not smoke:
         print(f"{bench}: CuPy is the CPU emulator (CUPYLLM_EMULATE); timings would be meaningless")
         return None
     return cp
@@ -229,10 +233,14 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4k and 64k; f16, q8_0, q4_0, turbo3")
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="start no new row after this many seconds (0: no limit); the 64k rows run first")
+    parser.add_argument("--smoke", action="store_true", help="one tiny row, to check the script (emulator too)")
     args = parser.parse_args(argv)
-    cp = real_cupy("attention_gpu")
+    cp = real_cupy("attention_gpu", smoke=args.smoke)
     if cp is None:
         return 0
+    if args.smoke:
+        args.shapes, args.formats, args.lengths = ["hd64_14q2kv_qwen2.5_0.5b"], ["q8_0", "turbo3"], [256]
+        args.repeats, args.no_torch, args.pairs = 1, True, False
     from cupyllm.attention import dispatch
     from cupyllm.attention.dispatch import GpuAttention
     if args.quick:
@@ -255,7 +263,7 @@ def main(argv=None) -> int:
         kf, vf = get_format(k_name, head_dim=head_dim), get_format(v_name, head_dim=head_dim)
         layer_bytes = n_keys * n_kv * (kf.row_bytes(head_dim) + vf.row_bytes(head_dim))
         free, _ = cp.cuda.runtime.memGetInfo()
-        n_layers = max(1, math.ceil(L2_MULTIPLE * device["l2_bytes"] / layer_bytes))
+        n_layers = 1 if args.smoke else max(1, math.ceil(L2_MULTIPLE * device["l2_bytes"] / layer_bytes))
         row = {"shape": shape, "head_dim": head_dim, "n_head": n_head, "n_kv": n_kv, "n_keys": n_keys,
                "k_format": k_name, "v_format": v_name, "kv_bytes_read": layer_bytes}
         if layer_bytes * (n_layers + 1) > MEMORY_FRACTION * free:

@@ -12,6 +12,7 @@ per key), local_size W = S / 32; the query sits at the last position, so every r
 
     python bench/dca_gpu.py                 # hd128 28q/4kv (Qwen2.5-7B-1M), f16 / q8_0 / q4_0 / turbo3, 16k and 128k
     python bench/dca_gpu.py --all           # every shape, more lengths, prefill rows
+    python bench/dca_gpu.py --smoke         # tiny rows: checks the script (the CUDA emulator too)
 
 Writes bench/results/dca_gpu.json (device named in it, rewritten after every row so a timeout keeps what ran)
 and copies it into $OUT when set. Needs a CUDA device (exits with a message otherwise, and refuses the CPU
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-RESULTS = REPO / "bench" / "results"
+RESULTS = Path(os.environ.get("CUPYLLM_BENCH_RESULTS") or REPO / "bench" / "results")
 SHAPES = {  # name: (head_dim, n_head, n_kv)
     "hd128_28q4kv_qwen2.5_7b": (128, 28, 4),
     "hd128_40q8kv_qwen2.5_14b": (128, 40, 8),
@@ -120,11 +121,16 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="every shape, more lengths, prefill rows")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=45.0, help="start no new row after this many seconds")
+    parser.add_argument("--smoke", action="store_true", help="tiny decode and prefill rows, to check the script "
+                        "(emulator too)")
     args = parser.parse_args(argv)
     from attention_gpu import device_info, make_layers, real_cupy
-    cp = real_cupy("dca_gpu")
+    cp = real_cupy("dca_gpu", smoke=args.smoke)
     if cp is None:
         return 0
+    if args.smoke:
+        args.shapes, args.formats, args.lengths = ["hd64_14q2kv_qwen2.5_0.5b"], ["q8_0"], [512]
+        args.chunk_size, args.repeats, args.prefill, args.budget_s = 256, 1, True, 1e9
     from cupyllm.attention import dispatch
     from cupyllm.attention.dca import DCAConfig
     from cupyllm.attention.dispatch import GpuAttention
@@ -168,7 +174,7 @@ def main(argv=None) -> int:
             continue
         kf = get_format(fmt, head_dim=head_dim)
         layer_bytes = n_keys * n_kv * 2 * kf.row_bytes(head_dim)
-        n_layers = max(1, math.ceil(L2_MULTIPLE * device["l2_bytes"] / layer_bytes))
+        n_layers = 1 if args.smoke else max(1, math.ceil(L2_MULTIPLE * device["l2_bytes"] / layer_bytes))
         free, _ = cp.cuda.runtime.memGetInfo()
         if layer_bytes * (n_layers + 1) > MEMORY_FRACTION * free:
             row["skipped"] = "does not fit in device memory"

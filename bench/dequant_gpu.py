@@ -10,6 +10,7 @@ values per second, and the speed-up of Half8. tools/sass_count.py gives the same
 instruction counts (no GPU).
 
     python bench/dequant_gpu.py [--rows 1048576] [--repeats 20]
+    python bench/dequant_gpu.py --smoke     # 64 rows at head dim 128: checks the script (emulator too)
 
 Writes bench/results/dequant_gpu.json (device named in it) and copies it into $OUT when set. Needs a CUDA
 device (exits with a message otherwise, and refuses the CPU emulator).
@@ -34,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from cupyllm.cuda import device_name, gpu_count  # noqa: E402
 from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
 
-RESULTS = REPO / "bench" / "results"
+RESULTS = Path(os.environ.get("CUPYLLM_BENCH_RESULTS") or REPO / "bench" / "results")
 HEAD_DIMS = (128, 64)
 
 
@@ -74,27 +75,31 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1 << 20, help="cache rows per format (one KV head each)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS / "dequant_gpu.json")
+    parser.add_argument("--smoke", action="store_true", help="a few rows at head dim 128, to check the script "
+                        "(emulator too)")
     args = parser.parse_args()
     if gpu_count() == 0:
         print("bench/dequant_gpu.py: no CUDA device (CuPy finds none); nothing to measure")
         return 0
     import cupy as cp
-    if getattr(cp, "__cupyllm_emulated__", False):
+    if getattr(cp, "__cupyllm_emulated__", False) and not args.smoke:
         print("bench/dequant_gpu.py: CuPy is the CPU emulator (CUPYLLM_EMULATE); timings would be meaningless")
         return 0
+    if args.smoke:
+        args.rows, args.repeats = 64, 1
     from cupyllm.backend.gpu_kv import GpuKVCodec
     from cupyllm.cuda.registry import KernelRegistry
     registry = KernelRegistry()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     name = device_name()
-    n_blocks = 4 * int(props["multiProcessorCount"])
+    n_blocks = 2 if args.smoke else 4 * int(props["multiProcessorCount"])
     rng = np.random.default_rng(0)
     results = []
-    cases = [(d, f) for d in HEAD_DIMS for f in list_formats() if f not in ("f32", "bf16")]
+    cases = [(d, f) for d in ((128,) if args.smoke else HEAD_DIMS) for f in list_formats() if f not in ("f32", "bf16")]
     for head_dim, fmt_name in tqdm(cases, desc="dequant passes", unit="format"):
         fmt = get_format(fmt_name, head_dim=head_dim)
         codec = GpuKVCodec(fmt, head_dim, 1)
-        block_rows = 1 << 14  # encoded once, tiled: realistic bytes, quick to build
+        block_rows = min(1 << 14, args.rows)  # encoded once, tiled: realistic bytes, quick to build
         src = cp.asarray(rng.standard_normal((block_rows, 1, head_dim)).astype(np.float32))
         block = codec.allocate(block_rows)
         codec.encode(src, cp.arange(block_rows, dtype=cp.int32), block)

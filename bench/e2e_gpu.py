@@ -4,6 +4,7 @@ are too big to carry), beside HF transformers (torch, float16) on the very same 
 
     python bench/e2e_gpu.py [--models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b] [--skip-transformers]
                             [--budget-s 600] [--work-dir DIR] [--out bench/results/e2e_gpu.json]
+    python bench/e2e_gpu.py --smoke   # tiny models, no transformers: checks the script (the CUDA emulator too)
 
 Per model: prefill tok/s of a 512-token prompt through both prefill paths (cuBLAS on an f16 copy of each
 matrix dequantized on the fly, our tensor-core kernel dequantizing tile by tile, and the engine's default
@@ -238,6 +239,13 @@ def bench_transformers(spec, path: Path, ids: np.ndarray) -> tuple[dict, np.ndar
     return row, last_logits
 
 
+def _vocab_size(path: Path) -> int:
+    """The vocabulary of a GGUF (the tiny specs take their tokenizer's)."""
+    from cupyllm.config import config_from_gguf
+    from cupyllm.gguf_io import read_gguf
+    return config_from_gguf(read_gguf(path)).n_vocab
+
+
 def write_report(out: Path, results: dict, start: float) -> None:
     report = {"bench": "e2e_gpu", "device": device_name(), "peak_bandwidth_bytes_per_s": PEAK_BANDWIDTH,
               "peak_f16_flops": PEAK_F16_FLOPS, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS,
@@ -255,11 +263,19 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=600.0, help="start no model after this many seconds")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the random GGUFs are written (kept)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_gpu.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny models, 16 prompt and 4 decode tokens, no "
+                        "transformers: checks the script (the CUDA emulator too)")
     args = parser.parse_args(argv)
     if gpu_count() == 0:
         print("e2e_gpu: no CUDA device here (CuPy missing or no GPU); nothing measured")
         return 0
-    from make_tiny_models import PRESETS, write_gguf
+    from make_tiny_models import PRESETS, tiny_spec, write_gguf
+    specs = dict(PRESETS)
+    if args.smoke:
+        global PROMPT_TOKENS, DECODE_TOKENS, GEMV_REPEATS
+        PROMPT_TOKENS, DECODE_TOKENS, GEMV_REPEATS = 16, 4, 1
+        specs = {f"tiny-{arch}": tiny_spec(arch) for arch in ("gemma3", "qwen2", "gemma4")}
+        args.models, args.skip_transformers = list(specs), True
 
     start = time.perf_counter()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="cupyllm-e2e-"))
@@ -269,13 +285,13 @@ def main(argv=None) -> int:
         if time.perf_counter() - start > args.budget_s:
             results[name] = {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
             continue
-        spec = PRESETS[name]
+        spec = specs[name]
         path = work / f"random-{name}.gguf"
         t0 = time.perf_counter()
         if not path.exists():
             write_gguf(spec, path)
         row = {"gguf_write_s": time.perf_counter() - t0, "gguf_bytes": path.stat().st_size}
-        ids = np.random.default_rng(0).integers(0, spec.n_vocab, PROMPT_TOKENS)
+        ids = np.random.default_rng(0).integers(0, spec.n_vocab or _vocab_size(path), PROMPT_TOKENS)
         row["cupyllm"], ours = bench_cupyllm(path, ids)
         if not args.skip_transformers:
             row["transformers"], theirs = bench_transformers(spec, path, ids)

@@ -35,7 +35,7 @@ from cupyllm.cuda import device_name, gpu_count  # noqa: E402
 from host_cpu import cpu_description  # noqa: E402
 from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
 
-RESULTS = REPO / "bench" / "results"
+RESULTS = Path(os.environ.get("CUPYLLM_BENCH_RESULTS") or REPO / "bench" / "results")
 N_KV_HEADS = 8
 HEAD_DIMS = (128, 256)
 

@@ -261,6 +261,29 @@ def stack(arrays, axis=0):
     return _device_copy(np.stack(_unwrap(list(arrays)), axis=axis))
 
 
+class _Random:
+    """cupy.random: NumPy's global generator, results as device arrays, with CuPy's dtype= keyword."""
+
+    def standard_normal(self, size=None, dtype=float):
+        return _device_copy(np.asarray(np.random.standard_normal(size), dtype=dtype))
+
+    def random(self, size=None, dtype=float):
+        return _device_copy(np.asarray(np.random.random(size), dtype=dtype))
+
+    def randn(self, *shape, dtype=float):
+        return self.standard_normal(shape, dtype=dtype)
+
+    def rand(self, *shape, dtype=float):
+        return self.random(shape, dtype=dtype)
+
+    def __getattr__(self, name):
+        func = getattr(np.random, name)
+        return (lambda *a, **k: _wrap(func(*_unwrap(a), **_unwrap(k)))) if callable(func) else func
+
+
+random = _Random()
+
+
 def __getattr__(name):  # other NumPy functions act on device arrays and return device arrays
     func = getattr(np, name)
     if callable(func) and not isinstance(func, type):
