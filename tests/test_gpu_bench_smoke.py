@@ -74,3 +74,21 @@ def test_end_to_end_and_prompt_cache_benchmarks(tmp_path):
           "--answer-tokens", "2", "--out", str(tmp_path / "prompt_cache_gpu.json")], tmp_path)
     rows = _rows(tmp_path / "prompt_cache_gpu.json", "rows")
     assert all(r["cached_prefill_tokens"] < r["fresh_prefill_tokens"] for r in rows)
+
+
+def test_niah_on_the_device_path(tmp_path):
+    """tools/gpu_niah.sh's runs (tools/niah.py --device gpu, DCA and plain, every task) on a tiny model. Its
+    small vocabulary spends more tokens on needles and questions than Gemma's: fit_sample cuts the haystack to
+    fit the context (Gemma's samples fit as they are and stay make_sample's own)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_tiny_models import tiny_spec, write_gguf
+    model = tmp_path / "tiny-gemma3.gguf"
+    write_gguf(tiny_spec("gemma3"), model)
+    _run(["tools/niah.py", "-m", str(model), "--device", "gpu", "--lengths", "1024", "--depths", "0.5",
+          "--modes", "dca", "plain", "--tasks", "single", "multikey", "multivalue", "vartrack",
+          "--dca-chunk-size", "512", "--max-tokens", "2", "--out", str(tmp_path / "niah.json")], tmp_path)
+    report = json.loads((tmp_path / "niah.json").read_text())
+    rows = report["rows"]
+    assert report["device"] == "gpu" and len(rows) == 8
+    assert {r["mode"] for r in rows} == {"dca", "plain"}
+    assert all(1024 - 200 <= r["prompt_tokens"] <= 1024 + 64 - 2 - 1 for r in rows)
