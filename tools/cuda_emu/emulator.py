@@ -127,7 +127,7 @@ def _check_launch_bounds(text: str) -> str:
     return "".join(out) + text[pos:]
 
 
-_STATIC_SHARED = re.compile(r"(?<![\w.])__shared__\s+(?P<decl>[^;{}]*);")
+_STATIC_SHARED = re.compile(r"(?<![\w.])__shared__[ \t]+(?P<decl>[^;{}\n]*);")  # (one line: not a comment's word)
 _DECLARATOR = re.compile(r"^(?P<type>.*?)\b(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\]]*\]\s*)*)$", re.S)
 
 
