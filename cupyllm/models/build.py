@@ -60,12 +60,15 @@ class Transformer:
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
         per_layer = per_layer_inputs(ops, cfg, *self.per_layer, tokens, x) if self.per_layer else None
+        normed = None  # RMSNorm of x with the next norm's weight, when the block before made it in its last pass
         for layer, weights in enumerate(self.layers):
             extra = {} if per_layer is None else {"per_layer_input": per_layer[:, layer]}
-            x = block(ops, cfg, weights, layer, x, positions, cache, self.attention, **extra)
-        if not all_logits:
-            x = x[-1:]
-        logits = ops.linear(ops.rms_norm(x, self.output_norm, cfg.norm_eps), self.output)
+            next_norm = self.layers[layer + 1].attn_norm if layer + 1 < len(self.layers) else self.output_norm
+            x, normed = block(ops, cfg, weights, layer, x, positions, cache, self.attention, x_normed=normed,
+                              next_norm=next_norm, **extra)
+        if normed is None:
+            normed = ops.rms_norm(x if all_logits else x[-1:], self.output_norm, cfg.norm_eps)
+        logits = ops.linear(normed if all_logits else normed[-1:], self.output)
         if cfg.final_logit_softcap > 0.0:
             cap = np.float32(cfg.final_logit_softcap)
             logits = cap * ops.xp.tanh(logits / cap)
