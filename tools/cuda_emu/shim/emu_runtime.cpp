@@ -329,7 +329,7 @@ bool in_reverse() {
   return env && std::strcmp(env, "reverse") == 0;
 }
 
-int run_block(int n_threads) {
+int run_block(int n_threads, bool reverse) {
   for (int t = 0; t < n_threads; ++t) {
     Fiber& f = g_fibers[t];
     f.tid = uint3{t % g_block_dim.x, (t / g_block_dim.x) % g_block_dim.y, t / (g_block_dim.x * g_block_dim.y)};
@@ -343,7 +343,6 @@ int run_block(int n_threads) {
     init_context(&f);
   }
   const int n_warps = (n_threads + 31) / 32;
-  const bool reverse = in_reverse();
   for (;;) {
     for (int i = 0; i < n_threads; ++i) {
       const int t = reverse ? n_threads - 1 - i : i;
@@ -453,7 +452,7 @@ int launch(void (*thread_body)(void*), void* ctx, dim3 grid, dim3 block, size_t 
         begin_block_static_smem();
         if (dynamic_smem_bytes)  // NaN bytes, also a little past the request: uninitialised reads show
           std::memset(dynamic_smem(), 0xFF, std::min(kDynamicSmemCapacity, dynamic_smem_bytes + 4096));
-        if (run_block(int(n_threads)) != 0) {
+        if (run_block(int(n_threads), reverse) != 0) {
           char where[96];
           std::snprintf(where, sizeof where, " [block (%u, %u, %u)]", x, y, z);
           g_error += where;

@@ -267,15 +267,6 @@ class _Random:
     def standard_normal(self, size=None, dtype=float):
         return _device_copy(np.asarray(np.random.standard_normal(size), dtype=dtype))
 
-    def random(self, size=None, dtype=float):
-        return _device_copy(np.asarray(np.random.random(size), dtype=dtype))
-
-    def randn(self, *shape, dtype=float):
-        return self.standard_normal(shape, dtype=dtype)
-
-    def rand(self, *shape, dtype=float):
-        return self.random(shape, dtype=dtype)
-
     def __getattr__(self, name):
         func = getattr(np.random, name)
         return (lambda *a, **k: _wrap(func(*_unwrap(a), **_unwrap(k)))) if callable(func) else func
