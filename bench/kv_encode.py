@@ -6,6 +6,12 @@ For every KV format, head_dim 128 and 256, n_kv_heads 8: tokens/s of one layer's
 head-dim-128 row also gets its share of one prefill step of a Qwen3-8B layer over the same tokens (the
 layer's weight products through the engine's cuBLAS prefill path), the measure of the KV issue's
 "TCQ encode <= 10% of a prefill step"; the TCQ encoder is also timed at smaller trellis sizes (TRELLIS_SIZES).
+That denominator leaves out attention, norms and rope, so it understates a step. The engine's own prefill step
+is timed too (`engine_prefill`): a random-weight Qwen3-8B (tools/make_tiny_models.py preset, Q4_K_M types,
+--engine-layers of its 36 layers, a small vocabulary) prefills --engine-tokens tokens in the engine's chunks of
+512 with K and V in f16, turbo3, turbo3_tcq and turbo2_tcq; each TCQ row gets the encode's share of that step
+(the encode timed above over the same tokens / the prefill seconds per layer) and the step's own difference
+from turbo3 (the same rotation, norm and attention reads; only the search differs).
 
     python bench/kv_encode.py                 # CPU, plus GPU when one is present
     python bench/kv_encode.py --device gpu    # only the GPU
@@ -15,6 +21,7 @@ Writes bench/results/kv_encode_{cpu,gpu}.json (device named in it) and copies th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -159,6 +166,62 @@ def bench_gpu_prefill_layer(n_tokens: int, repeats: int) -> dict:
     return {**L, "tokens": n_tokens, "seconds_per_layer": seconds, "tflop_per_s": flops / seconds / 1e12}
 
 
+ENGINE_FORMATS = ("f16", "turbo3", "turbo3_tcq", "turbo2_tcq")
+ENGINE_CHUNK = 512  # the engine's default prefill chunk (cupyllm.load's max_chunk)
+
+
+def bench_gpu_engine_prefill(n_tokens: int, n_layer: int, repeats: int, smoke: bool = False) -> dict:
+    """Seconds of the engine's prefill of n_tokens on a random-weight Qwen3-8B of n_layer layers (smoke: the
+    tiny test Qwen3 at head dim 128), per KV format of ENGINE_FORMATS (K and V alike); best of `repeats` after a warm-up."""
+    import tempfile
+    import cupy as cp
+    sys.path.insert(0, str(REPO / "tools"))
+    from make_tiny_models import PRESETS, tiny_spec, write_gguf
+    from cupyllm.backend.gpu import GPUBackend
+    from cupyllm.generate import prefill
+    from cupyllm.gguf_io import read_gguf
+    from cupyllm.kv.cache import KVSpec
+    from cupyllm.models.build import Transformer
+
+    spec = (dataclasses.replace(tiny_spec("qwen3"), head_dim=128) if smoke  # (the turbo kernels' group size)
+            else dataclasses.replace(PRESETS["qwen3-8b"], n_layer=n_layer, n_vocab=None))
+    with tempfile.TemporaryDirectory(prefix="cupyllm-kv-encode-") as work:
+        path = Path(work) / "qwen3-8b-layers.gguf"
+        write_gguf(spec, path)
+        ops = GPUBackend()
+        transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
+    ids = np.random.default_rng(0).integers(0, transformer.cfg.n_vocab, n_tokens)
+
+    def forward(tokens, positions, kv, all_logits=False):
+        return ops.to_numpy(transformer.forward(tokens, positions, kv, all_logits))
+
+    rows = []
+    for name in tqdm(ENGINE_FORMATS, desc="GPU engine prefill by KV format"):
+        cache = ops.new_cache(transformer.cfg, KVSpec(ctx=n_tokens, kv_type_k=name, kv_type_v=name,
+                                                      max_chunk=ENGINE_CHUNK))
+        times = []
+        for _ in range(repeats + 1):  # the first compiles and warms up
+            cache.clear()
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            prefill(forward, ids, cache, ENGINE_CHUNK, progress=False)
+            cp.cuda.Device().synchronize()
+            times.append(time.perf_counter() - t0)
+        seconds = min(times[1:])
+        rows.append({"format": name, "prefill_seconds": seconds, "seconds_per_layer": seconds / spec.n_layer,
+                     "prefill_tokens_per_s": n_tokens / seconds})
+        del cache
+        cp.get_default_memory_pool().free_all_blocks()
+    by_name = {r["format"]: r for r in rows}
+    for row in rows:
+        row["over_turbo3"] = row["prefill_seconds"] / by_name["turbo3"]["prefill_seconds"] - 1
+    return {"model": "Qwen3-8B shapes (random weights, Q4_K_M types)" if not smoke else "tiny Qwen3 (smoke)",
+            "n_layer": spec.n_layer, "hidden": spec.d_model, "n_head": spec.n_head, "n_kv": spec.n_kv_head,
+            "head_dim": spec.head_dim, "ffn": spec.ffn_dim, "tokens": n_tokens, "chunk": ENGINE_CHUNK,
+            "timing": "wall time of the whole prefill with the device synchronized around it, best of repeats",
+            "repeats": repeats, "rows": rows}
+
+
 def _row(fmt, head_dim: int, n_tokens: int, times: list[float]) -> dict:
     seconds = statistics.median(times)
     src_bytes = 2 * n_tokens * N_KV_HEADS * head_dim * 4  # K and V, float32
@@ -211,6 +274,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-seconds", type=float, default=0.5, help="minimum timed time per CPU case")
     parser.add_argument("--gpu-tokens", type=int, default=8192)
     parser.add_argument("--gpu-repeats", type=int, default=20)
+    parser.add_argument("--engine-tokens", type=int, default=8192, help="prompt of the engine prefill step (0: skip)")
+    parser.add_argument("--engine-layers", type=int, default=4, help="Qwen3-8B layers of the engine prefill model")
+    parser.add_argument("--engine-repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="the engine prefill on the tiny test Qwen3 (the emulator)")
     args = parser.parse_args(argv)
     names = [n for n in args.formats.split(",") if n]
     rng = np.random.default_rng(0)
@@ -256,6 +323,25 @@ def main(argv=None) -> int:
             trellis_rows.append(row)
             extra["tcq_trellis_sizes"] = trellis_rows
             path = write_results("gpu", gpu_name, rows, extra)
+        if args.engine_tokens:
+            engine = bench_gpu_engine_prefill(args.engine_tokens, args.engine_layers, args.engine_repeats, args.smoke)
+            extra["engine_prefill"] = engine
+            # the encode rows were timed over gpu_tokens tokens of N_KV_HEADS heads: scale them to the engine's
+            # prompt and KV heads (the same for Qwen3-8B; the smoke model has fewer heads)
+            per_group = args.engine_tokens * engine["n_kv"] / (args.gpu_tokens * N_KV_HEADS)
+            encode_seconds = {r["format"]: r["seconds_per_layer_kv"] * per_group
+                              for r in rows if r["head_dim"] == engine["head_dim"]}
+            for row in engine["rows"]:
+                if row["format"] in encode_seconds:
+                    row["encode_share_of_step"] = encode_seconds[row["format"]] / row["seconds_per_layer"]
+            path = write_results("gpu", gpu_name, rows, extra)
+            print(f"engine prefill of {engine['tokens']} tokens ({engine['model']}, {engine['n_layer']} layers, "
+                  f"chunks of {engine['chunk']}):")
+            for row in engine["rows"]:
+                share = row.get("encode_share_of_step")
+                print(f"  {row['format']:<12} {row['seconds_per_layer'] * 1e3:8.2f} ms/layer, "
+                      f"{100 * row['over_turbo3']:+.1f}% vs turbo3"
+                      + (f", encode = {100 * share:.1f}% of the step" if share is not None else ""))
         print(f"prefill step of one {prefill['model']} ({args.gpu_tokens} tokens, weight products only): "
               f"{prefill['seconds_per_layer'] * 1e3:.2f} ms ({prefill['tflop_per_s']:.0f} TFLOP/s)")
         for row in rows:

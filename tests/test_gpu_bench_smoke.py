@@ -55,10 +55,14 @@ def test_dequant_and_kv_encode_benchmarks(tmp_path):
     rows = _rows(tmp_path / "dequant_gpu.json")
     assert all(r["checksums_equal"] for r in rows) and len(rows) >= 10
     _run(["bench/kv_encode.py", "--device", "gpu", "--gpu-tokens", "4", "--gpu-repeats", "1",
-          "--formats", "q8_0,turbo3_tcq"], tmp_path)
+          "--formats", "q8_0,turbo3_tcq", "--smoke", "--engine-tokens", "24", "--engine-repeats", "1"], tmp_path)
     report = json.loads((tmp_path / "kv_encode_gpu.json").read_text())
     assert {r["format"] for r in _rows(tmp_path / "kv_encode_gpu.json")} == {"q8_0", "turbo3_tcq"}
     assert len(report["tcq_trellis_sizes"]) >= 4 and report["prefill_layer"]["seconds_per_layer"] > 0
+    engine = {r["format"]: r for r in report["engine_prefill"]["rows"]}
+    assert set(engine) == {"f16", "turbo3", "turbo3_tcq", "turbo2_tcq"}
+    assert all(r["seconds_per_layer"] > 0 for r in engine.values()) and engine["turbo3"]["over_turbo3"] == 0
+    assert engine["turbo3_tcq"]["encode_share_of_step"] > 0  # (its encode row was timed above)
 
 
 def test_end_to_end_and_prompt_cache_benchmarks(tmp_path):

@@ -13,7 +13,8 @@
 # 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
 #    pytest -m gpu (junit XML + log into bench/results/)
 # 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dequant_gpu.py, bench/dca_gpu.py, bench/spill_gpu.py,
-#    bench/kv_encode.py --device gpu (with the TCQ encoder at every trellis size), bench/prompt_cache.py, then
+#    bench/kv_encode.py --device gpu (with the TCQ encoder at every trellis size and the engine's prefill step per
+#    KV type), bench/prompt_cache.py, then
 #    tools/profile_decode_gpu.py (kernels of a decode step), bench/e2e_gpu.py on the real-shape models (Gemma 3
 #    270M, Qwen2.5-0.5B, Gemma 4 E2B, then Qwen2.5-7B while time is left)
 # 5. packs the results into $OUT/gpu_results.tar (when OUT is set) after every step, so a run cut short keeps
@@ -96,8 +97,8 @@ publish
 echo "--- bench/spill_gpu.py (device window + pinned host tail vs the whole cache on the device)"
 timeout $(limit 25) "$PY" bench/spill_gpu.py --budget-s 12 || echo "bench/spill_gpu.py failed or timed out ($?)"
 publish
-echo "--- bench/kv_encode.py --device gpu"
-timeout $(limit 40) "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
+echo "--- bench/kv_encode.py --device gpu (then the engine's prefill of 8192 tokens on 4 Qwen3-8B layers per KV type)"
+timeout $(limit 75) "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
 publish
 echo "--- bench/prompt_cache.py (random-weight Gemma 3 270M shapes, questions after an 8192-token document)"
 timeout $(limit 45) "$PY" bench/prompt_cache.py --device gpu --preset gemma3-270m --doc-tokens 8192 \

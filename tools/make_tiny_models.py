@@ -92,6 +92,10 @@ PRESETS: dict[str, TinySpec] = {
     "qwen2.5-7b": TinySpec("qwen2", n_layer=28, d_model=3584, n_head=28, n_kv_head=4, head_dim=128, ffn_dim=18944,
                            ctx_train=32768, rope_base=1_000_000.0, n_vocab=152064, random_blocks=True,
                            types=dict(_Q4_K_M_QWEN)),
+    # Qwen/Qwen3-8B: the layer bench/kv_encode.py measures the TCQ encode against (head dim 128, 8 KV heads)
+    "qwen3-8b": TinySpec("qwen3", n_layer=36, d_model=4096, n_head=32, n_kv_head=8, head_dim=128, ffn_dim=12288,
+                         ctx_train=40960, rope_base=1_000_000.0, n_vocab=151936, random_blocks=True,
+                         types=dict(_Q4_K_M_QWEN)),
     # google/gemma-4-E2B's text config: 35 layers (4 sliding : 1 global), the last 20 reading earlier caches with
     # double-wide MLPs, per-layer embeddings of 256, head dims 256 / 512, one KV head
     "gemma4-e2b": TinySpec("gemma4", n_layer=35, d_model=1536, n_head=8, n_kv_head=1, head_dim=256,
