@@ -160,7 +160,8 @@ def tcq_encode_source() -> str:
     lines = ['#include "kv_encode.cu"']
     for k, L in TCQ_TRELLISES:
         lines.append(f"template __global__ void kv_encode<cupyllm::FmtTcq<{k}, {L}, 128>, float, 1>(const float*, "
-                     f"const int*, cupyllm::u8*, int, int, int, int, const float*);")
+                     f"const float*, const int*, cupyllm::u8*, cupyllm::u8*, int*, int, int, int, int, int, int, int, "
+                     f"const float*);")
     return "\n".join(lines) + "\n"
 
 
