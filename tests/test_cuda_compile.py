@@ -85,6 +85,17 @@ def test_the_trellis_size_encoders_compile(nvrtc, include_dirs, arch):
     assert set(result.lowered) == set(names) and all(result.lowered.values())
 
 
+def test_the_sass_count_probes_compile(nvrtc, include_dirs):
+    """tools/sass_count.py's probe units (the KV readers, and the TCQ encoder instantiated by its kernel's
+    signature): they compile here, so a kernel whose signature changes breaks this test, not the count."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import sass_count
+    options = nvrtc_check.compile_options(KernelSet("sass_probe.cu", ()), kernel_source_dir(), include_dirs)
+    for name, source in (("readers", sass_count.probe_source()), ("tcq encode", sass_count.tcq_encode_source())):
+        result = nvrtc_check.compile_source(nvrtc, source, "sass_probe.cu", options, 90)
+        assert result.ok, f"{name}:\n{result.log}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_headers_compile_on_their_own(nvrtc, include_dirs, arch):
     source_dir = kernel_source_dir()
