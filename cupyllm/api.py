@@ -26,7 +26,7 @@ from .generate import GenerationStats, generate_stream, prefill
 from .gguf_io import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec, host_bytes_available
 from .kv.formats import get_format
-from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, parse_bytes, plan_kv, plan_spill
+from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, format_bytes, parse_bytes, plan_kv, plan_spill
 from .model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
@@ -208,7 +208,7 @@ class Model:
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int | None = None,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
-         threads: int | None = None, progress: bool = True, **options) -> Model:
+         kv_mirror: bool | None = None, threads: int | None = None, progress: bool = True, **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold (default 4096, or
@@ -221,6 +221,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     kv_spill: (GPU) a cache over the budget keeps only its newest positions on the device and the rest in pinned
          host memory, attention streaming over both (kv/plan.py plan_spill, backend/gpu_spill.py); with "auto"
          types, the smallest tier spills when no tier fits whole.
+    kv_mirror: (CPU) keep a float32 copy of the decoded cache beside it, so decode steps read floats (fast, but 4
+         more bytes per value whatever the KV type). False: the cache takes only its format's bytes (what
+         kv_budget and the "auto" types then count) and decode steps read the encoded rows (a little slower;
+         attention/cpu_encoded.py). None (default): the copy, unless a kv_budget fits the cache only without it
+         (then a warning says so). The GPU keeps no copy (True there is an error).
     threads: CPU threads for the CPU backend's matmuls, attention and BLAS (llama.cpp's -t; default: every core).
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
@@ -250,6 +255,10 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         get_format(kv_type_v, head_dim=head_dim)
     budget = parse_bytes(kv_budget) if kv_budget is not None else None
     backend = select_backend(device, threads=threads)
+    if kv_mirror and not backend.kv_mirror:
+        raise CupyllmError(f"kv_mirror=True (--kv-mirror) keeps a float32 copy of the KV cache for the CPU backend; "
+                           f"on the {backend.name} the kernels read the encoded cache and keep none: drop it")
+    mirror = backend.kv_mirror if kv_mirror is None else bool(kv_mirror)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)
     if dca_cfg is None and ctx > cfg.ctx_train:
@@ -260,34 +269,55 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
     if dca_cfg is not None:
         transformer.attention = dca_attention(dca_cfg)
-    kv_plan = spill_plan = None
     if kv_spill and backend.name != "gpu":
         raise CupyllmError("kv_spill (--kv-spill) moves KV rows from GPU memory to the host; on the CPU the whole "
                            "cache is in host memory already")
     if auto or kv_spill:
         budget = budget if budget is not None else int(0.9 * backend.memory_available())
-    if auto:
-        try:
-            kv_plan = plan_kv(cfg, ctx, budget, mirror=backend.kv_mirror, max_chunk=max_chunk,
-                              normalize_k=kv_normalize_k)
-            kv_type_k, kv_type_v = kv_plan.tier.kv_type_k, kv_plan.tier.kv_type_v
-        except BudgetError:
-            if not kv_spill:
-                raise
-            kv_type_k, kv_type_v = TIERS[-1].kv_type_k, TIERS[-1].kv_type_v  # keeps the most positions on the device
-    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk,
-                  normalize_k=kv_normalize_k)
-    if budget is not None and kv_plan is None:
-        try:
-            check_budget(cfg, spec, budget, mirror=backend.kv_mirror)
-        except BudgetError:
-            if not kv_spill:
-                raise
-            spill_plan = plan_spill(cfg, spec, budget, host_available=host_bytes_available())
-            spec = spill_plan.spec
+    try:
+        kv_type_k, kv_type_v, kv_plan, spill_plan, spec = _fit_cache(
+            cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=mirror, max_chunk=max_chunk,
+            normalize_k=kv_normalize_k, float_mirror=kv_mirror)
+    except BudgetError:
+        if kv_mirror is not None or not mirror:
+            raise
+        # the CPU's float32 copy is ours to drop, not the user's: without it the cache takes its format's bytes
+        kv_type_k, kv_type_v, kv_plan, spill_plan, spec = _fit_cache(
+            cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=False, max_chunk=max_chunk,
+            normalize_k=kv_normalize_k, float_mirror=False)
+        warnings.warn(f"the KV cache fits the budget of {format_bytes(budget)} only without the CPU's float32 "
+                      "copy of it: decode steps read the encoded rows (--no-kv-mirror, a little slower; README)",
+                      stacklevel=2)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
                  kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
                  threads=threads)
+
+
+def _fit_cache(cfg: ModelConfig, ctx: int, kv_type_k: str, kv_type_v: str, budget: int | None, *, auto: bool,
+               spill: bool, mirror: bool, max_chunk: int, normalize_k: bool | None, float_mirror: bool | None):
+    """(kv_type_k, kv_type_v, kv_plan, spill_plan, spec) of a cache within `budget` (None: no budget): "auto"
+    types planned (kv/plan.py), given ones checked, spilled to the host when asked and needed. BudgetError when
+    it cannot fit."""
+    kv_plan = spill_plan = None
+    if auto:
+        try:
+            kv_plan = plan_kv(cfg, ctx, budget, mirror=mirror, max_chunk=max_chunk, normalize_k=normalize_k)
+            kv_type_k, kv_type_v = kv_plan.tier.kv_type_k, kv_plan.tier.kv_type_v
+        except BudgetError:
+            if not spill:
+                raise
+            kv_type_k, kv_type_v = TIERS[-1].kv_type_k, TIERS[-1].kv_type_v  # keeps the most positions on the device
+    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk, normalize_k=normalize_k,
+                  float_mirror=float_mirror)
+    if budget is not None and kv_plan is None:
+        try:
+            check_budget(cfg, spec, budget, mirror=mirror)
+        except BudgetError:
+            if not spill:
+                raise
+            spill_plan = plan_spill(cfg, spec, budget, host_available=host_bytes_available())
+            spec = spill_plan.spec
+    return kv_type_k, kv_type_v, kv_plan, spill_plan, spec
 
 
 def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:

@@ -18,6 +18,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="CPU threads for the CPU backend's matmuls and attention (default: every core)")
     _add_kv_type_args(p)
+    p.add_argument("--kv-mirror", action=argparse.BooleanOptionalAction, default=None,
+                   help="CPU: keep a float32 copy of the decoded KV cache for fast decode steps (default: on, "
+                        "unless --kv-budget fits the cache only without it); --no-kv-mirror keeps only the cache's "
+                        "own format (its memory; decode steps a little slower)")
     p.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None,
                    help="store K as (K - mean) / scale per channel, balanced against the queries (default: on for "
                         "quantized -ctk types); much better quantized K where some channels of K are large (Qwen2.5)")
@@ -111,7 +115,7 @@ def _load_model(args):
                "yarn_factor": args.dca_yarn_factor}
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
                  kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget,
-                 kv_spill=args.kv_spill, threads=args.threads)
+                 kv_spill=args.kv_spill, kv_mirror=args.kv_mirror, threads=args.threads)
     for plan in (model.kv_plan, model.spill_plan):
         if plan is not None:
             print(f"[{model.device}] {plan.describe()}", file=sys.stderr)

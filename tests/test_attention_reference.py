@@ -1,10 +1,12 @@
 """The reference attention (O, LSE) against a dense softmax written out directly, and the LSE merge."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
-from cupyllm.attention.reference import attend, attend_chunks, causal_mask, merge
+from cupyllm.attention.reference import attend, causal_mask, merge
 
 
 def dense(q, k, v, allowed, scale, softcap=0.0, mask=None):
@@ -69,8 +71,8 @@ def test_chunks_merge_to_the_whole():
     allowed = causal_mask(np.arange(35, 40), np.arange(40))
     whole, whole_lse = attend(q, k, v, allowed, scale=0.25)
     splits = [0, 7, 8, 30, 40]  # uneven, including a single-key chunk
-    chunks = [(k[a:b], v[a:b], allowed[:, a:b]) for a, b in zip(splits, splits[1:])]
-    out, lse = attend_chunks(q, chunks, scale=0.25)
+    parts = [attend(q, k[a:b], v[a:b], allowed[:, a:b], scale=0.25) for a, b in zip(splits, splits[1:])]
+    out, lse = functools.reduce(lambda x, y: merge(*x, *y), parts)
     np.testing.assert_allclose(out, whole, atol=1e-5)
     np.testing.assert_allclose(lse, whole_lse, atol=1e-5)
     # merging in the other order gives the same result

@@ -98,7 +98,12 @@ def test_load_with_auto_types_and_a_budget(tiny_model):
     ids = [5, 17, 99, 3, 42]
     assert model.logits(ids).shape == (5, cfg.n_vocab)
     with pytest.raises(BudgetError, match="over the budget"):  # explicit types: checked, not changed
-        cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f16", kv_type_v="f16", kv_budget=budget, progress=False)
+        cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f16", kv_type_v="f16", kv_budget=budget, kv_mirror=True,
+                     progress=False)
+    with pytest.warns(UserWarning, match="float32 copy"):  # the mirror may go (f16 alone fits), not the types
+        lean = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f16", kv_type_v="f16", kv_budget=budget,
+                            progress=False)
+    assert (lean.kv_spec.kv_type_k, lean.kv_spec.kv_type_v, lean.kv_spec.float_mirror) == ("f16", "f16", False)
     with pytest.raises(CupyllmError, match="kv_type_v='auto' too"):
         cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", progress=False)
 

@@ -1,6 +1,6 @@
 """Dual Chunk Attention on the CPU: the fused few-query kernel (the CPU twin of kernels_cu/dca_fused.cu: one pass
-over the keys, the query rotation picked per key by its regime, one online softmax) and chunked streaming for
-prefill (three masked attentions per key block, merged by LSE, via `dca.attend_dca`)."""
+over the keys, the query rotation picked per key by its regime, one online softmax). Prefill streams key blocks
+through `dca.attend_dca` (three masked attentions per block, merged by LSE; backend/cpu.py)."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .dca import DCAConfig, attend_dca
-from .reference import merge
+from .dca import DCAConfig
 
 
 @njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True, nogil=True)
@@ -66,11 +65,3 @@ def dca_few(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca: DCAConfig, 
              np.float32(scale * dca.logit_scale), np.float32(softcap), out, lse)
     return out, lse
 
-
-def dca_stream(q_intra, q_successive, q_inter, chunks, q_pos, dca: DCAConfig, *, scale: float, softcap: float = 0.0):
-    """DCA over an iterable of (k, v, k_pos) key blocks; memory stays one block."""
-    out = lse = None
-    for k, v, k_pos in chunks:
-        part = attend_dca(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca, scale=scale, softcap=softcap)
-        out, lse = part if out is None else merge(out, lse, *part)
-    return out, lse

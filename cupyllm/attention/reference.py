@@ -65,16 +65,3 @@ def merge(out_a: np.ndarray, lse_a: np.ndarray, out_b: np.ndarray, lse_b: np.nda
     w_b = np.where(finite, np.exp(lse_b - safe), 0.0)[..., None]
     return (out_a * w_a + out_b * w_b).astype(np.float32), lse.astype(np.float32)
 
-
-def attend_chunks(q: np.ndarray, chunks, *, scale: float, softcap: float = 0.0, dv: int | None = None):
-    """Online-softmax attention over an iterable of (k, v, allowed) key chunks; memory is one chunk at a time."""
-    n_q, n_head, _ = q.shape
-    out = np.zeros((n_q, n_head, dv or q.shape[-1]), np.float32)
-    lse = np.full((n_q, n_head), -np.inf, np.float32)
-    for k, v, allowed in chunks:
-        if allowed is not None and not allowed.any():
-            continue
-        part_out, part_lse = attend(q, k, v, allowed, scale=scale, softcap=softcap)
-        first = not np.isfinite(lse).any()
-        out, lse = (part_out, part_lse) if first else merge(out, lse, part_out, part_lse)
-    return out, lse

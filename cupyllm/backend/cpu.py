@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..attention.cpu_decode import MAX_QUERIES, attend_few
-from ..attention.dca_cpu import dca_few, dca_stream
-from ..attention.reference import attend_chunks, causal_mask
+from ..attention.cpu_encoded import attend_encoded
+from ..attention.dca import attend_dca
+from ..attention.dca_cpu import dca_few
+from ..attention.reference import attend, causal_mask, merge
 from ..kv.cache import KVCache, LayerKV
 from . import compile_notice
 from .cpu_kernels import rms_norm_rows, rope_rows
@@ -23,7 +25,7 @@ KEY_CHUNK = 4096  # cache slots decoded and scored at a time
 class CPUBackend:
     name = "cpu"
     xp = np
-    kv_mirror = True  # attention reads a float32 copy of the decoded cache instead of decoding every step
+    kv_mirror = True  # by default attention reads a float32 copy of the decoded cache instead of decoding every step
 
     def __init__(self, threads: int | None = None):
         self._rope_tables = {}
@@ -49,11 +51,12 @@ class CPUBackend:
 
     @staticmethod
     def new_cache(cfg, spec) -> KVCache:
-        """A host cache with a float32 mirror, so attention never decodes the stored blocks per step."""
+        """A host cache, with a float32 mirror unless spec.float_mirror is False (then decode steps read the encoded
+        rows, attention/cpu_encoded.py, and prefill decodes them chunk by chunk: the memory of the KV format)."""
         if spec.spilled:
             raise CupyllmError("spilling the KV cache to host memory is for the GPU backend; on the CPU the whole "
                                "cache is in host memory already (drop --kv-spill / kv_spill=)")
-        return KVCache.for_model(cfg, spec, mirror=True)
+        return KVCache.for_model(cfg, spec, mirror=spec.float_mirror is not False)
 
     @staticmethod
     def decode_forward(forward):
@@ -143,27 +146,50 @@ class CPUBackend:
     def attention(self, q: np.ndarray, q_pos: np.ndarray, layer_kv: LayerKV, *, scale: float, window: int = 0,
                   softcap: float = 0.0) -> np.ndarray:
         """Causal (optionally sliding-window) attention of q [n, n_head, d] over everything the layer caches."""
-        if q.shape[0] <= MAX_QUERIES and layer_kv.mirror:  # decode: one numba pass over the float32 mirror
+        if q.shape[0] <= MAX_QUERIES:  # decode: one numba pass over the float32 mirror, or the encoded rows
+            if not layer_kv.mirror:
+                return attend_encoded(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap)[0]
             k, v, k_pos = layer_kv.decode(0, layer_kv.n_used)
             return attend_few(q, k, v, q_pos, k_pos, scale=scale, window=window, softcap=softcap)[0]
 
-        def rows(start, stop):  # query rows are independent: blocks of them stream the cache on the threads
-            chunks = ((k, v, causal_mask(q_pos[start:stop], k_pos, window))
-                      for k, v, k_pos in layer_kv.chunks(KEY_CHUNK))
-            return attend_chunks(q[start:stop], chunks, scale=scale, softcap=softcap, dv=layer_kv.v_head_dim)[0]
-        return np.concatenate(self._threads.map_rows(rows, q.shape[0]))
+        def block(start, stop, k, v, k_pos):
+            allowed = causal_mask(q_pos[start:stop], k_pos, window)
+            if not allowed.any():
+                return _nothing_seen(stop - start, q.shape[1], layer_kv.v_head_dim)
+            return attend(q[start:stop], k, v, allowed, scale=scale, softcap=softcap)
+        return self._stream_keys(q.shape[0], layer_kv, block)
 
     def dca_attention(self, q_intra, q_successive, q_inter, q_pos: np.ndarray, layer_kv: LayerKV, dca, *,
                       scale: float, softcap: float = 0.0) -> np.ndarray:
         """Dual Chunk Attention over the layer's cache (keys cached at their in-chunk rope positions)."""
-        if q_intra.shape[0] <= MAX_QUERIES and layer_kv.mirror:
+        if q_intra.shape[0] <= MAX_QUERIES and not layer_kv.mirror:
+            return attend_encoded(np.stack([q_intra, q_successive, q_inter]), q_pos, layer_kv,
+                                  scale=scale * dca.logit_scale, softcap=softcap, chunk_len=dca.chunk_len)[0]
+        if q_intra.shape[0] <= MAX_QUERIES:
             k, v, k_pos = layer_kv.decode(0, layer_kv.n_used)
             return dca_few(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca, scale=scale, softcap=softcap)[0]
 
-        def rows(a, b):
-            return dca_stream(q_intra[a:b], q_successive[a:b], q_inter[a:b], layer_kv.chunks(KEY_CHUNK), q_pos[a:b],
-                              dca, scale=scale, softcap=softcap)[0]
-        return np.concatenate(self._threads.map_rows(rows, q_intra.shape[0]))
+        def block(start, stop, k, v, k_pos):
+            return attend_dca(q_intra[start:stop], q_successive[start:stop], q_inter[start:stop], k, v,
+                              q_pos[start:stop], k_pos, dca, scale=scale, softcap=softcap)
+        return self._stream_keys(q_intra.shape[0], layer_kv, block)
+
+    def _stream_keys(self, n_rows: int, layer_kv: LayerKV, attend_block) -> np.ndarray:
+        """The attention output of n_rows queries over the layer's cache, KEY_CHUNK slots at a time: each chunk
+        decoded once (without the float32 mirror, the costly part), its query rows attended on the threads by
+        attend_block(start, stop, k, v, k_pos) -> (O, LSE), the chunks merged by LSE. Memory: one chunk, never
+        the O(n^2) scores."""
+        out = lse = None
+        for k, v, k_pos in layer_kv.chunks(KEY_CHUNK):
+            parts = self._threads.map_rows(lambda start, stop: attend_block(start, stop, k, v, k_pos), n_rows)
+            part = tuple(np.concatenate(halves) for halves in zip(*parts))
+            out, lse = part if out is None else merge(out, lse, *part)
+        return out
+
+
+def _nothing_seen(n_q: int, n_head: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
+    """(O, LSE) of queries that see no key of a block: zeros and -inf (they merge as nothing)."""
+    return np.zeros((n_q, n_head, dv), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,198 @@
+"""Decode attention straight from the encoded CPU cache (attention/cpu_encoded.py, the path without the float32
+mirror): its row decoder against every format's NumPy decode (bit for bit), its attention against the reference
+over the decoded cache (plain, sliding window, softcap, K normalisation, DCA), and the engine with
+kv_mirror=False against the engine with the mirror."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupyllm
+from cupyllm.attention.cpu_encoded import BLOCK_KEYS, HALF_TABLE, _decode_row, attend_encoded, row_codec
+from cupyllm.attention.dca import DCAConfig
+from cupyllm.attention.dca_cpu import dca_few
+from cupyllm.attention.reference import attend, causal_mask
+from cupyllm.errors import CupyllmError
+from cupyllm.kv.cache import LayerKV
+from cupyllm.kv.formats import get_format, is_rotated, list_formats
+from cupyllm.quant import cpu_linear
+
+
+@pytest.mark.parametrize("head_dim", [4, 64, 128])
+@pytest.mark.parametrize("name", list_formats())
+def test_the_row_decoder_matches_each_formats_decode(name, head_dim):
+    if head_dim % get_format(name).block_values and not is_rotated(name):
+        pytest.skip(f"{name} has no rows of {head_dim} values")
+    fmt = get_format(name, head_dim=head_dim)
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((6, 2 * head_dim)) * rng.uniform(0.1, 5.0, (6, 1))).astype(np.float32)
+    if name in ("f32", "f16", "bf16"):  # the edges of the float formats: zeros, subnormal halves, inf
+        x[0, :4] = [0.0, -0.0, 3e-6, -6e-8]
+        x[1, :2] = [np.inf, -np.inf]
+    data = fmt.encode(x)
+    want = fmt.decode_rotated(data, x.shape[1]) if is_rotated(name) else fmt.decode(data, x.shape[1])
+    codec, table = row_codec(fmt)
+    bits = np.empty(max(x.shape[1], (data.shape[1] + 7) // 4), np.uint32)
+    for row, expected in zip(data, want):
+        got = np.empty(x.shape[1], np.float32)
+        _decode_row(row, codec, table, HALF_TABLE, bits, bits.view(np.float32), got)
+        np.testing.assert_array_equal(got, expected)
+
+
+def _filled_layer(rng, k_type, v_type, *, n_kv, head_dim, n_slots, normalize_k):
+    """A LayerKV without a mirror holding n_slots keys, written in three chunks (the first sets K's normalisation),
+    then given shuffled slot positions (as a ring holds them) and a few empty slots."""
+    layer = LayerKV(get_format(k_type, head_dim=head_dim), get_format(v_type, head_dim=head_dim), n_kv, head_dim,
+                    head_dim, capacity=n_slots, ring=False, normalize_k=normalize_k)
+    k = rng.standard_normal((n_slots, n_kv, head_dim)) + rng.standard_normal((1, n_kv, head_dim)) * 3
+    v = rng.standard_normal((n_slots, n_kv, head_dim))
+    q = rng.standard_normal((n_slots, 2 * n_kv, head_dim))
+    for chunk in np.array_split(np.arange(n_slots), 3):
+        layer.write(k[chunk].astype(np.float32), v[chunk].astype(np.float32), chunk, queries=q[chunk])
+    layer.slot_pos[:] = rng.permutation(n_slots)
+    layer.slot_pos[rng.choice(n_slots, 7, replace=False)] = -1
+    return layer
+
+
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("bf16", "f32"), ("q8_0", "q4_0"), ("q6_0", "q5_1"),
+                                           ("q5_0", "q4_1"), ("turbo4", "turbo2"), ("turbo3", "turbo3_tcq"),
+                                           ("turbo2_tcq", "q8_0")])
+@pytest.mark.parametrize("normalize_k", [False, True])
+def test_encoded_attention_matches_the_reference_over_the_decoded_cache(k_type, v_type, normalize_k):
+    rng = np.random.default_rng(7)
+    n_kv, group, head_dim = 2, 3, 64
+    n_slots = BLOCK_KEYS + 90  # two key blocks: the split-K merge counts
+    layer = _filled_layer(rng, k_type, v_type, n_kv=n_kv, head_dim=head_dim, n_slots=n_slots,
+                          normalize_k=normalize_k)
+    k, v, k_pos = layer.decode(0, layer.n_used)
+    q = rng.standard_normal((3, n_kv * group, head_dim)).astype(np.float32)
+    q_pos = np.array([3, 200, n_slots - 1])
+    for window, softcap in ((0, 0.0), (40, 0.0), (0, 15.0)):
+        want, want_lse = attend(q, k, v, causal_mask(q_pos, k_pos, window), scale=0.2, softcap=softcap)
+        got, got_lse = attend_encoded(q, q_pos, layer, scale=0.2, window=window, softcap=softcap)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+        np.testing.assert_allclose(got_lse, want_lse, atol=2e-5)
+    layer.slot_pos[:] = -1  # nothing visible: zeros and -inf, no NaN
+    empty, empty_lse = attend_encoded(q, q_pos, layer, scale=0.2)
+    assert np.all(empty == 0) and np.all(np.isneginf(empty_lse))
+
+
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("turbo3_tcq", "turbo3")])
+def test_encoded_dca_matches_the_fused_dca_kernel_over_the_decoded_cache(k_type, v_type):
+    rng = np.random.default_rng(11)
+    n_kv, head_dim, n_slots = 2, 128, 700
+    layer = _filled_layer(rng, k_type, v_type, n_kv=n_kv, head_dim=head_dim, n_slots=n_slots, normalize_k=True)
+    dca = DCAConfig(chunk_size=160, local_size=16)
+    k, v, k_pos = layer.decode(0, layer.n_used)
+    q3 = rng.standard_normal((3, 2, 2 * n_kv, head_dim)).astype(np.float32)
+    q_pos = np.array([100, n_slots - 1])  # a chunk-0 query (no successive / inter keys) and a late one
+    want, want_lse = dca_few(*q3, k, v, q_pos, k_pos, dca, scale=0.1)
+    got, got_lse = attend_encoded(q3, q_pos, layer, scale=0.1 * dca.logit_scale, chunk_len=dca.chunk_len)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(got_lse, want_lse, atol=2e-5)
+
+
+@pytest.mark.parametrize("arch,kv_type,dca", [("gemma3", "turbo3", None), ("qwen2", "q4_0", None),
+                                              ("qwen3", "turbo2_tcq", {"chunk_size": 16, "local_size": 4})])
+def test_the_engine_without_the_mirror_matches_the_engine_with_it(tiny_model, monkeypatch, arch, kv_type, dca):
+    """max_chunk 4: every prompt chunk takes the few-query decode path, so all logits come from it. Both read
+    the same stored rows and differ only in float rounding (K's normalisation and rotation fold into the query);
+    the matmuls take float32 activations (ACTIVATION_CODES off) so that a last-bit difference stays one, not a
+    whole step of a 16-bit activation code (tests/test_kv_cache.py test_engine_with_normalized_keys)."""
+    monkeypatch.setattr(cpu_linear, "ACTIVATION_CODES", False)
+    path, _, _ = tiny_model(arch)
+    ids = list(range(4, 40))
+    kw = dict(device="cpu", ctx=64, kv_type_k=kv_type, kv_type_v=kv_type, max_chunk=4, dca=dca, progress=False)
+    mirrored = cupyllm.load(path, **kw)
+    lean = cupyllm.load(path, kv_mirror=False, **kw)
+    assert all(not layer.mirror for layer in lean.new_cache().own_layers())
+    assert all(layer.mirror for layer in mirrored.new_cache().own_layers())
+    want = mirrored.logits(ids)
+    got = lean.logits(ids)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_the_mirror_switch_on_the_cli_and_its_errors(tiny_model):
+    path, _, _ = tiny_model("qwen2")
+    runs = {}
+    for flag in ("--kv-mirror", "--no-kv-mirror"):
+        out = subprocess.run([sys.executable, "-m", "cupyllm.cli", "generate", "hello", "-m", str(path), "--device",
+                              "cpu", "-n", "6", "--temp", "0", "-ctk", "q8_0", "-ctv", "turbo3", flag],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs[flag] = out.stdout
+    assert runs["--kv-mirror"] == runs["--no-kv-mirror"]  # greedy: the same tokens either way
+
+
+def test_a_mirror_asked_of_the_gpu_is_an_error(tiny_model, monkeypatch):
+    """The GPU kernels read the encoded rows and keep no float copy: kv_mirror=True there says so at load."""
+    import types
+
+    from cupyllm import api
+    path, _, _ = tiny_model("qwen2")
+    monkeypatch.setattr(api, "select_backend", lambda device, threads=None: types.SimpleNamespace(name="gpu",
+                                                                                                 kv_mirror=False))
+    with pytest.raises(CupyllmError, match="keep none"):
+        cupyllm.load(path, device="gpu", ctx=32, kv_mirror=True, progress=False)
+
+
+def test_a_budget_the_mirror_overflows_fits_without_it(tiny_model):
+    """kv_budget counts what the cache holds: with the float32 copy it may not fit where the encoded rows do. Then
+    the default drops the copy with a warning, kv_mirror=True is an error that says how to drop it; `cupyllm
+    info` reports the copy's size beside the cache."""
+    from cupyllm.errors import BudgetError
+    from cupyllm.kv.cache import KVSpec, kv_bytes
+    from cupyllm.kv.plan import format_bytes
+    from cupyllm.report import model_report
+    path, _, _ = tiny_model("qwen2")
+    lean = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="q4_0", kv_type_v="q4_0", kv_mirror=False,
+                        progress=False)
+    spec = KVSpec(ctx=64, kv_type_k="q4_0", kv_type_v="q4_0")
+    encoded, mirrored = kv_bytes(lean.cfg, spec), kv_bytes(lean.cfg, spec, mirror=True)
+    assert lean.new_cache().nbytes == encoded < mirrored
+    budget = (encoded + mirrored) // 2
+    kw = dict(device="cpu", ctx=64, kv_type_k="q4_0", kv_type_v="q4_0", kv_budget=budget, progress=False)
+    assert not cupyllm.load(path, kv_mirror=False, **kw).new_cache().own_layers()[0].mirror
+    with pytest.raises(BudgetError, match="--no-kv-mirror"):  # asked for, the copy is kept or it is an error
+        cupyllm.load(path, kv_mirror=True, **kw)
+    with pytest.warns(UserWarning, match="only without the CPU's float32 copy"):  # by default it is dropped
+        dropped = cupyllm.load(path, **kw)
+    assert not dropped.new_cache().own_layers()[0].mirror and dropped.kv_spec.float_mirror is False
+    with pytest.raises(BudgetError):  # below the encoded cache nothing fits
+        cupyllm.load(path, **{**kw, "kv_budget": encoded // 2})
+    auto = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", kv_type_v="auto", kv_budget=encoded,
+                        progress=False)  # "auto" types plan on the encoded bytes once the copy cannot fit
+    assert auto.kv_spec.float_mirror is False
+    report = model_report(path, ctx=64, kv_type_k="q4_0", kv_type_v="q4_0")
+    assert f"adds {format_bytes(mirrored - encoded)} for its float32 copy" in report
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_prefill_streams_the_cache_in_chunks_to_the_whole_attention(monkeypatch, mirror):
+    """CPUBackend's prefill attention (more queries than the decode path takes) decodes KEY_CHUNK slots at a time,
+    attends their query rows on the threads and merges the chunks by LSE: equal to one attention over the whole
+    decoded cache, plain (sliding window, softcap) and DCA."""
+    from cupyllm.attention.dca import attend_dca
+    from cupyllm.backend import cpu
+
+    monkeypatch.setattr(cpu, "KEY_CHUNK", 90)  # uneven chunks of a 346-slot cache
+    rng = np.random.default_rng(5)
+    layer = _filled_layer(rng, "q8_0", "turbo3", n_kv=2, head_dim=64, n_slots=BLOCK_KEYS + 90, normalize_k=True)
+    if mirror:  # the same stored rows, read from their float32 copies
+        layer.k_f32, layer.v_f32, _ = layer.decode(0, layer.n_used)
+        layer.mirror = True
+    backend = cpu.CPUBackend(threads=2)
+    k, v, k_pos = layer.decode(0, layer.n_used)
+    q = rng.standard_normal((40, 4, 64)).astype(np.float32)
+    q_pos = np.arange(300, 340)
+    for window, softcap in ((0, 0.0), (50, 10.0)):
+        want, _ = attend(q, k, v, causal_mask(q_pos, k_pos, window), scale=0.2, softcap=softcap)
+        got = backend.attention(q, q_pos, layer, scale=0.2, window=window, softcap=softcap)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+    dca = DCAConfig(chunk_size=120, local_size=8)
+    q3 = rng.standard_normal((3, 40, 4, 64)).astype(np.float32)
+    want, _ = attend_dca(*q3, k, v, q_pos, k_pos, dca, scale=0.2)
+    np.testing.assert_allclose(backend.dca_attention(*q3, q_pos, layer, dca, scale=0.2), want, atol=2e-5)
