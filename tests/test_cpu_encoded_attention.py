@@ -4,6 +4,7 @@ over the decoded cache (plain, sliding window, softcap, K normalisation, DCA), a
 kv_mirror=False against the engine with the mirror."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -163,8 +164,9 @@ def test_a_budget_the_mirror_overflows_fits_without_it(tiny_model):
     assert not dropped.new_cache().own_layers()[0].mirror and dropped.kv_spec.float_mirror is False
     with pytest.raises(BudgetError):  # below the encoded cache nothing fits
         cupyllm.load(path, **{**kw, "kv_budget": encoded // 2})
-    auto = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", kv_type_v="auto", kv_budget=encoded,
-                        progress=False)  # "auto" types plan on the encoded bytes once the copy cannot fit
+    with pytest.warns(UserWarning, match="float32 copy"):  # "auto" types plan on the encoded bytes then
+        auto = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", kv_type_v="auto", kv_budget=encoded,
+                            progress=False)
     assert auto.kv_spec.float_mirror is False
     report = model_report(path, ctx=64, kv_type_k="q4_0", kv_type_v="q4_0")
     assert f"adds {format_bytes(mirrored - encoded)} for its float32 copy" in report
@@ -196,3 +198,23 @@ def test_prefill_streams_the_cache_in_chunks_to_the_whole_attention(monkeypatch,
     q3 = rng.standard_normal((3, 40, 4, 64)).astype(np.float32)
     want, _ = attend_dca(*q3, k, v, q_pos, k_pos, dca, scale=0.2)
     np.testing.assert_allclose(backend.dca_attention(*q3, q_pos, layer, dca, scale=0.2), want, atol=2e-5)
+
+
+def test_a_cache_whose_copy_overflows_the_host_drops_the_copy(tiny_model, monkeypatch):
+    """No budget given: the host's available memory decides. A cache that fits it only without the float32 copy
+    is made without it (with a warning) unless the copy was asked for, which then fails with what to do."""
+    from cupyllm.backend import cpu
+    from cupyllm.errors import BudgetError
+    from cupyllm.kv import cache as kv_cache
+    from cupyllm.kv.cache import KVSpec, kv_bytes
+    path, _, _ = tiny_model("qwen2")
+    model = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="q8_0", kv_type_v="q8_0", progress=False)
+    spec = KVSpec(ctx=64, kv_type_k="q8_0", kv_type_v="q8_0")
+    room = (kv_bytes(model.cfg, spec) + kv_bytes(model.cfg, spec, mirror=True)) // 2
+    for module in (cpu, kv_cache):
+        monkeypatch.setattr(module, "host_bytes_available", lambda: room)
+    with pytest.warns(UserWarning, match="host memory available only without its float32 copy"):
+        lean = model.transformer.ops.new_cache(model.cfg, spec)
+    assert not any(layer.mirror for layer in lean.own_layers())
+    with pytest.raises(BudgetError, match="--no-kv-mirror"):
+        model.transformer.ops.new_cache(model.cfg, dataclasses.replace(spec, float_mirror=True))

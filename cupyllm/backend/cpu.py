@@ -2,6 +2,8 @@
 reference attention streamed over the cache in chunks (memory stays O(chunk), never O(n^2))."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ..attention.cpu_decode import MAX_QUERIES, attend_few
@@ -9,7 +11,7 @@ from ..attention.cpu_encoded import attend_encoded
 from ..attention.dca import attend_dca
 from ..attention.dca_cpu import dca_few
 from ..attention.reference import attend, causal_mask, merge
-from ..kv.cache import KVCache, LayerKV
+from ..kv.cache import KVCache, LayerKV, host_bytes_available, kv_bytes
 from . import compile_notice
 from .cpu_kernels import rms_norm_rows, rope_rows
 from .cpu_threads import RowThreads
@@ -46,17 +48,22 @@ class CPUBackend:
     @staticmethod
     def memory_available() -> float:
         """Host memory free for a KV cache (MemAvailable)."""
-        from ..kv.cache import host_bytes_available
         return host_bytes_available()
 
     @staticmethod
     def new_cache(cfg, spec) -> KVCache:
-        """A host cache, with a float32 mirror unless spec.float_mirror is False (then decode steps read the encoded
-        rows, attention/cpu_encoded.py, and prefill decodes them chunk by chunk: the memory of the KV format)."""
+        """A host cache, with a float32 mirror unless spec.float_mirror is False, or None and only the encoded cache
+        fits the host's memory (then decode steps read the encoded rows, attention/cpu_encoded.py, and prefill
+        decodes them chunk by chunk: the memory of the KV format)."""
         if spec.spilled:
             raise CupyllmError("spilling the KV cache to host memory is for the GPU backend; on the CPU the whole "
                                "cache is in host memory already (drop --kv-spill / kv_spill=)")
-        return KVCache.for_model(cfg, spec, mirror=spec.float_mirror is not False)
+        mirror = spec.float_mirror is not False
+        if spec.float_mirror is None and kv_bytes(cfg, spec) <= host_bytes_available() < kv_bytes(cfg, spec, True):
+            warnings.warn("the KV cache fits the host memory available only without its float32 copy: decode "
+                          "steps read the encoded rows (--no-kv-mirror, a little slower; README)", stacklevel=2)
+            mirror = False
+        return KVCache.for_model(cfg, spec, mirror=mirror)
 
     @staticmethod
     def decode_forward(forward):
