@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import cupyllm
-from cupyllm.attention.cpu_encoded import BLOCK_KEYS, HALF_TABLE, _decode_row, attend_encoded, row_codec
+from cupyllm.attention.cpu_encoded import BLOCK_KEYS, attend_encoded
+from cupyllm.kv.rows import HALF_TABLE, decode_row, decode_rows, row_codec
 from cupyllm.attention.dca import DCAConfig
 from cupyllm.attention.dca_cpu import dca_few
 from cupyllm.attention.reference import attend, causal_mask
@@ -39,8 +40,9 @@ def test_the_row_decoder_matches_each_formats_decode(name, head_dim):
     bits = np.empty(max(x.shape[1], (data.shape[1] + 7) // 4), np.uint32)
     for row, expected in zip(data, want):
         got = np.empty(x.shape[1], np.float32)
-        _decode_row(row, codec, table, HALF_TABLE, bits, bits.view(np.float32), got)
+        decode_row(row, codec, table, HALF_TABLE, bits, bits.view(np.float32), got)
         np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(decode_rows(fmt, data, x.shape[1]), fmt.decode(data, x.shape[1]))  # unrotated
 
 
 def _filled_layer(rng, k_type, v_type, *, n_kv, head_dim, n_slots, normalize_k):

@@ -15,6 +15,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import BudgetError, ContextOverflowError
 from .formats import KVFormat, get_format, is_float
+from .rows import decode_rows
 
 EMPTY = -1
 
@@ -107,16 +108,17 @@ class LayerKV:
     def _mirror(self, slots, k_bytes: np.ndarray, v_bytes: np.ndarray) -> None:
         """k_f32 / v_f32 of `slots` from their stored bytes ([n * n_kv, row bytes] each)."""
         n = len(k_bytes) // self.n_kv
-        self.k_f32[slots] = self._denormalized(self.k_format.decode(k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim))
-        self.v_f32[slots] = self.v_format.decode(v_bytes, self.v_head_dim).reshape(n, self.n_kv, self.v_head_dim)
+        k = decode_rows(self.k_format, k_bytes, self.head_dim).reshape(n, self.n_kv, self.head_dim)
+        self.k_f32[slots] = self._denormalized(k)
+        self.v_f32[slots] = decode_rows(self.v_format, v_bytes, self.v_head_dim).reshape(n, self.n_kv, self.v_head_dim)
 
     def decode(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Slots [start, stop) as float32 k, v and their positions."""
         if self.mirror:
             return self.k_f32[start:stop], self.v_f32[start:stop], self.slot_pos[start:stop]
         n = stop - start
-        k = self.k_format.decode(self.k_data[start:stop].reshape(n * self.n_kv, -1), self.head_dim)
-        v = self.v_format.decode(self.v_data[start:stop].reshape(n * self.n_kv, -1), self.v_head_dim)
+        k = decode_rows(self.k_format, self.k_data[start:stop].reshape(n * self.n_kv, -1), self.head_dim)
+        v = decode_rows(self.v_format, self.v_data[start:stop].reshape(n * self.n_kv, -1), self.v_head_dim)
         return (self._denormalized(k.reshape(n, self.n_kv, self.head_dim)), v.reshape(n, self.n_kv, self.v_head_dim),
                 self.slot_pos[start:stop])
 
