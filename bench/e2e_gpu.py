@@ -102,6 +102,42 @@ def gemv_bandwidth(ops, transformer) -> list[dict]:
     return rows
 
 
+def gated_mlp_timing(ops, transformer) -> list[dict]:
+    """One decode token's gated-MLP input per distinct (type, shape) of gate / up (and Gemma 4's per-layer gate,
+    whose up is a given array): the fused GEMV (weight_gemv_gated) against what it replaced, the gate and up
+    GEMVs then gated_act, both replayed from CUDA graphs (bench/attention_gpu.py time_calls: no host launch
+    overhead in either); fused_over_apart < 1 is the saving."""
+    import cupy
+    from attention_gpu import time_calls
+    seen, rows = set(), []
+    for layer in transformer.layers:
+        pairs = [(layer.ple_gate, None)] if layer.ple_gate is not None else []
+        if layer.w_gate is not None and layer.w_up is not None and (
+                layer.w_gate.fmt.name, layer.w_gate.shape) == (layer.w_up.fmt.name, layer.w_up.shape):
+            pairs.append((layer.w_gate, layer.w_up))  # (a pair of two types takes the kernels apart anyway)
+        for gate, up in pairs:
+            key = (gate.fmt.name, tuple(gate.shape), up is None)
+            if key in seen:
+                continue
+            seen.add(key)
+            rng = np.random.default_rng(0)
+            x = cupy.asarray(rng.standard_normal((1, gate.shape[-1])).astype(np.float32))
+            given = None if up is not None else cupy.asarray(rng.standard_normal((1, gate.shape[0])).astype(np.float32))
+            act = transformer.cfg.activation
+
+            def apart(_):
+                g, u = ops.kernels.gemv_many([gate, up], x) if up is not None else (ops.kernels.gemv(gate, x), given)
+                return ops.kernels.gated_act(g, u, act)
+
+            fused_s, how = time_calls(cupy, lambda _: ops.kernels.gemv_gated(gate, x, act, up=up, up_given=given),
+                                      n_calls=GEMV_REPEATS, repeats=5)
+            apart_s, _ = time_calls(cupy, apart, n_calls=GEMV_REPEATS, repeats=5)
+            rows.append({"type": gate.fmt.name, "shape": list(gate.shape), "up": "matrix" if up is not None else "given",
+                         "timing": how, "fused_us": fused_s * 1e6, "apart_us": apart_s * 1e6,
+                         "fused_over_apart": fused_s / apart_s})
+    return rows
+
+
 def bench_cupyllm(path: Path, ids: np.ndarray) -> tuple[dict, np.ndarray]:
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
@@ -163,6 +199,7 @@ def bench_cupyllm(path: Path, ids: np.ndarray) -> tuple[dict, np.ndarray]:
         decode_roofline_tps=roofline_tps,
         decode_fraction_of_roofline=max(DECODE_TOKENS / eager_s, DECODE_TOKENS / graph_s) / roofline_tps,
         gemv=gemv_bandwidth(ops, transformer),
+        gated_mlp=gated_mlp_timing(ops, transformer),
     )
     return row, last_logits
 

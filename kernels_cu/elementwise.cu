@@ -6,34 +6,8 @@
 // (rms_norm_rows), cupyllm/rope.py (rope_tables, apply_rope) and models/build.py (final soft-cap). Each
 // operation is written with the reference's float32 operations in its order (__f*_rn: no FMA
 // contraction); sums (RMSNorm) and the library functions exp/tanh/sincos may differ in the last bits.
+#include "activations.cuh"
 #include "common.cuh"
-
-namespace cupyllm {
-
-enum Activation : int { kSilu = 0, kGeluTanh = 1 };
-
-// x / (1 + exp(-x))
-__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
-
-// 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x * x * x))), NumPy's left-to-right order
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float c = 0.7978845834732056f;  // float32(sqrt(2 / pi))
-    const float cube = __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, x), x), x);
-    const float inner = __fmul_rn(c, __fadd_rn(x, cube));
-    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
-}
-
-template <int kAct>
-__device__ __forceinline__ float activate(float x) {
-    if constexpr (kAct == kSilu) {
-        return silu(x);
-    } else {
-        static_assert(kAct == kGeluTanh, "unknown activation");
-        return gelu_tanh(x);
-    }
-}
-
-}  // namespace cupyllm
 
 // ---- RMSNorm: one warp per row -------------------------------------------------------------------------
 //   x, residual, sum_out, out: [n_rows, d]; weight, next_weight [d]; norm(v, w) = (v / sqrt(mean(v^2) + eps)) * w
@@ -43,8 +17,10 @@ __device__ __forceinline__ float activate(float x) {
 //               kResidualAfter:  out = residual + norm(x, weight)   (a sandwich block's post-norm and add)
 //               kResidualAfterThenNorm: sum_out = residual + norm(x, weight), out = norm(sum_out, next_weight)
 //                                (the post-norm, the add and the norm of the next sublayer's input)
-//   residual, sum_out and next_weight are read / written only where the mode uses them (any float array
-//   otherwise: the emulator takes no nullptr). Each norm sums v^2 in the same lane order, so a fused mode
+//   scaled (modes kResidualAfter, kResidualAfterThenNorm): the sum times out_scale[0] (Gemma 4's layer output
+//   scale), before the next norm.
+//   residual, sum_out, next_weight and out_scale are read / written only where the mode uses them (any float
+//   array otherwise: the emulator takes no nullptr). Each norm sums v^2 in the same lane order, so a fused mode
 //   gives what the modes one after another give, bit for bit.
 // Launch: blockDim = 256 (8 rows), gridDim = ceil(n_rows / 8).
 namespace cupyllm {
@@ -60,9 +36,10 @@ __device__ __forceinline__ float inverse_rms(float lane_squares, int d, float ep
 template <int kResidual>
 __global__ void __launch_bounds__(256)
 rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ weight,
-         const float* __restrict__ next_weight, int n_rows, int d, float eps, float* __restrict__ sum_out,
-         float* __restrict__ out) {
+         const float* __restrict__ next_weight, const float* __restrict__ out_scale, int scaled, int n_rows, int d,
+         float eps, float* __restrict__ sum_out, float* __restrict__ out) {
     using namespace cupyllm;
+    const float scale = scaled ? out_scale[0] : 1.0f;
     const int row = static_cast<int>(blockIdx.x) * 8 + static_cast<int>(threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (row >= n_rows) return;
@@ -82,11 +59,15 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ residual, const 
         const float v = kResidual == kResidualBefore ? sum_out[base + c] : x[base + c];
         const float normed = __fmul_rn(__fmul_rn(v, inv), weight[c]);
         if constexpr (kResidual == kResidualAfterThenNorm) {
-            const float h = __fadd_rn(residual[base + c], normed);
+            float h = __fadd_rn(residual[base + c], normed);
+            if (scaled) h = __fmul_rn(h, scale);
             sum_out[base + c] = h;
             next_ss = fmaf(h, h, next_ss);
+        } else if constexpr (kResidual == kResidualAfter) {
+            const float h = __fadd_rn(residual[base + c], normed);
+            out[base + c] = scaled ? __fmul_rn(h, scale) : h;
         } else {
-            out[base + c] = kResidual == kResidualAfter ? __fadd_rn(residual[base + c], normed) : normed;
+            out[base + c] = normed;
         }
     }
     if constexpr (kResidual == kResidualAfterThenNorm) {

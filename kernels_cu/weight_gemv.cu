@@ -7,6 +7,7 @@
 // Up to three matrices of one format and width share x and one launch (a layer's q / k / v projections,
 // its gate and up): blockIdx.y = m picks weights_m, n_out_m, bias_m (bit m of has_bias) and y_m; the
 // others' arguments are not read. Each matrix's sums are those of a launch of its own, bit for bit.
+// weight_gemv_gated (below) is a gated MLP's gate and up in one launch, storing act(gate) * up.
 //
 // NumPy twin: cupyllm/quant/weights.py dequantize (the values) then x @ W.T (the sums; float32
 // accumulation, so the order of the additions differs and results agree to rounding, not bit for bit).
@@ -22,6 +23,7 @@
 //
 // Launch (cupyllm/backend/gpu_kernels.py): blockDim = 32 * kGemvWarps,
 // gridDim = (ceil(max n_out_m / (kGemvWarps * kRows)), matrices).
+#include "activations.cuh"
 #include "weight_formats.cuh"
 
 namespace cupyllm {
@@ -42,37 +44,15 @@ struct GemvSpan {
     static_assert((32 * kPartsPerLane) % W::kParts == 0, "a span is whole blocks");
 };
 
-}  // namespace cupyllm
-
+// The sums of one warp's kRows rows, acc[r][t] = row r . x[t] over n_in values, every lane holding them.
+// `stage` is the warp's own shared-memory stage.
 template <class W, int kTokens, int kRows>
-__global__ void __launch_bounds__(cupyllm::kGemvWarps * 32)
-weight_gemv(const cupyllm::u8* __restrict__ weights0, const cupyllm::u8* __restrict__ weights1,
-            const cupyllm::u8* __restrict__ weights2, long long row_bytes, int n_out0, int n_out1, int n_out2,
-            int n_in, const float* __restrict__ x, int n_tokens, const float* __restrict__ bias0,
-            const float* __restrict__ bias1, const float* __restrict__ bias2, int has_bias,
-            float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2) {
-    using namespace cupyllm;
+__device__ __forceinline__ void gemv_warp_rows(const u8* const (&rows)[kRows], int n_in, const float* __restrict__ x,
+                                               int n_tokens, uint4 (&stage)[kRows][GemvSpan<W>::kLoadsPerLane * 32],
+                                               int lane, float (&acc)[kRows][kTokens]) {
     using Span = GemvSpan<W>;
-    const int m = blockIdx.y;  // the matrix
-    const u8* const weights = m == 0 ? weights0 : m == 1 ? weights1 : weights2;
-    const int n_out = m == 0 ? n_out0 : m == 1 ? n_out1 : n_out2;
-    const float* const bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;
-    float* const y = m == 0 ? y0 : m == 1 ? y1 : y2;
-    const bool biased = (has_bias >> m) & 1;
-    __shared__ uint4 stage[kGemvWarps][kRows][Span::kLoadsPerLane * 32];
-
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row0 = (static_cast<int>(blockIdx.x) * kGemvWarps + warp) * kRows;
-    if (row0 >= n_out) return;  // the whole warp leaves together
     const int n_blocks = n_in / W::kBlockValues;
     const int n_spans = (n_blocks + Span::kBlocks - 1) / Span::kBlocks;
-
-    const u8* rows[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)  // rows past the end repeat the last row; their sums are dropped
-        rows[r] = weights + static_cast<size_t>(min(row0 + r, n_out - 1)) * static_cast<size_t>(row_bytes);
-
-    float acc[kRows][kTokens];
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -103,7 +83,7 @@ weight_gemv(const cupyllm::u8* __restrict__ weights0, const cupyllm::u8* __restr
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
-            for (int j = 0; j < Span::kLoadsPerLane; ++j) stage[warp][r][lane + 32 * j] = next[r][j];
+            for (int j = 0; j < Span::kLoadsPerLane; ++j) stage[r][lane + 32 * j] = next[r][j];
         __syncwarp();
         const int first_block = span * Span::kBlocks;
         int lead[kRows];
@@ -125,8 +105,7 @@ weight_gemv(const cupyllm::u8* __restrict__ weights0, const cupyllm::u8* __restr
             float q[kRows][W::kPartValues], scale[kRows][W::kRuns], bias[kRows][W::kRuns];
 #pragma unroll
             for (int r = 0; r < kRows; ++r) {
-                const u8* staged = reinterpret_cast<const u8*>(stage[warp][r]) + lead[r] +
-                                   block_in_span * W::kBlockBytes;
+                const u8* staged = reinterpret_cast<const u8*>(stage[r]) + lead[r] + block_in_span * W::kBlockBytes;
                 W::codes(staged, part, q[r], scale[r], bias[r]);
             }
 #pragma unroll
@@ -161,15 +140,84 @@ weight_gemv(const cupyllm::u8* __restrict__ weights0, const cupyllm::u8* __restr
             }
         }
     }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t) acc[r][t] = warp_sum(acc[r][t]);
+}
 
+// Row `row` of a matrix; rows past the end repeat the last row (their sums are computed, never stored).
+__device__ __forceinline__ const u8* weight_row(const u8* weights, int row, int n_out, long long row_bytes) {
+    return weights + static_cast<size_t>(min(row, n_out - 1)) * static_cast<size_t>(row_bytes);
+}
+
+// store(r, t, at) for the outputs of a warp's rows row0 + r < n_out and tokens t < n_tokens, on lane 0; at is
+// the output's index in y [n_tokens, n_out].
+template <int kRows, int kTokens, class Store>
+__device__ __forceinline__ void store_warp_rows(int row0, int n_out, int n_tokens, int lane, Store store) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int t = 0; t < kTokens; ++t) {
-            const float sum = warp_sum(acc[r][t]);
-            const int row = row0 + r;
-            if (lane == 0 && row < n_out && t < n_tokens)
-                y[static_cast<size_t>(t) * n_out + row] = biased ? __fadd_rn(sum, bias[row]) : sum;
-        }
-    }
+        for (int t = 0; t < kTokens; ++t)
+            if (lane == 0 && row0 + r < n_out && t < n_tokens) store(r, t, static_cast<size_t>(t) * n_out + row0 + r);
+}
+
+}  // namespace cupyllm
+
+template <class W, int kTokens, int kRows>
+__global__ void __launch_bounds__(cupyllm::kGemvWarps * 32)
+weight_gemv(const cupyllm::u8* __restrict__ weights0, const cupyllm::u8* __restrict__ weights1,
+            const cupyllm::u8* __restrict__ weights2, long long row_bytes, int n_out0, int n_out1, int n_out2,
+            int n_in, const float* __restrict__ x, int n_tokens, const float* __restrict__ bias0,
+            const float* __restrict__ bias1, const float* __restrict__ bias2, int has_bias,
+            float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2) {
+    using namespace cupyllm;
+    const int m = blockIdx.y;  // the matrix
+    const u8* const weights = m == 0 ? weights0 : m == 1 ? weights1 : weights2;
+    const int n_out = m == 0 ? n_out0 : m == 1 ? n_out1 : n_out2;
+    const float* const bias = m == 0 ? bias0 : m == 1 ? bias1 : bias2;
+    float* const y = m == 0 ? y0 : m == 1 ? y1 : y2;
+    const bool biased = (has_bias >> m) & 1;
+    __shared__ uint4 stage[kGemvWarps][kRows][GemvSpan<W>::kLoadsPerLane * 32];
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row0 = (static_cast<int>(blockIdx.x) * kGemvWarps + warp) * kRows;
+    if (row0 >= n_out) return;  // the whole warp leaves together
+    const u8* rows[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) rows[r] = weight_row(weights, row0 + r, n_out, row_bytes);
+    float acc[kRows][kTokens];
+    gemv_warp_rows<W, kTokens, kRows>(rows, n_in, x, n_tokens, stage[warp], lane, acc);
+    store_warp_rows<kRows, kTokens>(row0, n_out, n_tokens, lane, [&](int r, int t, size_t at) {
+        y[at] = biased ? __fadd_rn(acc[r][t], bias[row0 + r]) : acc[r][t];
+    });
+}
+
+// y[t, o] = act(gate[o] . x[t]) * up[t, o]: a gated MLP's input to its down projection in one launch (no gate
+// and up arrays, no gated_act pass). kUpMatrix: up[t, o] = up_weights[o] . x[t], the same warp computing row o
+// of both matrices (rows [0, kRows) of its span are gate rows, [kRows, 2 kRows) up rows); otherwise up is the
+// given array up_given [n_tokens, n_out] (Gemma 4's per-layer input). Each sum is a plain GEMV's, bit for bit,
+// and the product elementwise.cu's gated_act of them. No bias (the gated MLPs have none).
+// Launch: blockDim = 32 * kGemvWarps, gridDim = ceil(n_out / (kGemvWarps * kRows)).
+template <class W, int kTokens, int kRows, int kAct, bool kUpMatrix>
+__global__ void __launch_bounds__(cupyllm::kGemvWarps * 32)
+weight_gemv_gated(const cupyllm::u8* __restrict__ gate_weights, const cupyllm::u8* __restrict__ up_weights,
+                  long long row_bytes, int n_out, int n_in, const float* __restrict__ x, int n_tokens,
+                  const float* __restrict__ up_given, float* __restrict__ y) {
+    using namespace cupyllm;
+    constexpr int kSpanRows = kUpMatrix ? 2 * kRows : kRows;
+    __shared__ uint4 stage[kGemvWarps][kSpanRows][GemvSpan<W>::kLoadsPerLane * 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row0 = (static_cast<int>(blockIdx.x) * kGemvWarps + warp) * kRows;
+    if (row0 >= n_out) return;  // the whole warp leaves together
+    const u8* rows[kSpanRows];
+#pragma unroll
+    for (int r = 0; r < kSpanRows; ++r)
+        rows[r] = weight_row(r < kRows ? gate_weights : up_weights, row0 + r % kRows, n_out, row_bytes);
+    float acc[kSpanRows][kTokens];
+    gemv_warp_rows<W, kTokens, kSpanRows>(rows, n_in, x, n_tokens, stage[warp], lane, acc);
+    store_warp_rows<kRows, kTokens>(row0, n_out, n_tokens, lane, [&](int r, int t, size_t at) {
+        const float up = kUpMatrix ? acc[(r + kRows) % kSpanRows][t] : up_given[at];  // (up row r: span row r + kRows)
+        y[at] = __fmul_rn(activate<kAct>(acc[r][t]), up);
+    });
 }

@@ -139,6 +139,37 @@ def test_gemv_of_several_matrices_in_one_launch(backend, cp, type_name):
         backend.kernels.gemv_many([weights[0], other], x)
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K", "F16"])
+def test_gated_gemv_equals_the_gemvs_then_gated_act(backend, cp, type_name):
+    """weight_gemv_gated: act(gate . x) * (up . x), or * given up values, in one launch; bit for bit the two
+    GEMVs then gated_act, for every instantiation (rows past the end of a partial last warp included), and
+    gated_linear takes it for a few tokens and the separate kernels otherwise."""
+    from cupyllm.backend.gpu_kernels import GEMV_GATED_SHAPES, GEMV_MAX_TOKENS
+    n_out, n_in = 37, 512
+    gate, up = (backend.upload(make_weight(type_name, n_out, n_in, seed=11 + i)[0]) for i in range(2))
+    rng = np.random.default_rng(12)
+    for tokens, rows in GEMV_GATED_SHAPES:
+        for n in sorted({1, tokens}):
+            x = cp.asarray(rng.standard_normal((n, n_in)).astype(np.float32))
+            given = cp.asarray(rng.standard_normal((n, n_out)).astype(np.float32))
+            g, u = backend.kernels.gemv(gate, x), backend.kernels.gemv(up, x)
+            for activation in ("silu", "gelu_tanh"):
+                fused = backend.kernels.gemv_gated(gate, x, activation, up=up, shape=(tokens, rows))
+                np.testing.assert_array_equal(cp.asnumpy(fused), cp.asnumpy(backend.gated_act(g, u, activation)))
+                by_given = backend.kernels.gemv_gated(gate, x, activation, up_given=given, shape=(tokens, rows))
+                np.testing.assert_array_equal(cp.asnumpy(by_given),
+                                              cp.asnumpy(backend.gated_act(g, given, activation)))
+    x = cp.asarray(rng.standard_normal((GEMV_MAX_TOKENS + 1, n_in)).astype(np.float32))  # prefill: apart
+    for w_up, given in ((up, None), (None, cp.asarray(rng.standard_normal((len(x), n_out)).astype(np.float32)))):
+        got = backend.gated_linear(x, gate, "silu", w_up=w_up, up=given)
+        want = backend.gated_act(backend.linear(x, gate), backend.linear(x, up) if given is None else given, "silu")
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
+    from cupyllm.errors import DeviceError
+    other = backend.upload(make_weight("Q5_0", n_out, n_in, seed=13)[0])
+    with pytest.raises(DeviceError, match="one type and shape"):
+        backend.kernels.gemv_gated(gate, x[:1], "silu", up=other)
+
+
 @pytest.mark.parametrize("type_name", _weight_types())
 def test_mma_matmul(backend, cp, type_name):
     """The tensor-core prefill kernel: two row tiles and two token tiles, both partial, with a bias."""
@@ -209,6 +240,13 @@ def test_rms_norm_and_fused_residuals(backend, cp):
         np.testing.assert_array_equal(cp.asnumpy(h_normed), cp.asnumpy(backend.rms_norm(h, cp.asarray(w2), 1e-6)))
         np.testing.assert_allclose(cp.asnumpy(h_normed), CPUBackend.rms_norm(cp.asnumpy(h), w2, 1e-6),
                                    rtol=2e-6, atol=1e-6)
+        scale = cp.asarray(np.array([0.3125 + shape[-1] * 1e-4], np.float32))  # Gemma 4's layer output scale
+        scaled = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6, out_scale=scale)
+        np.testing.assert_array_equal(cp.asnumpy(scaled), cp.asnumpy(added * scale))  # the sum, then the scale
+        hs, hs_normed = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6,
+                                             next_norm=cp.asarray(w2), out_scale=scale)
+        np.testing.assert_array_equal(cp.asnumpy(hs), cp.asnumpy(scaled))
+        np.testing.assert_array_equal(cp.asnumpy(hs_normed), cp.asnumpy(backend.rms_norm(hs, cp.asarray(w2), 1e-6)))
 
 
 ROPE_CASES = {
@@ -434,15 +472,19 @@ def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch, monkeypatch):
 @pytest.fixture(scope="module")
 def flash_sized_models(tmp_path_factory):
     """Tiny models with head_dim 64 (Gemma 4: 64 on sliding layers, 128 on global ones), sizes the
-    flash-attention kernels (attention/dispatch.py) cover."""
+    flash-attention kernels (attention/dispatch.py) cover. Gemma 3's gate and up of one type (as the real
+    models have them: the fused gated GEMV), Qwen2's of two (the GEMVs and gated_act apart)."""
     import dataclasses
 
     import make_tiny_models
+    from gguf import GGMLQuantizationType as T
     out = {}
     for arch, n_layer in (("qwen2", 2), ("gemma3", 6), ("gemma4", 7)):
         path = tmp_path_factory.mktemp("flash") / f"tiny-{arch}-64.gguf"
-        spec = dataclasses.replace(make_tiny_models.tiny_spec(arch), n_layer=n_layer, head_dim=64,
-                                   global_head_dim=128 if arch == "gemma4" else 0)
+        spec = make_tiny_models.tiny_spec(arch)
+        types = {**spec.types, "ffn_up.weight": spec.types["ffn_gate.weight"]} if arch == "gemma3" else spec.types
+        spec = dataclasses.replace(spec, n_layer=n_layer, head_dim=64, global_head_dim=128 if arch == "gemma4" else 0,
+                                   types=types)
         make_tiny_models.write_gguf(spec, path)
         out[arch] = path
     return out

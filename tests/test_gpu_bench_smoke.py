@@ -70,6 +70,9 @@ def test_end_to_end_and_prompt_cache_benchmarks(tmp_path):
     results = json.loads((tmp_path / "e2e_gpu.json").read_text())["results"]
     assert set(results) == {"tiny-gemma3", "tiny-qwen2", "tiny-gemma4"}, out[-2000:]
     assert all(r["cupyllm"]["decode_tps_graph"] > 0 and r["cupyllm"]["prefill_paths"] for r in results.values())
+    gated = results["tiny-gemma4"]["cupyllm"]["gated_mlp"]  # (the other tiny models' gate and up differ in type)
+    assert gated and all(x["fused_us"] > 0 and x["apart_us"] > 0 for x in gated), gated
+    assert {x["up"] for x in gated} >= {"given"}  # its per-layer gate
     sys.path.insert(0, str(REPO / "tools"))
     from make_tiny_models import tiny_spec, write_gguf
     model = tmp_path / "tiny-gemma3.gguf"

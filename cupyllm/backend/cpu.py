@@ -108,10 +108,14 @@ class CPUBackend:
         total = x + residual
         return total, self.rms_norm(total, weight, eps)
 
-    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float, next_norm=None):
-        """residual + rms_norm(x): a sandwich block's post-norm and residual add; with next_norm, (that sum h,
-        rms_norm(h, next_norm)), the next sublayer's input too."""
+    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float, next_norm=None,
+                     out_scale: np.ndarray | None = None):
+        """residual + rms_norm(x): a sandwich block's post-norm and residual add, times out_scale when given
+        (Gemma 4's layer output scale); with next_norm, (that sum h, rms_norm(h, next_norm)), the next
+        sublayer's input too."""
         total = residual + self.rms_norm(x, weight, eps)
+        if out_scale is not None:
+            total = total * out_scale
         return total if next_norm is None else (total, self.rms_norm(total, next_norm, eps))
 
     def silu(self, x: np.ndarray) -> np.ndarray:
@@ -123,6 +127,12 @@ class CPUBackend:
     def gated_act(self, gate: np.ndarray, up: np.ndarray, activation: str) -> np.ndarray:
         """act(gate) * up (activation: silu | gelu_tanh)."""
         return (self.silu(gate) if activation == "silu" else self.gelu_tanh(gate)) * up
+
+    def gated_linear(self, x: np.ndarray, w_gate: Weight, activation: str, w_up: Weight | None = None,
+                     up: np.ndarray | None = None) -> np.ndarray:
+        """act(x @ w_gate.T) * (x @ w_up.T), or * up: a gated MLP's hidden values."""
+        gate, up = self.linear_many(x, (w_gate, w_up)) if w_up is not None else (self.linear(x, w_gate), up)
+        return self.gated_act(gate, up, activation)
 
     def rope(self, x: np.ndarray, rope_cfg, positions: np.ndarray) -> np.ndarray:
         key = (rope_cfg, np.asarray(positions).tobytes())

@@ -196,9 +196,11 @@ class GPUBackend:
         """(x + residual, rms_norm(x + residual)) in one pass."""
         return self.kernels.rms_norm(x, weight, eps, residual=residual)
 
-    def add_rms_norm(self, residual, x, weight, eps: float, next_norm=None):
-        """residual + rms_norm(x) in one pass; with next_norm, (that sum h, rms_norm(h, next_norm))."""
-        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_norm)
+    def add_rms_norm(self, residual, x, weight, eps: float, next_norm=None, out_scale=None):
+        """(residual + rms_norm(x)) * out_scale (when given) in one pass; with next_norm, (that sum h,
+        rms_norm(h, next_norm))."""
+        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_norm,
+                                     out_scale=out_scale)
 
     def silu(self, x):
         return self.kernels.act(x, "silu")
@@ -209,6 +211,19 @@ class GPUBackend:
     def gated_act(self, gate, up, activation: str):
         """act(gate) * up in one pass (activation: silu | gelu_tanh)."""
         return self.kernels.gated_act(gate, up, activation)
+
+    def gated_linear(self, x, w_gate: Weight, activation: str, w_up: Weight | None = None, up=None):
+        """act(x @ w_gate.T) * (x @ w_up.T), or * up: a gated MLP's hidden values; for a few tokens one GEMV
+        launch computes both sums of each row and their product (the CPU backend's values: the same sums as
+        apart, bit for bit)."""
+        n_out, n_in = w_gate.shape
+        x2 = x.reshape(-1, n_in)
+        if (x2.shape[0] <= GEMV_MAX_TOKENS and kernel_format_fits(w_gate.fmt.name, n_in)
+                and (w_up is None or (w_up.fmt.name == w_gate.fmt.name and w_up.shape == w_gate.shape))):
+            return self.kernels.gemv_gated(w_gate, x2, activation, up=w_up,
+                                           up_given=None if up is None else up.reshape(-1, n_out))
+        gate, up = self.linear_many(x, (w_gate, w_up)) if w_up is not None else (self.linear(x, w_gate), up)
+        return self.gated_act(gate, up, activation)
 
     def softcap(self, x, cap: float):
         return self.kernels.softcap(x, cap)

@@ -38,6 +38,8 @@ WEIGHT_PAD_BYTES = 16
 # GEMV instantiations: (tokens, rows per warp). A call with n tokens uses the smallest tokens >= n.
 GEMV_SHAPES = ((1, 2), (1, 4), (2, 2), (4, 1), (8, 1))
 GEMV_MAX_TOKENS = max(t for t, _ in GEMV_SHAPES)
+# gated GEMV (tokens, rows per matrix): half a plain shape's rows each for gate and up (at least one)
+GEMV_GATED_SHAPES = tuple(dict.fromkeys((t, max(1, r // 2)) for t, r in GEMV_SHAPES))
 GEMV_WARPS = 4  # kGemvWarps in weight_gemv.cu
 GEMV_GROUP = 3  # matrices one weight_gemv launch can take
 GEMV_WIDE_ROWS = 8192  # from this many output rows, single-token GEMV gives each warp 4 rows (fewer x reloads)
@@ -62,6 +64,18 @@ def _weight_cpp(fmt_name: str) -> str:
 
 def gemv_kernel_name(fmt_name: str, tokens: int, rows: int) -> str:
     return f"weight_gemv<{_weight_cpp(fmt_name)}, {tokens}, {rows}>"
+
+
+def gemv_gated_kernel_name(fmt_name: str, tokens: int, rows: int, activation: str, up_matrix: bool) -> str:
+    return (f"weight_gemv_gated<{_weight_cpp(fmt_name)}, {tokens}, {rows}, {ACTIVATIONS[activation]}, "
+            f"{'true' if up_matrix else 'false'}>")
+
+
+def gemv_gated_shape(n_tokens: int, n_out: int) -> tuple[int, int]:
+    """The (tokens, rows per matrix per warp) of a gated GEMV: half the rows of the plain GEMV's shape for one
+    matrix, so that a warp stages as many rows (gate and up) as a plain GEMV's warp does."""
+    tokens, rows = gemv_shape(n_tokens, n_out)
+    return tokens, max(1, rows // 2)
 
 
 def dequant_kernel_name(fmt_name: str, out_dtype: str) -> str:
@@ -96,7 +110,9 @@ SOFTCAP_KERNEL = "softcap<float>"
 def kernel_sets() -> list[KernelSet]:
     """GEMVs one compilation unit per weight type (a model compiles only the types it stores), the
     dequantization and MMA kernels one unit per family, the elementwise kernels one unit."""
-    sets = [KernelSet(GEMV_FILE, tuple(gemv_kernel_name(n, t, r) for t, r in GEMV_SHAPES), label=n)
+    gated = [(t, r, a, m) for t, r in GEMV_GATED_SHAPES for a in ACTIVATIONS for m in (True, False)]
+    sets = [KernelSet(GEMV_FILE, (*(gemv_kernel_name(n, t, r) for t, r in GEMV_SHAPES),
+                                  *(gemv_gated_kernel_name(n, *shape) for shape in gated)), label=n)
             for n in WEIGHT_TYPES]
     for family, names in WEIGHT_FAMILIES.items():
         sets.append(KernelSet(DEQUANT_FILE, tuple(dequant_kernel_name(n, o) for n in names for o in DEQUANT_OUTPUTS),
@@ -190,6 +206,35 @@ class GpuKernels:
                 *biases, *biases[:1] * pad, np.int32(has_bias), *outs, *outs[:1] * pad))
         return outs
 
+    def gemv_gated(self, gate: Weight, x, activation: str, up: Weight | None = None, up_given=None, out=None,
+                   shape: tuple[int, int] | None = None):
+        """act(x @ gate.T) * (x @ up.T), or * up_given [n, n_out], in one launch (weight_gemv_gated): each sum
+        that of gemv(), bit for bit, the product gated_act's. gate and up of one type and shape. `shape` forces
+        a (tokens, rows per matrix) instantiation (tests)."""
+        cp = self.cp
+        if (up is None) == (up_given is None):
+            raise DeviceError("a gated GEMV takes either an up matrix or the up values")
+        if up is not None and (up.fmt.name != gate.fmt.name or up.shape != gate.shape):
+            raise DeviceError(f"a gated GEMV needs gate and up of one type and shape, got {gate.fmt.name} "
+                              f"{tuple(gate.shape)} and {up.fmt.name} {tuple(up.shape)}")
+        n_out, n_in = gate.shape
+        n = x.shape[0]
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        if up_given is not None:
+            up_given = cp.ascontiguousarray(up_given, dtype=cp.float32)
+            if up_given.shape != (n, n_out):
+                raise DeviceError(f"a gated GEMV's up values must be [{n}, {n_out}], got {tuple(up_given.shape)}")
+        tokens, rows = shape if shape is not None else gemv_gated_shape(n, n_out)
+        if shape is not None and (shape not in GEMV_GATED_SHAPES or n > tokens):
+            raise DeviceError(f"gated GEMV shape {shape} is not one of {GEMV_GATED_SHAPES} for {n} tokens")
+        out = cp.empty((n, n_out), dtype=cp.float32) if out is None else out
+        kernel = self._fn(gemv_gated_kernel_name(gate.fmt.name, tokens, rows, activation, up is not None))
+        grid = (n_out + GEMV_WARPS * rows - 1) // (GEMV_WARPS * rows)
+        kernel((grid,), (32 * GEMV_WARPS,),
+               (gate.data, (gate if up is None else up).data, np.int64(gate.data.shape[1]), np.int32(n_out), np.int32(n_in), x,
+                np.int32(n), self._unused_f32 if up_given is None else up_given, out))
+        return out
+
     def dequantize(self, weight: Weight, rows=None, dtype: str = "float32", out=None):
         """float32 or float16 [n_rows, n_in]: all rows, or the rows of the int32 device array `rows`."""
         cp = self.cp
@@ -224,9 +269,11 @@ class GpuKernels:
         return out
 
     # --- rows and elements -------------------------------------------------------------------------
-    def rms_norm(self, x, weight, eps: float, residual=None, add_after: bool = False, next_weight=None):
+    def rms_norm(self, x, weight, eps: float, residual=None, add_after: bool = False, next_weight=None,
+                 out_scale=None):
         """RMSNorm over the last axis (len(weight)); with `residual`, of x + residual, returning (sum, norm), or
-        with add_after, residual + norm(x), and with next_weight too (sum, norm(sum, next_weight))."""
+        with add_after, residual + norm(x), and with next_weight too (sum, norm(sum, next_weight)); with
+        add_after, out_scale (a device float32 [1]) scales the sum first."""
         cp = self.cp
         d = int(weight.shape[-1])
         weight = cp.ascontiguousarray(weight, dtype=cp.float32)
@@ -242,9 +289,15 @@ class GpuKernels:
         next_weight = weight if next_weight is None else cp.ascontiguousarray(next_weight, dtype=cp.float32)
         two_outputs = mode in ("before", "after_then_norm")
         total = cp.empty(x.shape, dtype=cp.float32) if two_outputs else out
+        if out_scale is not None and not add_after:
+            raise DeviceError("RMSNorm scales only a residual sum after the norm (add_after)")
+        scale = self._unused_f32 if out_scale is None else cp.ascontiguousarray(out_scale, dtype=cp.float32).reshape(-1)
+        if scale.size != 1:
+            raise DeviceError(f"RMSNorm's out_scale must hold one value, got {scale.size}")
         self._fn(rms_norm_kernel_name(mode))(
             (grid,), (32 * NORM_ROWS_PER_CTA,),
-            (x, residual, weight, next_weight, np.int32(n_rows), np.int32(d), np.float32(eps), total, out))
+            (x, residual, weight, next_weight, scale, np.int32(out_scale is not None), np.int32(n_rows), np.int32(d),
+             np.float32(eps), total, out))
         return (total, out) if two_outputs else out
 
     def rope(self, q, k, q_positions, k_positions, inv_freq, mscale: float, neox: bool, n_rot: int,

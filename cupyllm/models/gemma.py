@@ -23,8 +23,8 @@ from .layers import gated_mlp, moe_mlp, self_attention
 
 def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None, per_layer_input=None, x_normed=None,
                 next_norm=None):
-    """(y, RMSNorm(y) with `next_norm`'s weight, or None), as qwen_block: the block's last residual add and the
-    next block's input norm are one pass, except after Gemma 4's layer output scale (it comes between them)."""
+    """(y, RMSNorm(y) with `next_norm`'s weight, or None), as qwen_block: the block's last residual add (scaled
+    by Gemma 4's layer output scale) and the next block's input norm are one pass."""
     normed = x_normed if x_normed is not None else ops.rms_norm(x, w.attn_norm, cfg.norm_eps)
     attn = self_attention(ops, cfg, w, layer, normed, positions, cache, attention)
     # h = x + PostNorm_attn(attn) and PreNorm_ffn(h), one pass
@@ -35,17 +35,15 @@ def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None, per_lay
                           router_input=ops.rms_norm(h, w.router_norm, cfg.norm_eps))
         mlp = (ops.rms_norm(mlp, w.post_dense_norm, cfg.norm_eps)
                + ops.rms_norm(experts, w.post_experts_norm, cfg.norm_eps))
-    last_norm = next_norm if w.out_scale is None else None
+    # the block's last add, times Gemma 4's layer output scale, and the next block's input norm: one pass
+    last = dict(next_norm=next_norm, out_scale=w.out_scale)
     if per_layer_input is None:
-        y = ops.add_rms_norm(h, mlp, w.post_ffn_norm, cfg.norm_eps, next_norm=last_norm)
+        y = ops.add_rms_norm(h, mlp, w.post_ffn_norm, cfg.norm_eps, **last)
     else:
         y = ops.add_rms_norm(h, mlp, w.post_ffn_norm, cfg.norm_eps)
-        gated = ops.gated_act(ops.linear(y, w.ple_gate), per_layer_input, cfg.activation)
-        y = ops.add_rms_norm(y, ops.linear(gated, w.ple_proj), w.ple_post_norm, cfg.norm_eps, next_norm=last_norm)
-    y, y_normed = y if last_norm is not None else (y, None)
-    if w.out_scale is not None:
-        y = y * w.out_scale
-    return y, y_normed
+        gated = ops.gated_linear(y, w.ple_gate, cfg.activation, up=per_layer_input)
+        y = ops.add_rms_norm(y, ops.linear(gated, w.ple_proj), w.ple_post_norm, cfg.norm_eps, **last)
+    return y if next_norm is not None else (y, None)
 
 
 def per_layer_inputs(ops, cfg, token_embd_per_layer, model_proj, proj_norm, tokens, x):

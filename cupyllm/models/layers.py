@@ -152,8 +152,7 @@ def dca_attention(dca):
 
 def gated_mlp(ops, w: LayerWeights, x, activation: str):
     """down( act(gate(x)) * up(x) ): SwiGLU for Qwen, GeGLU (tanh GELU) for Gemma."""
-    gate, up = ops.linear_many(x, (w.w_gate, w.w_up))
-    return ops.linear(ops.gated_act(gate, up, activation), w.w_down)
+    return ops.linear(ops.gated_linear(x, w.w_gate, activation, w_up=w.w_up), w.w_down)
 
 
 @dataclass(frozen=True)
@@ -208,9 +207,10 @@ def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, x, router_input):
         if moe.gate_up is not None:
             gate_up = ops.linear(routed, moe.gate_up[expert])
             gate, up = gate_up[:, :gate_up.shape[-1] // 2], gate_up[:, gate_up.shape[-1] // 2:]
+            hidden = ops.gated_act(gate, up, cfg.activation)
         else:
-            gate, up = ops.linear_many(routed, (moe.gate[expert], moe.up[expert]))
-        y = ops.linear(ops.gated_act(gate, up, cfg.activation), moe.down[expert])
+            hidden = ops.gated_linear(routed, moe.gate[expert], cfg.activation, w_up=moe.up[expert])
+        y = ops.linear(hidden, moe.down[expert])
         out[rows_on_device] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
     return out
 
