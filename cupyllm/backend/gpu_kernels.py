@@ -38,11 +38,19 @@ WEIGHT_PAD_BYTES = 16
 # GEMV instantiations: (tokens, rows per warp). A call with n tokens uses the smallest tokens >= n.
 GEMV_SHAPES = ((1, 2), (1, 4), (2, 2), (4, 1), (8, 1))
 GEMV_MAX_TOKENS = max(t for t, _ in GEMV_SHAPES)
-# gated GEMV (tokens, rows per matrix): half a plain shape's rows each for gate and up (at least one)
-GEMV_GATED_SHAPES = tuple(dict.fromkeys((t, max(1, r // 2)) for t, r in GEMV_SHAPES))
 GEMV_WARPS = 4  # kGemvWarps in weight_gemv.cu
 GEMV_GROUP = 3  # matrices one weight_gemv launch can take
 GEMV_WIDE_ROWS = 8192  # from this many output rows, single-token GEMV gives each warp 4 rows (fewer x reloads)
+
+
+def gated_rows(rows: int) -> int:
+    """A gated GEMV's rows per matrix per warp for a plain shape's `rows`: half each for gate and up (at least
+    one), so that a warp stages as many rows as a plain GEMV's warp does."""
+    return max(1, rows // 2)
+
+
+# gated GEMV (tokens, rows per matrix)
+GEMV_GATED_SHAPES = tuple(dict.fromkeys((t, gated_rows(r)) for t, r in GEMV_SHAPES))
 
 MMA_ROWS, MMA_TOKENS, MMA_DEPTH, MMA_THREADS = 64, 64, 128, 128  # weight_mma.cu tile
 
@@ -72,10 +80,9 @@ def gemv_gated_kernel_name(fmt_name: str, tokens: int, rows: int, activation: st
 
 
 def gemv_gated_shape(n_tokens: int, n_out: int) -> tuple[int, int]:
-    """The (tokens, rows per matrix per warp) of a gated GEMV: half the rows of the plain GEMV's shape for one
-    matrix, so that a warp stages as many rows (gate and up) as a plain GEMV's warp does."""
+    """The (tokens, rows per matrix per warp) of a gated GEMV (gated_rows of the plain GEMV's shape)."""
     tokens, rows = gemv_shape(n_tokens, n_out)
-    return tokens, max(1, rows // 2)
+    return tokens, gated_rows(rows)
 
 
 def dequant_kernel_name(fmt_name: str, out_dtype: str) -> str:
@@ -133,6 +140,14 @@ def gemv_shape(n_tokens: int, n_out: int) -> tuple[int, int]:
     raise DeviceError(f"GEMV runs at most {GEMV_MAX_TOKENS} tokens, got {n_tokens}")
 
 
+def forced_shape(shape: tuple[int, int], shapes: tuple, n_tokens: int, what: str) -> tuple[int, int]:
+    """A (tokens, rows) instantiation a caller forces (tests, benchmarks), or DeviceError where `shapes` has no
+    such instantiation or it takes fewer than n_tokens."""
+    if shape not in shapes or n_tokens > shape[0]:
+        raise DeviceError(f"{what} shape {shape} is not one of {shapes} for {n_tokens} tokens")
+    return shape
+
+
 def kernel_format_fits(fmt_name: str, n_in: int) -> bool:
     """Whether the block kernels can read rows of n_in values of this type (whole (pseudo-)blocks)."""
     return fmt_name in WEIGHT_TYPES and n_in % KERNEL_BLOCK_VALUES[fmt_name] == 0
@@ -188,9 +203,7 @@ class GpuKernels:
             raise DeviceError(f"one GEMV launch takes up to {GEMV_GROUP} matrices of one type and width")
         n_outs = [w.shape[0] for w in weights]
         n = x.shape[0]
-        tokens, rows = shape if shape is not None else gemv_shape(n, sum(n_outs))
-        if shape is not None and (shape not in GEMV_SHAPES or n > tokens):
-            raise DeviceError(f"GEMV shape {shape} is not one of {GEMV_SHAPES} for {n} tokens")
+        tokens, rows = gemv_shape(n, sum(n_outs)) if shape is None else forced_shape(shape, GEMV_SHAPES, n, "GEMV")
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         outs = [cp.empty((n, n_out), dtype=cp.float32) if out is None else out
                 for n_out, out in zip(n_outs, outs or [None] * len(weights))]
@@ -224,15 +237,14 @@ class GpuKernels:
             up_given = cp.ascontiguousarray(up_given, dtype=cp.float32)
             if up_given.shape != (n, n_out):
                 raise DeviceError(f"a gated GEMV's up values must be [{n}, {n_out}], got {tuple(up_given.shape)}")
-        tokens, rows = shape if shape is not None else gemv_gated_shape(n, n_out)
-        if shape is not None and (shape not in GEMV_GATED_SHAPES or n > tokens):
-            raise DeviceError(f"gated GEMV shape {shape} is not one of {GEMV_GATED_SHAPES} for {n} tokens")
+        tokens, rows = (gemv_gated_shape(n, n_out) if shape is None
+                        else forced_shape(shape, GEMV_GATED_SHAPES, n, "gated GEMV"))
         out = cp.empty((n, n_out), dtype=cp.float32) if out is None else out
         kernel = self._fn(gemv_gated_kernel_name(gate.fmt.name, tokens, rows, activation, up is not None))
         grid = (n_out + GEMV_WARPS * rows - 1) // (GEMV_WARPS * rows)
         kernel((grid,), (32 * GEMV_WARPS,),
-               (gate.data, (gate if up is None else up).data, np.int64(gate.data.shape[1]), np.int32(n_out), np.int32(n_in), x,
-                np.int32(n), self._unused_f32 if up_given is None else up_given, out))
+               (gate.data, (gate if up is None else up).data, np.int64(gate.data.shape[1]), np.int32(n_out),
+                np.int32(n_in), x, np.int32(n), self._unused_f32 if up_given is None else up_given, out))
         return out
 
     def dequantize(self, weight: Weight, rows=None, dtype: str = "float32", out=None):
