@@ -9,9 +9,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from cupyllm.quant.activations import ACTIVATION_LEVELS, dequantize_activations, quantize_activations
-from cupyllm.quant import cpu_linear
+from cupyllm.quant import cpu_gemm, cpu_linear
 from cupyllm.quant.cpu_linear import matmul
-from cupyllm.quant.cpu_matmul import FLOAT_TYPES, dequantize_numba, quantize_activation_row
+from cupyllm.quant.cpu_matmul import F16_TABLE, FLOAT_TYPES, dequantize_numba, quantize_activation_row
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
 
 QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # gguf.quants can quantize these
@@ -64,6 +64,25 @@ def test_matmul_from_blocks(qtype, n_tok, codes, monkeypatch):
     got = matmul(x, rows, WEIGHT_FORMATS[qtype], n_in)
     assert got.dtype == np.float32 and got.shape == (n_tok, n_out)
     np.testing.assert_allclose(got, reference, rtol=2e-5, atol=2e-5 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("n_tok", [9, 16, 17, 40, 64])  # half tiles (<= 16 tokens) and whole ones
+@pytest.mark.parametrize("qtype", [t for t in WEIGHT_FORMATS if WEIGHT_FORMATS[t].code in cpu_gemm.GEMM_CODES],
+                         ids=lambda t: t.name)
+def test_wide_gemm_equals_the_narrow_one(qtype, n_tok):
+    """The wide micro-kernel (8 rows x 32 tokens in 512-bit lanes) is the narrow one's arithmetic lane by lane:
+    bit-equal results, rows past a multiple of 8 (and of the 32-row task) included. (It runs on any machine;
+    without AVX-512 LLVM splits its vectors, so the engine only takes it where WIDE_GEMM.)"""
+    n_out, n_in = 301, 2048  # two K_CHUNK passes; a last task of 13 rows
+    rows = random_rows(qtype, n_out, n_in, seed=5)
+    x = np.random.default_rng(6).standard_normal((n_tok, n_in)).astype(np.float32)
+    xp, xd, xs = cpu_gemm.pack_activations(x)
+    fmt = WEIGHT_FORMATS[qtype]
+    narrow, wide = (np.full((n_tok, n_out), np.nan, np.float32) for _ in range(2))
+    cpu_gemm.gemm_blocks(fmt.code, rows, xp, xd, xs, n_tok, narrow, F16_TABLE)
+    cpu_gemm.gemm_blocks_wide(fmt.code, rows, xp, xd, xs, n_tok, wide, F16_TABLE)
+    assert np.isfinite(narrow).all()
+    np.testing.assert_array_equal(wide, narrow)
 
 
 def activation_rows() -> np.ndarray:

@@ -13,6 +13,7 @@ from ..attention.dca_cpu import dca_few
 from ..attention.reference import attend, causal_mask, merge
 from ..kv.cache import KVCache, LayerKV, host_bytes_available, kv_bytes
 from . import compile_notice
+from .cpu_memory import keep_freed_memory
 from .cpu_kernels import rms_norm_rows, rope_rows
 from .cpu_threads import RowThreads
 from ..errors import CupyllmError
@@ -33,6 +34,7 @@ class CPUBackend:
         self._rope_tables = {}
         self._threads = RowThreads(threads)
         compile_notice.install()  # the first run compiles the numba kernels for a minute or two: say so
+        keep_freed_memory()  # a prefill's arrays reuse freed memory instead of page-faulting in new (cpu_memory.py)
 
     def running_on(self, threads: int | None):
         """A context in which the numba kernels and BLAS use `threads` threads (None: as they are); numba's

@@ -1,5 +1,7 @@
 """Eight-lane SIMD values for numba kernels: `f32x8` (float32) and `i32x8` (int32) that live in registers, and
-`i16x16` (sixteen int16 lanes) for the integer dot products of the decode GEMV and the prefill GEMM.
+`i16x16` (sixteen int16 lanes) for the integer dot products of the decode GEMV and the prefill GEMM; and their
+sixteen-lane twins (`f32x16`, `i32x16`, `i16x32`: one AVX-512 register each) for the prefill GEMM's wide
+micro-kernel, whose operations (`madd`, `to_f32`, `fmul`, `fma`, `store_f32`) take either width.
 
 Why: numba widens every integer expression to 64 bits and LLVM's auto-vectoriser gives up on the short,
 byte-shuffling loops of the GGUF block decoders (measured: 1 value/cycle, scalar or 4-lane code). These
@@ -25,6 +27,10 @@ _VF = ir.VectorType(ir.FloatType(), LANES)
 _VI = ir.VectorType(_I32, LANES)
 _I16 = ir.IntType(16)
 _VW = ir.VectorType(_I16, 2 * LANES)
+WIDE_LANES = 16
+_VF16 = ir.VectorType(ir.FloatType(), WIDE_LANES)
+_VI16 = ir.VectorType(_I32, WIDE_LANES)
+_VW32 = ir.VectorType(_I16, 2 * WIDE_LANES)
 
 
 class F32x8Type(types.Type):
@@ -42,9 +48,27 @@ class I16x16Type(types.Type):
         super().__init__(name="i16x16")
 
 
+class F32x16Type(types.Type):
+    def __init__(self):
+        super().__init__(name="f32x16")
+
+
+class I32x16Type(types.Type):
+    def __init__(self):
+        super().__init__(name="i32x16")
+
+
+class I16x32Type(types.Type):
+    def __init__(self):
+        super().__init__(name="i16x32")
+
+
 f32x8 = F32x8Type()
 i32x8 = I32x8Type()
 i16x16 = I16x16Type()
+f32x16 = F32x16Type()
+i32x16 = I32x16Type()
+i16x32 = I16x32Type()
 
 
 @register_model(F32x8Type)
@@ -65,7 +89,27 @@ class _I16x16Model(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _VW)
 
 
+@register_model(F32x16Type)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VF16)
+
+
+@register_model(I32x16Type)
+class _I32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VI16)
+
+
+@register_model(I16x32Type)
+class _I16x32Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VW32)
+
+
 _INT_LANES = {i32x8: (_VI, types.int32), i16x16: (_VW, types.int16)}  # lane type -> (LLVM vector, scalar)
+FLOAT_OF = {i32x8: f32x8, i32x16: f32x16}  # int32 lanes -> the float32 lanes of their width
+PAIRS_OF = {i32x8: i16x16, i32x16: i16x32}  # int32 sums -> the int16 pairs `madd` multiplies into them
 
 
 # --- helpers (code generation) ---------------------------------------------------------------------
@@ -92,16 +136,52 @@ def _is_int(t):
     return isinstance(t, types.Integer)
 
 
-# --- loads -----------------------------------------------------------------------------------------
-@intrinsic
-def load_f32(typingctx, arr, index):
-    """arr[index:index+8] of a float32 array."""
+def _vector_load(arr, index, dtype, lane_type, lanes, result):
+    """arr[index:index+lanes] of a `dtype` array as `result` lanes (the eight- and sixteen-lane loads)."""
+    if not (_is_array(arr, dtype) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], lane_type, lanes),
+                            align=dtype.bitwidth // 8)
+    return result(arr, index), codegen
+
+
+def _broadcast_load(arr, index, vec_type, result):
+    """arr[index] of a float32 array in every lane of `vec_type`: one broadcast load, no index checks."""
     if not (_is_array(arr, types.float32) and _is_int(index)):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType()), align=4)
-    return f32x8(arr, index), codegen
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return _splat(builder, builder.load(builder.gep(data, [args[1]]), align=4), vec_type)
+    return result(arr, index), codegen
+
+
+def _pair_broadcast(arr, index, pairs_type, result):
+    """The int16 pair arr[index], arr[index+1] in every lane pair: one 32-bit broadcast (`pairs_type`: int32
+    lanes, reinterpreted as the int16 pairs of `result`)."""
+    if not (_is_array(arr, types.int16) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        pair = builder.load(builder.bitcast(builder.gep(data, [args[1]]), _I32.as_pointer()), align=2)
+        return builder.bitcast(_splat(builder, pair, pairs_type), context.get_value_type(result))
+    return result(arr, index), codegen
+
+
+def _constant(vec_type, value, result):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(vec_type, [value] * vec_type.count)
+    return result(), codegen
+
+
+# --- loads -----------------------------------------------------------------------------------------
+@intrinsic
+def load_f32(typingctx, arr, index):
+    """arr[index:index+8] of a float32 array."""
+    return _vector_load(arr, index, types.float32, ir.FloatType(), LANES, f32x8)
 
 
 def _byte_load(arr, index, extend, lanes=None):
@@ -201,33 +281,25 @@ def bit_lanes(typingctx, word, first_bit, value):
 
 @intrinsic
 def to_f32(typingctx, v):
-    """int32 lanes -> float32 lanes (exact below 2**24)."""
-    if v != i32x8:
+    """int32 lanes -> float32 lanes of the same width (exact below 2**24)."""
+    if v not in FLOAT_OF:
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.sitofp(args[0], _VF)
-    return f32x8(v), codegen
+        return builder.sitofp(args[0], context.get_value_type(sig.return_type))
+    return FLOAT_OF[v](v), codegen
 
 
 # --- float32 lanes ---------------------------------------------------------------------------------
 @intrinsic
 def zeros(typingctx):
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_VF, [0.0] * LANES)
-    return f32x8(), codegen
+    return _constant(_VF, 0.0, f32x8)
 
 
 @intrinsic
 def splat_at(typingctx, arr, index):
     """arr[index] (a float32 array) in all 8 lanes: one broadcast load, no index checks."""
-    if not (_is_array(arr, types.float32) and _is_int(index)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return _splat(builder, builder.load(builder.gep(data, [args[1]]), align=4), _VF)
-    return f32x8(arr, index), codegen
+    return _broadcast_load(arr, index, _VF, f32x8)
 
 
 @intrinsic
@@ -241,13 +313,14 @@ def splat(typingctx, scalar):
     return f32x8(scalar), codegen
 
 
-def _float_op(vs, build):
-    if any(v != f32x8 for v in vs):
+def _float_op(vs, build, widths=(f32x8,)):
+    """An op on float32 lanes, all of one width among `widths` (the wide ones only where codegen is generic)."""
+    if vs[0] not in widths or any(v != vs[0] for v in vs):
         return None
 
     def codegen(context, builder, sig, args):
         return build(builder, *args)
-    return f32x8(*vs), codegen
+    return vs[0](*vs), codegen
 
 
 @intrinsic
@@ -264,14 +337,15 @@ def fsub(typingctx, x, y):
 
 @intrinsic
 def fmul(typingctx, x, y):
-    """x * y"""
-    return _float_op((x, y), lambda b, x, y: b.fmul(x, y))
+    """x * y (either width)"""
+    return _float_op((x, y), lambda b, x, y: b.fmul(x, y), (f32x8, f32x16))
 
 
 @intrinsic
 def fma(typingctx, x, y, z):
-    """x * y + z (one fused instruction where the target has FMA)."""
-    return _float_op((x, y, z), lambda b, x, y, z: b.fadd(b.fmul(x, y, flags=("contract",)), z, flags=("contract",)))
+    """x * y + z (one fused instruction where the target has FMA; either width)."""
+    return _float_op((x, y, z), lambda b, x, y, z: b.fadd(b.fmul(x, y, flags=("contract",)), z, flags=("contract",)),
+                     (f32x8, f32x16))
 
 
 def _float_intrinsic(name, vs):
@@ -358,12 +432,14 @@ def lane_splat(typingctx, v, lane):
 
 @intrinsic
 def store_f32(typingctx, arr, index, v):
-    """arr[index:index+8] = v (float32 array)."""
-    if not (_is_array(arr, types.float32) and _is_int(index) and v == f32x8):
+    """arr[index:index+8] = v, or arr[index:index+16] for sixteen lanes (float32 array)."""
+    if not (_is_array(arr, types.float32) and _is_int(index) and v in (f32x8, f32x16)):
         return None
+    lanes = LANES if v == f32x8 else WIDE_LANES
 
     def codegen(context, builder, sig, args):
-        builder.store(args[2], _lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType()), align=4)
+        builder.store(args[2], _lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType(), lanes),
+                      align=4)
         return context.get_dummy_value()
     return types.none(arr, index, v), codegen
 
@@ -398,12 +474,7 @@ def load_i8w(typingctx, arr, index):
 @intrinsic
 def load_i16(typingctx, arr, index):
     """arr[index:index+16] of an int16 array."""
-    if not (_is_array(arr, types.int16) and _is_int(index)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16, 2 * LANES), align=2)
-    return i16x16(arr, index), codegen
+    return _vector_load(arr, index, types.int16, _I16, 2 * LANES, i16x16)
 
 
 @intrinsic
@@ -444,34 +515,68 @@ def store_i16(typingctx, arr, index, v):
 def splat_pair(typingctx, arr, index):
     """The int16 pair arr[index], arr[index+1] in each of the 8 lane pairs of an i16x16 (one 32-bit broadcast):
     `madd` of it with 8 other pairs multiplies that one pair into 8 sums at once."""
-    if not (_is_array(arr, types.int16) and _is_int(index)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        pair = builder.load(builder.bitcast(builder.gep(data, [args[1]]), _I32.as_pointer()), align=2)
-        return builder.bitcast(_splat(builder, pair, _VI), _VW)
-    return i16x16(arr, index), codegen
+    return _pair_broadcast(arr, index, _VI, i16x16)
 
 
 @intrinsic
 def izeros(typingctx):
     """int32 zeros."""
-    def codegen(context, builder, sig, args):
-        return ir.Constant(_VI, [0] * LANES)
-    return i32x8(), codegen
+    return _constant(_VI, 0, i32x8)
 
 
 @intrinsic
 def madd(typingctx, acc, a, b):
-    """acc + (a[2i] * b[2i] + a[2i+1] * b[2i+1]) in int32 lane i (exact while the sums fit in int32)."""
-    if not (acc == i32x8 and a == i16x16 and b == i16x16):
+    """acc + (a[2i] * b[2i] + a[2i+1] * b[2i+1]) in int32 lane i (exact while the sums fit in int32); eight
+    lanes, or sixteen (one vpdpwssd on a 512-bit register)."""
+    if not (acc in PAIRS_OF and a == PAIRS_OF[acc] and b == a):
         return None
+    lanes = LANES if acc == i32x8 else WIDE_LANES
 
     def codegen(context, builder, sig, args):
-        wide = ir.VectorType(_I32, 2 * LANES)
+        wide = ir.VectorType(_I32, 2 * lanes)
         prod = builder.mul(builder.sext(args[1], wide), builder.sext(args[2], wide))
-        even = builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(0, 2 * LANES, 2))))
-        odd = builder.shuffle_vector(prod, prod, ir.Constant(_VI, list(range(1, 2 * LANES, 2))))
+        pick = ir.VectorType(_I32, lanes)
+        even = builder.shuffle_vector(prod, prod, ir.Constant(pick, list(range(0, 2 * lanes, 2))))
+        odd = builder.shuffle_vector(prod, prod, ir.Constant(pick, list(range(1, 2 * lanes, 2))))
         return builder.add(args[0], builder.add(even, odd))
-    return i32x8(acc, a, b), codegen
+    return acc(acc, a, b), codegen
+
+
+# --- sixteen lanes: the prefill GEMM's wide micro-kernel (AVX-512) ---------------------------------
+# Loads of twice the width: one 512-bit register each. On a target without 512-bit registers LLVM splits them
+# in two, so the wide kernel runs only where the machine has AVX-512 (cpu_gemm.WIDE_GEMM).
+
+@intrinsic
+def zeros_16(typingctx):
+    """float32 zeros, sixteen lanes."""
+    return _constant(_VF16, 0.0, f32x16)
+
+
+@intrinsic
+def izeros_16(typingctx):
+    """int32 zeros, sixteen lanes."""
+    return _constant(_VI16, 0, i32x16)
+
+
+@intrinsic
+def load_f32_16(typingctx, arr, index):
+    """arr[index:index+16] of a float32 array."""
+    return _vector_load(arr, index, types.float32, ir.FloatType(), WIDE_LANES, f32x16)
+
+
+@intrinsic
+def splat_at_16(typingctx, arr, index):
+    """arr[index] (a float32 array) in all 16 lanes."""
+    return _broadcast_load(arr, index, _VF16, f32x16)
+
+
+@intrinsic
+def load_i16_32(typingctx, arr, index):
+    """arr[index:index+32] of an int16 array."""
+    return _vector_load(arr, index, types.int16, _I16, 2 * WIDE_LANES, i16x32)
+
+
+@intrinsic
+def splat_pair_32(typingctx, arr, index):
+    """The int16 pair arr[index], arr[index+1] in each of the 16 lane pairs of an i16x32 (`splat_pair`, wide)."""
+    return _pair_broadcast(arr, index, _VI16, i16x32)
