@@ -120,7 +120,7 @@ def test_simd_word_lanes_match_numpy():
 @pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
 def test_gemv_and_gemm_match_reference(qtype, n_in):
-    """The decode GEMV (one token) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 20
+    """The decode GEMV (one token; narrow and wide) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 20
     tokens; 37 rows: a padded row quad) against float64 products of the dequantized weight and x_hat, each result within
     2e-6 of the sum of its products' magnitudes."""
     fmt = WEIGHT_FORMATS[qtype]
@@ -135,9 +135,10 @@ def test_gemv_and_gemm_match_reference(qtype, n_in):
     weight = dequantize(rows, qtype, n_in).astype(np.float64)
     reference = x_hat.astype(np.float64) @ weight.T
     scale = np.abs(x_hat).astype(np.float64) @ np.abs(weight).T
-    out = np.empty(n_out, np.float32)
-    gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE)
-    np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)
+    for wide in (False, True):  # (the K-quants' 512-bit GEMV; on a machine without AVX-512 LLVM splits it)
+        out = np.empty(n_out, np.float32)
+        gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE, wide)
+        np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)
     if qtype not in FLOAT_TYPES:  # (float weights go to BLAS)
         for n_tok in (35, 20):  # a last tile of 3 tokens (the half-width kernel), one tile of 20 (full width)
             got = gemm_many(x[:n_tok], [(rows, fmt)])[0]

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
-from numba.core import config as numba_config
 
 from .activations import ACTIVATION_BLOCK
 from .cpu_matmul import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _codes32, _half,
                          _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row)
-from .simd import (fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16, load_i16, load_i16_32, load_i8w, madd,
+from .simd import (MACHINE_HAS_512_BIT_LANES, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16, load_i16, load_i16_32, load_i8w, madd,
                    splat, splat_at, splat_at_16, splat_pair, splat_pair_32, store_f32, store_i16, to_f32, zeros, zeros_16)
 from .weights import WeightFormat
 
@@ -44,19 +43,7 @@ WIDE_ROWS = 8  # weight rows per wide micro-kernel
 ROWS_PER_TASK = 32  # weight rows a thread unpacks and multiplies at a time
 K_CHUNK = 1024  # values of a row per pass over the token tiles: the pass's codes and activations stay in cache
 
-
-def _has_512_bit_lanes() -> bool:
-    """Whether numba's target has AVX-512 BW (512-bit integer lanes): the machine's, or NUMBA_CPU_FEATURES's."""
-    from llvmlite import binding
-    if numba_config.CPU_FEATURES:  # (a user compiling for another target: its features decide)
-        return "+avx512bw" in numba_config.CPU_FEATURES.split(",")
-    try:
-        return bool(binding.get_host_cpu_features().get("avx512bw"))
-    except RuntimeError:  # (LLVM cannot read this host's features: the portable kernel)
-        return False
-
-
-WIDE_GEMM = _has_512_bit_lanes()  # the wide micro-kernel where 512-bit lanes exist (else LLVM splits each in two)
+WIDE_GEMM = MACHINE_HAS_512_BIT_LANES  # the wide micro-kernel where 512-bit lanes exist
 GEMM_CODES = (C_Q8_0, C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1, C_Q4_K, C_Q5_K, C_Q6_K)
 
 

@@ -16,9 +16,10 @@ import numpy as np
 from numba import njit, prange
 
 from .activations import ACTIVATION_BLOCK, ACTIVATION_LEVELS, SMALLEST_SCALE
-from .simd import (bit_lanes, bit_words, f32_from_bits, fabs, fadd, fma, fmax, fmin, fmul, fround, fsub, halves,
-                   hmax, hsum, iand, ior, ishl, ishr, isub, izeros, lane_splat, load_f32, load_i8, load_i8w, load_i16,
-                   load_u8, load_u8w, madd, pair_lanes, splat, store_f32, store_i16, to_f32, zeros)
+from .simd import (MACHINE_HAS_512_BIT_LANES, bit_lanes, bit_words, f32_from_bits, fabs, fadd, fma, fmax, fmin, fmul,
+                   fround, fsub, halves, hmax, hsum, iand, ior, ishl, ishr, isub, izeros, izeros_16, lane_splat,
+                   lane_splat_16, load_f32, load_i8, load_i8w, load_i16, load_i16_32, load_u8, load_u8w, load_u8w_32,
+                   madd, pair_lanes, splat, store_f32, store_i16, to_f32, zeros, zeros_16)
 from .weights import WEIGHT_FORMATS, WeightFormat
 from gguf import GGMLQuantizationType as T
 
@@ -350,6 +351,39 @@ def _dot_k(row, xq, xd, xsum, f16, five_bit):
 
 
 @njit(inline="always")
+def _k_codes_wide(row, o, pair, five_bit):
+    """_k_codes in two registers: sub-block 2*pair's 32 codes, then sub-block 2*pair + 1's (int16 x 32)."""
+    q = load_u8w_32(row, o + (48 if five_bit else 16) + pair * 32)
+    if not five_bit:
+        return iand(q, 15), ishr(q, 4)
+    h = load_u8w_32(row, o + 16)
+    return (ior(iand(q, 15), ishl(iand(ishr(h, 2 * pair), 1), 4)),
+            ior(ishr(q, 4), ishl(iand(ishr(h, 2 * pair + 1), 1), 4)))
+
+
+@njit(inline="always")
+def _dot_k_wide(row, xq, xd, xsum, f16, five_bit):
+    """_dot_k in 512-bit registers (MACHINE_HAS_512_BIT_LANES): a sub-block's 32 products in one madd, half the
+    instructions; the same products and integer sums, the float sums in another order."""
+    acc_lo, acc_hi, next_lo, next_hi = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains)
+    mins = zeros()
+    size = 176 if five_bit else 144
+    for b in range(xq.shape[0] // 256):
+        o = b * size
+        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        mins = fadd(mins, block_mins)
+        for pair in range(4):
+            lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
+            k = b * 256 + pair * 64
+            lo = madd(izeros_16(), lo_codes, load_i16_32(xq, k))
+            hi = madd(izeros_16(), hi_codes, load_i16_32(xq, k + 32))
+            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi,
+                                                fma(to_f32(lo), lane_splat_16(scales, 2 * pair), acc_lo),
+                                                fma(to_f32(hi), lane_splat_16(scales, 2 * pair + 1), acc_hi))
+    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
+
+
+@njit(inline="always")
 def _q6_part(v, xq, k, scale, acc):
     """acc + v . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
     return fma(to_f32(madd(izeros(), v, _codes16(xq, k))), scale, acc)
@@ -387,17 +421,18 @@ def _dot_plain(code, row, x, f16):
 
 
 @njit(inline="always")
-def _dot_row(code, row, x, xq, xd, xsum, f16):
+def _dot_row(code, row, x, xq, xd, xsum, f16, wide):
+    """One row's dot product; `wide`: the K-quants (Q4_K, Q5_K) in 512-bit registers."""
     if code == C_Q8_0:
         return _dot_q8_0(row, xq, xd, xsum, f16)
     if code == C_Q5_0:
         return _dot_q5_0(row, xq, xd, xsum, f16)
     if code == C_Q4_K:
-        return _dot_k(row, xq, xd, xsum, f16, False)
+        return _dot_k_wide(row, xq, xd, xsum, f16, False) if wide else _dot_k(row, xq, xd, xsum, f16, False)
     if code == C_Q6_K:
         return _dot_q6_k(row, xq, xd, xsum, f16)
     if code == C_Q5_K:
-        return _dot_k(row, xq, xd, xsum, f16, True)
+        return _dot_k_wide(row, xq, xd, xsum, f16, True) if wide else _dot_k(row, xq, xd, xsum, f16, True)
     if code == C_Q5_1:
         return _dot_q5_1(row, xq, xd, xsum, f16)
     if code == C_Q4_0:
@@ -442,11 +477,12 @@ def quantize_activation_row(x, xq, xd, xsum):
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
-def gemv_blocks(codes, datas, x, outs, f16):
+def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES):
     """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
     that reads the one activation vector x (x_hat: x rounded to 16-bit codes per 32 values; float weights
     take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
-    decode step one thread wake-up per group, not one per weight."""
+    decode step one thread wake-up per group, not one per weight. `wide`: the K-quant rows in 512-bit lanes
+    (the machine's default; the narrow kernels give the same values up to float32 summation order)."""
     n_in = x.shape[0]
     xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
     xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
@@ -465,7 +501,7 @@ def gemv_blocks(codes, datas, x, outs, f16):
         data, out, code = datas[i], outs[i], codes[i]
         n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
         for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
-            out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16)
+            out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, wide)
 
 
 def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:

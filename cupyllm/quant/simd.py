@@ -16,8 +16,9 @@ these included. Only `fma` (flagged `contract`) lets LLVM contract `a * b + c` i
 """
 from __future__ import annotations
 
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
+from numba.core import config as numba_config
 from numba.extending import intrinsic, models, register_model
 
 LANES = 8
@@ -107,7 +108,8 @@ class _I16x32Model(models.PrimitiveModel):
         super().__init__(dmm, fe_type, _VW32)
 
 
-_INT_LANES = {i32x8: (_VI, types.int32), i16x16: (_VW, types.int16)}  # lane type -> (LLVM vector, scalar)
+_INT_LANES = {i32x8: (_VI, types.int32), i16x16: (_VW, types.int16),  # lane type -> (LLVM vector, scalar)
+              i16x32: (_VW32, types.int16)}
 FLOAT_OF = {i32x8: f32x8, i32x16: f32x16}  # int32 lanes -> the float32 lanes of their width
 PAIRS_OF = {i32x8: i16x16, i32x16: i16x32}  # int32 sums -> the int16 pairs `madd` multiplies into them
 
@@ -325,8 +327,8 @@ def _float_op(vs, build, widths=(f32x8,)):
 
 @intrinsic
 def fadd(typingctx, x, y):
-    """x + y"""
-    return _float_op((x, y), lambda b, x, y: b.fadd(x, y))
+    """x + y (either width)"""
+    return _float_op((x, y), lambda b, x, y: b.fadd(x, y), (f32x8, f32x16))
 
 
 @intrinsic
@@ -393,14 +395,16 @@ def hmax(typingctx, v):
 
 @intrinsic
 def hsum(typingctx, v):
-    """Sum of the 8 lanes as float32 (pairwise: (l0+l4 + l2+l6) + (l1+l5 + l3+l7))."""
-    if v != f32x8:
+    """Sum of the 8 lanes as float32 (pairwise: (l0+l4 + l2+l6) + (l1+l5 + l3+l7)); of 16, lanes i and i + 8
+    added first."""
+    if v not in (f32x8, f32x16):
         return None
 
     def codegen(context, builder, sig, args):
         def half(vec, lanes):
             return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
-        s4 = builder.fadd(half(args[0], [0, 1, 2, 3]), half(args[0], [4, 5, 6, 7]))
+        s8 = args[0] if v == f32x8 else builder.fadd(half(args[0], list(range(8))), half(args[0], list(range(8, 16))))
+        s4 = builder.fadd(half(s8, [0, 1, 2, 3]), half(s8, [4, 5, 6, 7]))
         s2 = builder.fadd(half(s4, [0, 1]), half(s4, [2, 3]))
         return builder.fadd(builder.extract_element(s2, ir.Constant(_I32, 0)),
                             builder.extract_element(s2, ir.Constant(_I32, 1)))
@@ -421,13 +425,17 @@ def pair_lanes(typingctx, v):
 @intrinsic
 def lane_splat(typingctx, v, lane):
     """Lane `lane` of v (a constant 0..7 once unrolled) in every lane."""
+    return _lane_broadcast(v, lane, _VF, f32x8)
+
+
+def _lane_broadcast(v, lane, vec_type, result):
     if not (v == f32x8 and _is_int(lane)):
         return None
 
     def codegen(context, builder, sig, args):
         value = builder.extract_element(args[0], _int32(context, builder, args[1], sig.args[1]))
-        return _splat(builder, value, _VF)
-    return f32x8(v, lane), codegen
+        return _splat(builder, value, vec_type)
+    return result(v, lane), codegen
 
 
 @intrinsic
@@ -542,9 +550,22 @@ def madd(typingctx, acc, a, b):
     return acc(acc, a, b), codegen
 
 
-# --- sixteen lanes: the prefill GEMM's wide micro-kernel (AVX-512) ---------------------------------
+# --- sixteen lanes: the wide GEMM micro-kernel and K-quant GEMV (AVX-512) -------------------------
 # Loads of twice the width: one 512-bit register each. On a target without 512-bit registers LLVM splits them
-# in two, so the wide kernel runs only where the machine has AVX-512 (cpu_gemm.WIDE_GEMM).
+# in two (correct, but slower and short of registers), so the wide kernels run only where MACHINE_HAS_512_BIT_LANES.
+
+def _has_512_bit_lanes() -> bool:
+    """Whether numba's target has AVX-512 BW (512-bit integer lanes): the machine's, or NUMBA_CPU_FEATURES's."""
+    if numba_config.CPU_FEATURES:  # (a user compiling for another target: its features decide)
+        return "+avx512bw" in numba_config.CPU_FEATURES.split(",")
+    try:
+        return bool(binding.get_host_cpu_features().get("avx512bw"))
+    except RuntimeError:  # (LLVM cannot read this host's features: the portable kernels)
+        return False
+
+
+MACHINE_HAS_512_BIT_LANES = _has_512_bit_lanes()
+
 
 @intrinsic
 def zeros_16(typingctx):
@@ -580,3 +601,15 @@ def load_i16_32(typingctx, arr, index):
 def splat_pair_32(typingctx, arr, index):
     """The int16 pair arr[index], arr[index+1] in each of the 16 lane pairs of an i16x32 (`splat_pair`, wide)."""
     return _pair_broadcast(arr, index, _VI16, i16x32)
+
+
+@intrinsic
+def lane_splat_16(typingctx, v, lane):
+    """Lane `lane` of the eight-lane v (a constant 0..7 once unrolled) in all 16 lanes."""
+    return _lane_broadcast(v, lane, _VF16, f32x16)
+
+
+@intrinsic
+def load_u8w_32(typingctx, arr, index):
+    """arr[index:index+32] of a byte array, zero-extended to int16 lanes (0..255)."""
+    return _byte_load(arr, index, "zext", i16x32)

@@ -1,0 +1,138 @@
+"""The CPU quantized matmuls per weight, wide (512-bit lanes) against narrow (256-bit) in the same run:
+
+- the prefill GEMM (8 rows x 32 tokens against 4 x 32 per micro-kernel) and BLAS (NumPy's sgemm on the weight
+  dequantized to float32 once, outside the timing), 128 tokens, on the shapes of Qwen2.5-0.5B and Gemma 4 E2B;
+  the wide and narrow results must be bit-equal. Figures: G multiply-adds/s (n_out x n_in x tokens / s).
+- the decode GEMV of the K-quants (one token; Q4_K / Q5_K rows, a sub-block's 32 products in one madd), on
+  Gemma 4 E2B's shapes and on a 16384 x 4096 weight that does not fit in L3 (the rows stream from DRAM).
+  Figures: G weight values/s.
+
+Random GGUF blocks of each format; the kernels alternate in `--rounds` rounds and each figure is the fastest of
+its calls (the machine is shared), all cores.
+
+    python bench/cpu_matmul.py [--tokens 128] [--rounds 5] [--out bench/results/cpu_matmul.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import gguf  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from cupyllm.quant import cpu_gemm  # noqa: E402
+from cupyllm.quant.cpu_matmul import F16_TABLE, gemv_blocks  # noqa: E402
+from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize  # noqa: E402
+from host_cpu import cpu_description  # noqa: E402
+from test_weights import random_rows  # noqa: E402
+
+SHAPES = {  # (n_out, n_in) of a model's weights
+    "qwen2.5-0.5b q/o": (896, 896),
+    "qwen2.5-0.5b gate/up": (4864, 896),
+    "qwen2.5-0.5b down": (896, 4864),
+    "gemma4-e2b q": (2048, 1536),
+    "gemma4-e2b gate/up": (6144, 1536),
+    "gemma4-e2b down": (1536, 6144),
+}
+TYPES = (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0)
+GEMV_SHAPES = {"gemma4-e2b q": (2048, 1536), "gemma4-e2b gate/up": (6144, 1536), "gemma4-e2b down": (1536, 6144),
+               "16384 x 4096 (from DRAM)": (16384, 4096)}
+GEMV_TYPES = (T.Q4_K, T.Q5_K)
+
+
+def fastest(fn, calls: int = 3) -> float:
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def alternating(kernels: dict, rounds: int, calls: int = 3) -> dict[str, float]:
+    """The fastest seconds of each kernel over `rounds` rounds in alternating order."""
+    times = {name: [] for name in kernels}
+    for round_ in range(rounds):
+        for name in (list(kernels) if round_ % 2 == 0 else list(kernels)[::-1]):
+            times[name].append(fastest(kernels[name], calls))
+    return {name: min(t) for name, t in times.items()}
+
+
+def gemv_cases(rounds: int) -> list[dict]:
+    rng = np.random.default_rng(1)
+    rows = []
+    for (shape_name, (n_out, n_in)), qtype in tqdm([(s, t) for s in GEMV_SHAPES.items() for t in GEMV_TYPES],
+                                                   desc="cpu gemv"):
+        data = random_rows(qtype, n_out, n_in, seed=len(rows))
+        x = rng.standard_normal(n_in).astype(np.float32)
+        codes = np.array([WEIGHT_FORMATS[qtype].code], np.int64)
+        outs = {name: np.empty(n_out, np.float32) for name in ("narrow", "wide")}
+        kernels = {name: (lambda name=name: gemv_blocks(codes, (data,), x, (outs[name],), F16_TABLE, name == "wide"))
+                   for name in outs}
+        for kernel in kernels.values():
+            kernel()
+        scale = np.abs(outs["narrow"]).max()
+        assert np.abs(outs["wide"] - outs["narrow"]).max() <= 1e-5 * scale, (shape_name, qtype.name)
+        seconds = alternating(kernels, rounds, calls=10)
+        gvalues = {name: n_out * n_in / t / 1e9 for name, t in seconds.items()}
+        rows.append({"shape": shape_name, "n_out": n_out, "n_in": n_in, "type": qtype.name,
+                     "gvalues_per_s": {k: round(v, 1) for k, v in gvalues.items()},
+                     "wide_vs_narrow": round(gvalues["wide"] / gvalues["narrow"], 2)})
+        print(f"gemv {shape_name:24s} {qtype.name:5s} narrow {gvalues['narrow']:6.1f}  wide {gvalues['wide']:6.1f} "
+              f"G values/s   wide/narrow x{rows[-1]['wide_vs_narrow']:.2f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_matmul.json")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    rows = []
+    cases = [(s, t) for s in SHAPES.items() for t in TYPES if s[1][1] % gguf.GGML_QUANT_SIZES[t][0] == 0]
+    for (shape_name, (n_out, n_in)), qtype in tqdm(cases, desc="cpu gemm"):  # (K-quants: rows of 256s only)
+        fmt = WEIGHT_FORMATS[qtype]
+        data = random_rows(qtype, n_out, n_in, seed=len(rows))
+        x = rng.standard_normal((args.tokens, n_in)).astype(np.float32)
+        weight_f32 = dequantize(data, qtype, n_in)
+        xp, xd, xs = cpu_gemm.pack_activations(x)
+        outs = {name: np.empty((args.tokens, n_out), np.float32) for name in ("narrow", "wide")}
+        kernels = {
+            "narrow": lambda: cpu_gemm.gemm_blocks(fmt.code, data, xp, xd, xs, args.tokens, outs["narrow"], F16_TABLE),
+            "wide": lambda: cpu_gemm.gemm_blocks_wide(fmt.code, data, xp, xd, xs, args.tokens, outs["wide"],
+                                                      F16_TABLE),
+            "blas": lambda: x @ weight_f32.T,
+        }
+        for kernel in kernels.values():
+            kernel()  # (compiled, warm)
+        assert np.array_equal(outs["narrow"], outs["wide"]), (shape_name, qtype.name)
+        macs = n_out * n_in * args.tokens
+        gmacs = {name: macs / t / 1e9 for name, t in alternating(kernels, args.rounds).items()}
+        rows.append({"shape": shape_name, "n_out": n_out, "n_in": n_in, "type": qtype.name, "tokens": args.tokens,
+                     "gmac_per_s": {k: round(v, 1) for k, v in gmacs.items()},
+                     "wide_vs_narrow": round(gmacs["wide"] / gmacs["narrow"], 2),
+                     "wide_vs_blas": round(gmacs["wide"] / gmacs["blas"], 2)})
+        print(f"gemm {shape_name:22s} {qtype.name:5s} narrow {gmacs['narrow']:6.1f}  wide {gmacs['wide']:6.1f}  "
+              f"blas {gmacs['blas']:6.1f} G MAC/s   wide/narrow x{rows[-1]['wide_vs_narrow']:.2f}  "
+              f"wide/blas x{rows[-1]['wide_vs_blas']:.2f}")
+    result = {"cpu": cpu_description(), "wide_in_engine": cpu_gemm.WIDE_GEMM, "date": time.strftime("%Y-%m-%d"),
+              "rounds": args.rounds, "gemm": rows, "gemv": gemv_cases(args.rounds)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
