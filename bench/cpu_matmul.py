@@ -32,6 +32,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from cupyllm.quant import cpu_gemm  # noqa: E402
 from cupyllm.quant.cpu_matmul import F16_TABLE, gemv_blocks  # noqa: E402
+from cupyllm.quant.simd import MACHINE_HAS_512_BIT_LANES  # noqa: E402
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize  # noqa: E402
 from host_cpu import cpu_description  # noqa: E402
 from test_weights import random_rows  # noqa: E402
@@ -127,7 +128,7 @@ def main() -> None:
         print(f"gemm {shape_name:22s} {qtype.name:5s} narrow {gmacs['narrow']:6.1f}  wide {gmacs['wide']:6.1f}  "
               f"blas {gmacs['blas']:6.1f} G MAC/s   wide/narrow x{rows[-1]['wide_vs_narrow']:.2f}  "
               f"wide/blas x{rows[-1]['wide_vs_blas']:.2f}")
-    result = {"cpu": cpu_description(), "wide_in_engine": cpu_gemm.WIDE_GEMM, "date": time.strftime("%Y-%m-%d"),
+    result = {"cpu": cpu_description(), "wide_in_engine": MACHINE_HAS_512_BIT_LANES, "date": time.strftime("%Y-%m-%d"),
               "rounds": args.rounds, "gemm": rows, "gemv": gemv_cases(args.rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

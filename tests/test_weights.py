@@ -72,7 +72,7 @@ def test_matmul_from_blocks(qtype, n_tok, codes, monkeypatch):
 def test_wide_gemm_equals_the_narrow_one(qtype, n_tok):
     """The wide micro-kernel (8 rows x 32 tokens in 512-bit lanes) is the narrow one's arithmetic lane by lane:
     bit-equal results, rows past a multiple of 8 (and of the 32-row task) included. (It runs on any machine;
-    without AVX-512 LLVM splits its vectors, so the engine only takes it where WIDE_GEMM.)"""
+    without AVX-512 LLVM splits its vectors, so the engine only takes it where simd.MACHINE_HAS_512_BIT_LANES.)"""
     n_out, n_in = 301, 2048  # two K_CHUNK passes; a last task of 13 rows
     rows = random_rows(qtype, n_out, n_in, seed=5)
     x = np.random.default_rng(6).standard_normal((n_tok, n_in)).astype(np.float32)

@@ -8,8 +8,8 @@ Qwen2.5-0.5B prefill, measured. With blocks up to 32 MiB served from the heap an
 prefill faults none and runs ~1.2x faster (bench/e2e_cpu.py). The cost: the process keeps up to the peak of its
 transient arrays resident after they are freed, where it would have returned them.
 
-This is process-wide allocator state, so it is set only on glibc, and never where the user has set
-either parameter already (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_: their setting stands).
+This is process-wide allocator state, so it is set only on glibc, and never where the user has tuned the
+allocator already (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_: their setting stands).
 """
 from __future__ import annotations
 

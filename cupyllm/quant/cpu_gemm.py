@@ -13,10 +13,10 @@ instruction (vpdpwssd: 16 int16 products summed in pairs into 8 int32 lanes) ser
   and adds them times weight scale x activation scale to float32 accumulators (and the min term times the
   block's activation sum); rows are walked K_CHUNK values at a time over all token tiles, so a pass's codes and
   activations stay in L2;
-- where the machine has AVX-512 (WIDE_GEMM), the wide micro-kernel does the same for 8 rows x 32 tokens in
-  512-bit registers (16 chains of sixteen lanes): each lane's operations are the narrow kernel's in the same
-  order, so the results are bit for bit the same, at twice the products an instruction (measured per weight on
-  a Zen 5 EPYC, 2 cores: x1.26-1.56).
+- where the machine has AVX-512 (simd.MACHINE_HAS_512_BIT_LANES), the wide micro-kernel does the same for
+  8 rows x 32 tokens in 512-bit registers (16 chains of sixteen lanes): each lane's operations are the narrow
+  kernel's in the same order, so the results are bit for bit the same, at twice the products an instruction
+  (per weight against the narrow kernel: bench/cpu_matmul.py).
 
 Integer sums are exact (|code| <= 32767 times |weight code| <= 128 over 32 values stays below 2**31), so each
 result is sum_k W[n, k] * x_hat[k] up to float32 summation order: the GEMV's value, reached in another order.
@@ -33,8 +33,9 @@ from numba import njit, prange
 from .activations import ACTIVATION_BLOCK
 from .cpu_matmul import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _codes32, _half,
                          _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row)
-from .simd import (MACHINE_HAS_512_BIT_LANES, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16, load_i16, load_i16_32, load_i8w, madd,
-                   splat, splat_at, splat_at_16, splat_pair, splat_pair_32, store_f32, store_i16, to_f32, zeros, zeros_16)
+from .simd import (MACHINE_HAS_512_BIT_LANES, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16, load_i16,
+                   load_i16_32, load_i8w, madd, splat, splat_at, splat_at_16, splat_pair, splat_pair_32, store_f32,
+                   store_i16, to_f32, zeros, zeros_16)
 from .weights import WeightFormat
 
 TOKEN_TILE = 32  # tokens per micro-kernel: four vectors of eight (two of sixteen, wide)
@@ -42,8 +43,6 @@ ROW_QUAD = 4  # weight rows per micro-kernel
 WIDE_ROWS = 8  # weight rows per wide micro-kernel
 ROWS_PER_TASK = 32  # weight rows a thread unpacks and multiplies at a time
 K_CHUNK = 1024  # values of a row per pass over the token tiles: the pass's codes and activations stay in cache
-
-WIDE_GEMM = MACHINE_HAS_512_BIT_LANES  # the wide micro-kernel where 512-bit lanes exist
 GEMM_CODES = (C_Q8_0, C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1, C_Q4_K, C_Q5_K, C_Q6_K)
 
 
@@ -309,7 +308,7 @@ def gemm_blocks(code, data, xp, xd, xs, n_tok, out, f16):
 @njit(parallel=True, cache=True, nogil=True)
 def gemm_blocks_wide(code, data, xp, xd, xs, n_tok, out, f16):
     """gemm_blocks through the wide micro-kernel (8 rows x 32 tokens in 512-bit lanes): the same values bit for
-    bit, twice the products an instruction where the machine has AVX-512 (WIDE_GEMM)."""
+    bit, twice the products an instruction where the machine has AVX-512 (MACHINE_HAS_512_BIT_LANES)."""
     _gemm_row_tiles(code, data, xp, xd, xs, n_tok, out, f16, WIDE_ROWS)
 
 
@@ -355,9 +354,10 @@ def pack_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 def gemm_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
     """[x_hat @ W.T for W in weights] (block-quantized W of GEMM_CODES), x packed once for all of them."""
     xp, xd, xs = pack_activations(x)
+    gemm = gemm_blocks_wide if MACHINE_HAS_512_BIT_LANES else gemm_blocks
     outs = []
     for data, fmt in weights:
         out = np.empty((x.shape[0], data.shape[0]), np.float32)
-        (gemm_blocks_wide if WIDE_GEMM else gemm_blocks)(fmt.code, data, xp, xd, xs, x.shape[0], out, F16_TABLE)
+        gemm(fmt.code, data, xp, xd, xs, x.shape[0], out, F16_TABLE)
         outs.append(out)
     return outs

@@ -1,7 +1,8 @@
 """Eight-lane SIMD values for numba kernels: `f32x8` (float32) and `i32x8` (int32) that live in registers, and
 `i16x16` (sixteen int16 lanes) for the integer dot products of the decode GEMV and the prefill GEMM; and their
 sixteen-lane twins (`f32x16`, `i32x16`, `i16x32`: one AVX-512 register each) for the prefill GEMM's wide
-micro-kernel, whose operations (`madd`, `to_f32`, `fmul`, `fma`, `store_f32`) take either width.
+micro-kernel and the K-quant GEMV's wide rows, whose operations (`madd`, `to_f32`, `fadd`, `fmul`, `fma`, `hsum`,
+`store_f32`, and `iand` / `ishr` / ... on int16 lanes) take either width.
 
 Why: numba widens every integer expression to 64 bits and LLVM's auto-vectoriser gives up on the short,
 byte-shuffling loops of the GGUF block decoders (measured: 1 value/cycle, scalar or 4-lane code). These
@@ -187,7 +188,7 @@ def load_f32(typingctx, arr, index):
 
 
 def _byte_load(arr, index, extend, lanes=None):
-    """Bytes arr[index:], as many as `lanes` (i32x8 by default, or i16x16) has, widened by `extend`."""
+    """Bytes arr[index:], as many as `lanes` (i32x8 by default, i16x16 or i16x32) has, widened by `extend`."""
     lanes = lanes or i32x8
     if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
         return None
