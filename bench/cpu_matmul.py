@@ -3,14 +3,14 @@
 - the prefill GEMM (8 rows x 32 tokens against 4 x 32 per micro-kernel) and BLAS (NumPy's sgemm on the weight
   dequantized to float32 once, outside the timing), 128 tokens, on the shapes of Qwen2.5-0.5B and Gemma 4 E2B;
   the wide and narrow results must be bit-equal. Figures: G multiply-adds/s (n_out x n_in x tokens / s).
-- the decode GEMV of the K-quants (one token; Q4_K / Q5_K rows, a sub-block's 32 products in one madd), on
-  Gemma 4 E2B's shapes and on a 16384 x 4096 weight that does not fit in L3 (the rows stream from DRAM).
+- the decode GEMV of every block format (one token; 32 products a madd against 16), on Qwen2.5-0.5B's gate/up,
+  Gemma 4 E2B's shapes and a 16384 x 4096 weight that does not fit in L3 (the rows stream from DRAM).
   Figures: G weight values/s.
 
 Random GGUF blocks of each format; the kernels alternate in `--rounds` rounds and each figure is the fastest of
 its calls (the machine is shared), all cores.
 
-    python bench/cpu_matmul.py [--tokens 128] [--rounds 5] [--out bench/results/cpu_matmul.json]
+    python bench/cpu_matmul.py [--tokens 128] [--rounds 5] [--gemv-only] [--out bench/results/cpu_matmul.json]
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ SHAPES = {  # (n_out, n_in) of a model's weights
     "gemma4-e2b down": (1536, 6144),
 }
 TYPES = (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0)
-GEMV_SHAPES = {"gemma4-e2b q": (2048, 1536), "gemma4-e2b gate/up": (6144, 1536), "gemma4-e2b down": (1536, 6144),
-               "16384 x 4096 (from DRAM)": (16384, 4096)}
-GEMV_TYPES = (T.Q4_K, T.Q5_K)
+GEMV_SHAPES = {"qwen2.5-0.5b gate/up": (4864, 896), "gemma4-e2b q": (2048, 1536), "gemma4-e2b gate/up": (6144, 1536),
+               "gemma4-e2b down": (1536, 6144), "16384 x 4096 (from DRAM)": (16384, 4096)}
+GEMV_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 def fastest(fn, calls: int = 3) -> float:
@@ -72,8 +72,8 @@ def alternating(kernels: dict, rounds: int, calls: int = 3) -> dict[str, float]:
 def gemv_cases(rounds: int) -> list[dict]:
     rng = np.random.default_rng(1)
     rows = []
-    for (shape_name, (n_out, n_in)), qtype in tqdm([(s, t) for s in GEMV_SHAPES.items() for t in GEMV_TYPES],
-                                                   desc="cpu gemv"):
+    cases = [(s, t) for s in GEMV_SHAPES.items() for t in GEMV_TYPES if s[1][1] % gguf.GGML_QUANT_SIZES[t][0] == 0]
+    for (shape_name, (n_out, n_in)), qtype in tqdm(cases, desc="cpu gemv"):
         data = random_rows(qtype, n_out, n_in, seed=len(rows))
         x = rng.standard_normal(n_in).astype(np.float32)
         codes = np.array([WEIGHT_FORMATS[qtype].code], np.int64)
@@ -98,11 +98,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--gemv-only", action="store_true", help="skip the GEMM (it takes most of the time)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_matmul.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows = []
-    cases = [(s, t) for s in SHAPES.items() for t in TYPES if s[1][1] % gguf.GGML_QUANT_SIZES[t][0] == 0]
+    cases = [] if args.gemv_only else [(s, t) for s in SHAPES.items() for t in TYPES
+                                       if s[1][1] % gguf.GGML_QUANT_SIZES[t][0] == 0]
     for (shape_name, (n_out, n_in)), qtype in tqdm(cases, desc="cpu gemm"):  # (K-quants: rows of 256s only)
         fmt = WEIGHT_FORMATS[qtype]
         data = random_rows(qtype, n_out, n_in, seed=len(rows))
@@ -129,7 +131,7 @@ def main() -> None:
               f"blas {gmacs['blas']:6.1f} G MAC/s   wide/narrow x{rows[-1]['wide_vs_narrow']:.2f}  "
               f"wide/blas x{rows[-1]['wide_vs_blas']:.2f}")
     result = {"cpu": cpu_description(), "wide_in_engine": MACHINE_HAS_512_BIT_LANES, "date": time.strftime("%Y-%m-%d"),
-              "rounds": args.rounds, "gemm": rows, "gemv": gemv_cases(args.rounds)}
+              "rounds": args.rounds, **({} if args.gemv_only else {"gemm": rows}), "gemv": gemv_cases(args.rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)

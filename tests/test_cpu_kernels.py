@@ -117,6 +117,39 @@ def test_simd_word_lanes_match_numpy():
     assert floats[24] == v.max()
 
 
+@njit
+def _wide_lanes(raw, x, pick):
+    """The 32-lane helpers of the wide GEMV once each: int16 lanes out through madd against `pick` (1, 0 pairs:
+    lane 2m -> int32 lane m, then the odd lanes), float lanes stored as they are."""
+    u = simd.load_u8w(raw, 3)
+    lanes = (simd.load_i8w_32(raw, 1), simd.join_32(simd.iand(u, 15), simd.ishr(u, 4)),
+             simd.bit_words_32(np.uint32(0xA5F00F5A), 16), simd.load_u8w_32(raw, 2))
+    out = np.empty(32 * len(lanes) + 16 * 2, np.float32)
+    for j in range(len(lanes)):
+        simd.store_f32(out, 32 * j, simd.to_f32(simd.madd(simd.izeros_16(), lanes[j], simd.load_i16_32(pick, 0))))
+        simd.store_f32(out, 32 * j + 16, simd.to_f32(simd.madd(simd.izeros_16(), lanes[j], simd.load_i16_32(pick, 1))))
+    simd.store_f32(out, 128, simd.lane_pair_splat_16(simd.load_f32(x, 0), 5))
+    simd.store_f32(out, 144, simd.fadd(simd.splat_16(x[9]), simd.zeros_16()))
+    return out
+
+
+def test_simd_wide_lanes_match_numpy():
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, 40, dtype=np.uint8)
+    x = rng.standard_normal(16).astype(np.float32)
+    pick = np.tile(np.array([1, 0], np.int16), 17)
+    out = _wide_lanes(raw, x, pick)
+    u = raw[3:19].astype(np.int64)
+    expect = [raw[1:33].view(np.int8), np.concatenate([u & 15, u >> 4]), ((0xA5F00F5A >> np.arange(32)) & 1) * 16,
+              raw[2:34]]
+    for j, want in enumerate(expect):
+        got = np.empty(32)
+        got[0::2], got[1::2] = out[32 * j:32 * j + 16], out[32 * j + 16:32 * j + 32]
+        np.testing.assert_array_equal(got, np.asarray(want, np.int64), err_msg=f"wide lane helper {j}")
+    np.testing.assert_array_equal(out[128:144], np.repeat(x[5:7], 8))
+    np.testing.assert_array_equal(out[144:160], np.full(16, x[9]))
+
+
 @pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
 def test_gemv_and_gemm_match_reference(qtype, n_in):
@@ -135,7 +168,7 @@ def test_gemv_and_gemm_match_reference(qtype, n_in):
     weight = dequantize(rows, qtype, n_in).astype(np.float64)
     reference = x_hat.astype(np.float64) @ weight.T
     scale = np.abs(x_hat).astype(np.float64) @ np.abs(weight).T
-    for wide in (False, True):  # (the K-quants' 512-bit GEMV; on a machine without AVX-512 LLVM splits it)
+    for wide in (False, True):  # (the 512-bit GEMV; on a machine without AVX-512 LLVM splits it)
         out = np.empty(n_out, np.float32)
         gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE, wide)
         np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)

@@ -16,10 +16,11 @@ import numpy as np
 from numba import njit, prange
 
 from .activations import ACTIVATION_BLOCK, ACTIVATION_LEVELS, SMALLEST_SCALE
-from .simd import (MACHINE_HAS_512_BIT_LANES, bit_lanes, bit_words, f32_from_bits, fabs, fadd, fma, fmax, fmin, fmul,
-                   fround, fsub, halves, hmax, hsum, iand, ior, ishl, ishr, isub, izeros, izeros_16, lane_splat,
-                   lane_splat_16, load_f32, load_i8, load_i8w, load_i16, load_i16_32, load_u8, load_u8w, load_u8w_32,
-                   madd, pair_lanes, splat, store_f32, store_i16, to_f32, zeros, zeros_16)
+from .simd import (MACHINE_HAS_512_BIT_LANES, bit_lanes, bit_words, bit_words_32, f32_from_bits, fabs, fadd, fma, fmax,
+                   fmin, fmul, fround, fsub, halves, hmax, hsum, iand, ior, ishl, ishr, isub, izeros, izeros_16,
+                   join_32, lane_pair_splat_16, lane_splat, lane_splat_16, load_f32, load_i8, load_i8w, load_i8w_32,
+                   load_i16, load_i16_32, load_u8, load_u8w, load_u8w_32, madd, pair_lanes, prefetch, splat, splat_16,
+                   store_f32, store_i16, to_f32, zeros, zeros_16)
 from .weights import WEIGHT_FORMATS, WeightFormat
 from gguf import GGMLQuantizationType as T
 
@@ -31,6 +32,11 @@ C_F32, C_F16, C_BF16, C_Q8_0 = _C[T.F32], _C[T.F16], _C[T.BF16], _C[T.Q8_0]
 C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1 = _C[T.Q4_0], _C[T.Q4_1], _C[T.Q5_0], _C[T.Q5_1]
 C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
 
+# The GEMV asks for the bytes this far ahead of the block it multiplies (its row's later blocks, then the next
+# row's): a row streams from DRAM with its compute between the loads, and the hardware prefetcher alone keeps too
+# few lines in flight. Measured (Gemma 4 E2B's Q6_K / Q4_K down and output rows, in turn as a decode step reads
+# them, 2-core Zen 5): 28 -> 38 GB/s and 26 -> 34 GB/s at 4 KiB; 2 KiB 31-35, 1 KiB and less no gain.
+PREFETCH_BYTES = 4096
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
 
 
@@ -208,6 +214,14 @@ def gather_rows(code, data, ids, out, f16):
 
 
 @njit(inline="always")
+def _prefetch_ahead(row, o, block_bytes):
+    """Prefetch the cache lines PREFETCH_BYTES past the block row[o:o + block_bytes] (one line for blocks
+    shorter than a line: consecutive blocks then name every line)."""
+    for line in range(0, block_bytes, 64):
+        prefetch(row, o + PREFETCH_BYTES + line)
+
+
+@njit(inline="always")
 def _codes16(xq, k):
     """The activation codes k .. k+15."""
     return load_i16(xq, k)
@@ -218,6 +232,7 @@ def _dot_q8_0(row, xq, xd, xsum, f16):
     acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 34
+        _prefetch_ahead(row, o, 34)
         s = madd(madd(izeros(), load_i8w(row, o + 2), _codes16(xq, 32 * b)), load_i8w(row, o + 18),
                  _codes16(xq, 32 * b + 16))
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
@@ -257,11 +272,21 @@ def _k_codes(row, o, pair, five_bit):
 def _q6_codes(row, ql, qh, l):
     """Q6_K codes less 32 at positions l, 32 + l, 64 + l, 96 + l (16 each) of the 128-value half whose low bits
     start at row[ql] and high bits at row[qh]."""
-    h = load_u8w(row, qh + l)
-    a = load_u8w(row, ql + l)
-    c = load_u8w(row, ql + 32 + l)
+    return _q6_from_bits(load_u8w(row, ql + l), load_u8w(row, ql + 32 + l), load_u8w(row, qh + l))
+
+
+@njit(inline="always")
+def _q6_from_bits(a, c, h):
+    """Q6_K's four code vectors (less 32) from its low-bit bytes a = ql[l], c = ql[32 + l] and high-bit bytes
+    h = qh[l] (int16 lanes of either width)."""
     return (isub(ior(iand(a, 15), ishl(iand(h, 3), 4)), 32), isub(ior(iand(c, 15), ishl(iand(h, 12), 2)), 32),
             isub(ior(ishr(a, 4), iand(h, 48)), 32), isub(ior(ishr(c, 4), iand(ishr(h, 2), 48)), 32))
+
+
+@njit(inline="always")
+def _q6_scales(row, o, d, xd, half, xb):
+    """Lane sub + 2i: (d * sc[sub + 2i]) * xd of the half's 32-value block i (xd is padded for the read)."""
+    return fmul(fmul(splat(d), to_f32(load_i8(row, o + 192 + half * 8))), pair_lanes(load_f32(xd, xb // 32)))
 
 
 @njit(inline="always")
@@ -272,47 +297,28 @@ def _block_sum(row, qs, h, offset, xq, k):
 
 
 @njit(inline="always")
-def _dot_q4_0(row, xq, xd, xsum, f16):
-    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
-    for b in range(xq.shape[0] // 32):
-        o = b * 18
-        s = _block_sum(row, o + 2, np.uint32(0), 8, xq, 32 * b)
-        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
-    return hsum(fadd(acc, acc_next))
-
-
-@njit(inline="always")
-def _dot_q4_1(row, xq, xd, xsum, f16):
+def _dot_small(row, xq, xd, xsum, f16, affine, five_bit):
+    """Q4_0, Q4_1 (affine), Q5_0 (five_bit) or Q5_1 (both): 32 values a block, d first; an affine block's m
+    (the half after d) multiplies xsum; a five-bit block's 5th bits are the u32 before its nibbles."""
+    block_bytes, qs, offset = _small_layout(affine, five_bit)
     acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     mins, mins_next = np.float32(0.0), np.float32(0.0)
     for b in range(xq.shape[0] // 32):
-        o = b * 20
-        s = _block_sum(row, o + 4, np.uint32(0), 0, xq, 32 * b)
+        o = b * block_bytes
+        _prefetch_ahead(row, o, block_bytes)
+        s = _block_sum(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset, xq, 32 * b)
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
-        mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
+        if affine:
+            mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
     return hsum(fadd(acc, acc_next)) + (mins + mins_next)
 
 
 @njit(inline="always")
-def _dot_q5_0(row, xq, xd, xsum, f16):
-    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
-    for b in range(xq.shape[0] // 32):
-        o = b * 22
-        s = _block_sum(row, o + 6, _u32_at(row, o + 2), 16, xq, 32 * b)
-        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
-    return hsum(fadd(acc, acc_next))
-
-
-@njit(inline="always")
-def _dot_q5_1(row, xq, xd, xsum, f16):
-    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
-    mins, mins_next = np.float32(0.0), np.float32(0.0)
-    for b in range(xq.shape[0] // 32):
-        o = b * 24
-        s = _block_sum(row, o + 8, _u32_at(row, o + 4), 0, xq, 32 * b)
-        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
-        mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
-    return hsum(fadd(acc, acc_next)) + (mins + mins_next)
+def _small_layout(affine, five_bit):
+    """(block bytes, offset of the nibbles, code offset) of Q4_0 / Q4_1 / Q5_0 / Q5_1."""
+    if five_bit:
+        return (24, 8, 0) if affine else (22, 6, 16)
+    return (20, 4, 0) if affine else (18, 2, 8)
 
 
 @njit(inline="always")
@@ -340,6 +346,7 @@ def _dot_k(row, xq, xd, xsum, f16, five_bit):
     size = 176 if five_bit else 144
     for b in range(xq.shape[0] // 256):
         o = b * size
+        _prefetch_ahead(row, o, size)
         scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
         for pair in range(4):
@@ -370,6 +377,7 @@ def _dot_k_wide(row, xq, xd, xsum, f16, five_bit):
     size = 176 if five_bit else 144
     for b in range(xq.shape[0] // 256):
         o = b * size
+        _prefetch_ahead(row, o, size)
         scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
         for pair in range(4):
@@ -394,13 +402,13 @@ def _dot_q6_k(row, xq, xd, xsum, f16):
     acc0, acc1, acc2, acc3 = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
     for b in range(xq.shape[0] // 256):
         o = b * 210
+        _prefetch_ahead(row, o, 210)
         d = _half(row, o + 208, f16)
         for half in range(2):
             ql = o + half * 64
             qh = o + 128 + half * 32
             xb = b * 256 + half * 128
-            # lane sub + 2i: (d * sc[sub + 2i]) * xd of the half's 32-value block i (xd is padded for the read)
-            scales = fmul(fmul(splat(d), to_f32(load_i8(row, o + 192 + half * 8))), pair_lanes(load_f32(xd, xb // 32)))
+            scales = _q6_scales(row, o, d, xd, half, xb)
             for sub in range(2):  # lanes l = 16*sub .. 16*sub+15 of each of the four 32-value groups share a scale
                 l = 16 * sub
                 v0, v1, v2, v3 = _q6_codes(row, ql, qh, l)
@@ -408,6 +416,78 @@ def _dot_q6_k(row, xq, xd, xsum, f16):
                 acc1 = _q6_part(v1, xq, xb + 32 + l, lane_splat(scales, sub + 2), acc1)
                 acc2 = _q6_part(v2, xq, xb + 64 + l, lane_splat(scales, sub + 4), acc2)
                 acc3 = _q6_part(v3, xq, xb + 96 + l, lane_splat(scales, sub + 6), acc3)
+    return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
+
+
+# --- the same dot products in 512-bit registers (MACHINE_HAS_512_BIT_LANES): 32 products a madd, not 16 ----------
+# Each lane's integer sum is one of the narrow kernel's (a pair of products, or the narrow lane's two pairs), times
+# the same float scale; only the order in which the float lanes are summed differs.
+
+@njit(inline="always")
+def _dot_q8_0_wide(row, xq, xd, xsum, f16):
+    acc, acc_next = zeros_16(), zeros_16()  # (two chains: the next block's FMA need not wait for this one's)
+    for b in range(xq.shape[0] // 32):
+        o = b * 34
+        _prefetch_ahead(row, o, 34)
+        s = madd(izeros_16(), load_i8w_32(row, o + 2), load_i16_32(xq, 32 * b))
+        acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
+    return hsum(fadd(acc, acc_next))
+
+
+@njit(inline="always")
+def _q5_codes_wide(row, qs, h, offset):
+    """_codes32 of a Q5_0 / Q5_1 block in one register: its 32 codes in order (the low nibbles, then the high
+    ones, each with its 5th bit from h), less `offset`."""
+    v = load_u8w(row, qs)
+    return isub(ior(join_32(iand(v, 15), ishr(v, 4)), bit_words_32(h, 16)), offset)
+
+
+@njit(inline="always")
+def _dot_q5_wide(row, xq, xd, xsum, f16, affine):
+    """Q5_0, or Q5_1 (`affine`: its m, the half after d, times xsum). (Q4_0 / Q4_1 stay narrow: measured no
+    faster wide, bench/cpu_matmul.py; their blocks cost more in scales than in products.)"""
+    block_bytes, qs, offset = _small_layout(affine, True)
+    acc, acc_next = zeros_16(), zeros_16()  # (two chains: the next block's FMA need not wait for this one's)
+    mins, mins_next = np.float32(0.0), np.float32(0.0)
+    for b in range(xq.shape[0] // 32):
+        o = b * block_bytes
+        _prefetch_ahead(row, o, block_bytes)
+        codes = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset)
+        s = madd(izeros_16(), codes, load_i16_32(xq, 32 * b))
+        acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
+        if affine:
+            mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
+    return hsum(fadd(acc, acc_next)) + (mins + mins_next)
+
+
+@njit(inline="always")
+def _q6_codes_wide(row, ql, qh):
+    """_q6_codes for all 32 positions l at once: codes less 32 of values 0-31, 32-63, 64-95, 96-127 of the half."""
+    return _q6_from_bits(load_u8w_32(row, ql), load_u8w_32(row, ql + 32), load_u8w_32(row, qh))
+
+
+@njit(inline="always")
+def _q6_part_wide(v, xq, k, scales, group, acc):
+    """acc + v . codes k .. k+31, lanes 0-7 times scale lane 2*group, lanes 8-15 times lane 2*group + 1."""
+    return fma(to_f32(madd(izeros_16(), v, load_i16_32(xq, k))), lane_pair_splat_16(scales, 2 * group), acc)
+
+
+@njit(inline="always")
+def _dot_q6_k_wide(row, xq, xd, xsum, f16):
+    acc0, acc1, acc2, acc3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains, not one)
+    for b in range(xq.shape[0] // 256):
+        o = b * 210
+        _prefetch_ahead(row, o, 210)
+        d = _half(row, o + 208, f16)
+        for half in range(2):
+            ql = o + half * 64
+            xb = b * 256 + half * 128
+            scales = _q6_scales(row, o, d, xd, half, xb)
+            v0, v1, v2, v3 = _q6_codes_wide(row, ql, o + 128 + half * 32)
+            acc0 = _q6_part_wide(v0, xq, xb, scales, 0, acc0)
+            acc1 = _q6_part_wide(v1, xq, xb + 32, scales, 1, acc1)
+            acc2 = _q6_part_wide(v2, xq, xb + 64, scales, 2, acc2)
+            acc3 = _q6_part_wide(v3, xq, xb + 96, scales, 3, acc3)
     return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
 
 
@@ -422,23 +502,23 @@ def _dot_plain(code, row, x, f16):
 
 @njit(inline="always")
 def _dot_row(code, row, x, xq, xd, xsum, f16, wide):
-    """One row's dot product; `wide`: the K-quants (Q4_K, Q5_K) in 512-bit registers."""
+    """One row's dot product; `wide`: Q8_0, Q5_0 / Q5_1 and the K-quants in 512-bit registers."""
     if code == C_Q8_0:
-        return _dot_q8_0(row, xq, xd, xsum, f16)
+        return _dot_q8_0_wide(row, xq, xd, xsum, f16) if wide else _dot_q8_0(row, xq, xd, xsum, f16)
     if code == C_Q5_0:
-        return _dot_q5_0(row, xq, xd, xsum, f16)
+        return _dot_q5_wide(row, xq, xd, xsum, f16, False) if wide else _dot_small(row, xq, xd, xsum, f16, False, True)
     if code == C_Q4_K:
         return _dot_k_wide(row, xq, xd, xsum, f16, False) if wide else _dot_k(row, xq, xd, xsum, f16, False)
     if code == C_Q6_K:
-        return _dot_q6_k(row, xq, xd, xsum, f16)
+        return _dot_q6_k_wide(row, xq, xd, xsum, f16) if wide else _dot_q6_k(row, xq, xd, xsum, f16)
     if code == C_Q5_K:
         return _dot_k_wide(row, xq, xd, xsum, f16, True) if wide else _dot_k(row, xq, xd, xsum, f16, True)
     if code == C_Q5_1:
-        return _dot_q5_1(row, xq, xd, xsum, f16)
+        return _dot_q5_wide(row, xq, xd, xsum, f16, True) if wide else _dot_small(row, xq, xd, xsum, f16, True, True)
     if code == C_Q4_0:
-        return _dot_q4_0(row, xq, xd, xsum, f16)
+        return _dot_small(row, xq, xd, xsum, f16, False, False)
     if code == C_Q4_1:
-        return _dot_q4_1(row, xq, xd, xsum, f16)
+        return _dot_small(row, xq, xd, xsum, f16, True, False)
     return _dot_plain(code, row, x, f16)
 
 
@@ -481,8 +561,8 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES):
     """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
     that reads the one activation vector x (x_hat: x rounded to 16-bit codes per 32 values; float weights
     take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
-    decode step one thread wake-up per group, not one per weight. `wide`: the K-quant rows in 512-bit lanes
-    (the machine's default; the narrow kernels give the same values up to float32 summation order)."""
+    decode step one thread wake-up per group, not one per weight. `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in
+    512-bit lanes (the machine's default; the narrow kernels give the same values up to float32 summation order)."""
     n_in = x.shape[0]
     xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
     xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
@@ -500,6 +580,7 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES):
             i += 1
         data, out, code = datas[i], outs[i], codes[i]
         n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
+        row_bytes = data.shape[1]
         for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
             out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, wide)
 

@@ -1,7 +1,7 @@
 """Eight-lane SIMD values for numba kernels: `f32x8` (float32) and `i32x8` (int32) that live in registers, and
 `i16x16` (sixteen int16 lanes) for the integer dot products of the decode GEMV and the prefill GEMM; and their
 sixteen-lane twins (`f32x16`, `i32x16`, `i16x32`: one AVX-512 register each) for the prefill GEMM's wide
-micro-kernel and the K-quant GEMV's wide rows, whose operations (`madd`, `to_f32`, `fadd`, `fmul`, `fma`, `hsum`,
+micro-kernel and the GEMV's wide rows, whose operations (`madd`, `to_f32`, `fadd`, `fmul`, `fma`, `hsum`,
 `store_f32`, and `iand` / `ishr` / ... on int16 lanes) take either width.
 
 Why: numba widens every integer expression to 64 bits and LLVM's auto-vectoriser gives up on the short,
@@ -308,12 +308,16 @@ def splat_at(typingctx, arr, index):
 @intrinsic
 def splat(typingctx, scalar):
     """`scalar` (cast to float32) in every lane."""
+    return _scalar_splat(scalar, _VF, f32x8)
+
+
+def _scalar_splat(scalar, vec_type, result):
     if not isinstance(scalar, (types.Float, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
-        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF)
-    return f32x8(scalar), codegen
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), vec_type)
+    return result(scalar), codegen
 
 
 def _float_op(vs, build, widths=(f32x8,)):
@@ -464,6 +468,23 @@ def f32_from_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+@intrinsic
+def prefetch(typingctx, arr, index):
+    """Ask for the cache line of arr.data[index] (a byte array) ahead of its use; any index is safe (a prefetch
+    never faults), so kernels may name bytes past the row they read, the next row's."""
+    if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        address = builder.gep(data, [args[1]])
+        fnty = ir.FunctionType(ir.VoidType(), [address.type, _I32, _I32, _I32])
+        intrinsic_fn = builder.module.declare_intrinsic("llvm.prefetch", [address.type], fnty=fnty)
+        builder.call(intrinsic_fn, [address, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+    return types.none(arr, index), codegen
+
+
 # --- int16 lanes: the integer dot products of the decode GEMV and the prefill GEMM ------------------
 # Weight codes (at most 8 bits) times 16-bit activation codes, pairs summed into int32 lanes: LLVM turns
 # `madd` into one vpmaddwd (AVX2) or vpdpwssd (AVX-512 VNNI / AVX-VNNI), 16 products an instruction.
@@ -551,7 +572,7 @@ def madd(typingctx, acc, a, b):
     return acc(acc, a, b), codegen
 
 
-# --- sixteen lanes: the wide GEMM micro-kernel and K-quant GEMV (AVX-512) -------------------------
+# --- sixteen lanes: the wide GEMM micro-kernel and the wide GEMV (AVX-512) ------------------------
 # Loads of twice the width: one 512-bit register each. On a target without 512-bit registers LLVM splits them
 # in two (correct, but slower and short of registers), so the wide kernels run only where MACHINE_HAS_512_BIT_LANES.
 
@@ -614,3 +635,55 @@ def lane_splat_16(typingctx, v, lane):
 def load_u8w_32(typingctx, arr, index):
     """arr[index:index+32] of a byte array, zero-extended to int16 lanes (0..255)."""
     return _byte_load(arr, index, "zext", i16x32)
+
+
+@intrinsic
+def load_i8w_32(typingctx, arr, index):
+    """arr[index:index+32] of a byte array read as int8, sign-extended to int16 lanes (-128..127)."""
+    return _byte_load(arr, index, "sext", i16x32)
+
+
+@intrinsic
+def splat_16(typingctx, scalar):
+    """`scalar` (cast to float32) in all 16 lanes."""
+    return _scalar_splat(scalar, _VF16, f32x16)
+
+
+@intrinsic
+def lane_pair_splat_16(typingctx, v, lane):
+    """Lane `lane` of the eight-lane v in lanes 0-7, lane `lane + 1` in lanes 8-15: the scales of two 16-value
+    groups beside each other, as `madd` of 32 values leaves their sums (Q6_K: a scale per 16 values)."""
+    if not (v == f32x8 and _is_int(lane)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        first = _int32(context, builder, args[1], sig.args[1])
+        low = _splat(builder, builder.extract_element(args[0], first), _VF)
+        high = _splat(builder, builder.extract_element(args[0], builder.add(first, ir.Constant(_I32, 1))), _VF)
+        return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, WIDE_LANES), list(range(16))))
+    return f32x16(v, lane), codegen
+
+
+@intrinsic
+def join_32(typingctx, low, high):
+    """The sixteen int16 lanes of `low`, then those of `high`: one i16x32."""
+    if not (low == i16x16 and high == i16x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+    return i16x32(low, high), codegen
+
+
+@intrinsic
+def bit_words_32(typingctx, word, value):
+    """Lane i of 32: `value` where bit i of the 32-bit `word` is set, else 0 (`bit_words` for all 32 bits)."""
+    if not (_is_int(word) and _is_int(value)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        # (the word as 32 one-bit lanes, bit i lane i: with AVX-512 one mask register and a masked move)
+        is_set = builder.bitcast(_int32(context, builder, args[0], sig.args[0]), ir.VectorType(ir.IntType(1), 32))
+        value = _splat(builder, builder.trunc(_int32(context, builder, args[1], sig.args[1]), _I16), _VW32)
+        return builder.select(is_set, value, ir.Constant(_VW32, [0] * 32))
+    return i16x32(word, value), codegen
