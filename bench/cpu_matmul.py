@@ -4,8 +4,12 @@
   dequantized to float32 once, outside the timing), 128 tokens, on the shapes of Qwen2.5-0.5B and Gemma 4 E2B;
   the wide and narrow results must be bit-equal. Figures: G multiply-adds/s (n_out x n_in x tokens / s).
 - the decode GEMV of every block format (one token; 32 products a madd against 16), on Qwen2.5-0.5B's gate/up,
-  Gemma 4 E2B's shapes and a 16384 x 4096 weight that does not fit in L3 (the rows stream from DRAM).
-  Figures: G weight values/s.
+  Gemma 4 E2B's shapes and a 16384 x 4096 weight. Figures: G weight values/s. Each weight is multiplied again
+  and again, so its rows come from the cache where they fit.
+- the GEMV as a decode step meets its weights: 40 distinct weights of Gemma 4 E2B's down shape (Q6_K, Q4_K;
+  295 / 202 MiB, far past L3) multiplied in turn, so every row streams from DRAM; the engine's kernel (wide,
+  prefetching PREFETCH_BYTES ahead) against itself without the prefetch and against the narrow kernel.
+  Figures: GB/s of weight bytes.
 
 Random GGUF blocks of each format; the kernels alternate in `--rounds` rounds and each figure is the fastest of
 its calls (the machine is shared), all cores.
@@ -31,7 +35,7 @@ import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from cupyllm.quant import cpu_gemm  # noqa: E402
-from cupyllm.quant.cpu_matmul import F16_TABLE, gemv_blocks  # noqa: E402
+from cupyllm.quant.cpu_matmul import F16_TABLE, PREFETCH_BYTES, gemv_blocks  # noqa: E402
 from cupyllm.quant.simd import MACHINE_HAS_512_BIT_LANES  # noqa: E402
 from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize  # noqa: E402
 from host_cpu import cpu_description  # noqa: E402
@@ -47,7 +51,7 @@ SHAPES = {  # (n_out, n_in) of a model's weights
 }
 TYPES = (T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0)
 GEMV_SHAPES = {"qwen2.5-0.5b gate/up": (4864, 896), "gemma4-e2b q": (2048, 1536), "gemma4-e2b gate/up": (6144, 1536),
-               "gemma4-e2b down": (1536, 6144), "16384 x 4096 (from DRAM)": (16384, 4096)}
+               "gemma4-e2b down": (1536, 6144), "16384 x 4096": (16384, 4096)}
 GEMV_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
@@ -94,6 +98,33 @@ def gemv_cases(rounds: int) -> list[dict]:
     return rows
 
 
+def stream_cases(rounds: int, n_weights: int = 40, shape: tuple[int, int] = (1536, 6144)) -> list[dict]:
+    rows = []
+    n_out, n_in = shape
+    x = np.random.default_rng(2).standard_normal(n_in).astype(np.float32)
+    for qtype in tqdm((T.Q6_K, T.Q4_K), desc="cpu gemv from DRAM"):
+        one = random_rows(qtype, n_out, n_in, seed=3)
+        weights = [one.copy() for _ in range(n_weights)]  # (distinct memory: each is read from DRAM in turn)
+        outs = [np.empty(n_out, np.float32) for _ in weights]
+        code = np.array([WEIGHT_FORMATS[qtype].code], np.int64)
+        variants = {"wide, prefetch": (True, PREFETCH_BYTES), "wide, no prefetch": (True, 0),
+                    "narrow, prefetch": (False, PREFETCH_BYTES)}
+
+        def step(wide, ahead):
+            for data, out in zip(weights, outs):
+                gemv_blocks(code, (data,), x, (out,), F16_TABLE, wide, ahead)
+        kernels = {name: (lambda w=w, a=a: step(w, a)) for name, (w, a) in variants.items()}
+        seconds = alternating(kernels, rounds, calls=3)
+        total = sum(w.nbytes for w in weights)
+        gbs = {name: round(total / t / 1e9, 1) for name, t in seconds.items()}
+        rows.append({"type": qtype.name, "weights": n_weights, "n_out": n_out, "n_in": n_in,
+                     "mib": round(total / 2**20), "gb_per_s": gbs, "prefetch_bytes": PREFETCH_BYTES,
+                     "prefetch_gain": round(gbs["wide, prefetch"] / gbs["wide, no prefetch"], 2),
+                     "wide_vs_narrow": round(gbs["wide, prefetch"] / gbs["narrow, prefetch"], 2)})
+        print(f"gemv from DRAM {qtype.name}: " + "  ".join(f"{k} {v:5.1f}" for k, v in gbs.items()) + " GB/s")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
@@ -131,7 +162,8 @@ def main() -> None:
               f"blas {gmacs['blas']:6.1f} G MAC/s   wide/narrow x{rows[-1]['wide_vs_narrow']:.2f}  "
               f"wide/blas x{rows[-1]['wide_vs_blas']:.2f}")
     result = {"cpu": cpu_description(), "wide_in_engine": MACHINE_HAS_512_BIT_LANES, "date": time.strftime("%Y-%m-%d"),
-              "rounds": args.rounds, **({} if args.gemv_only else {"gemm": rows}), "gemv": gemv_cases(args.rounds)}
+              "rounds": args.rounds, **({} if args.gemv_only else {"gemm": rows}), "gemv": gemv_cases(args.rounds),
+              "gemv_from_dram": stream_cases(args.rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)

@@ -215,10 +215,11 @@ def gather_rows(code, data, ids, out, f16):
 
 @njit(inline="always")
 def _prefetch_ahead(row, o, block_bytes):
-    """Prefetch the cache lines PREFETCH_BYTES past the block row[o:o + block_bytes] (one line for blocks
-    shorter than a line: consecutive blocks then name every line)."""
+    """Prefetch the cache lines of row[o:o + block_bytes], o = a block's offset + `ahead` (one line for blocks
+    shorter than a line: consecutive blocks then name every line). ahead = 0 names the block itself, already
+    read: no prefetch, in effect (bench/cpu_matmul.py compares the two)."""
     for line in range(0, block_bytes, 64):
-        prefetch(row, o + PREFETCH_BYTES + line)
+        prefetch(row, o + line)
 
 
 @njit(inline="always")
@@ -228,11 +229,11 @@ def _codes16(xq, k):
 
 
 @njit(inline="always")
-def _dot_q8_0(row, xq, xd, xsum, f16):
+def _dot_q8_0(row, xq, xd, xsum, f16, ahead):
     acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 34
-        _prefetch_ahead(row, o, 34)
+        _prefetch_ahead(row, o + ahead, 34)
         s = madd(madd(izeros(), load_i8w(row, o + 2), _codes16(xq, 32 * b)), load_i8w(row, o + 18),
                  _codes16(xq, 32 * b + 16))
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
@@ -297,7 +298,7 @@ def _block_sum(row, qs, h, offset, xq, k):
 
 
 @njit(inline="always")
-def _dot_small(row, xq, xd, xsum, f16, affine, five_bit):
+def _dot_small(row, xq, xd, xsum, f16, ahead, affine, five_bit):
     """Q4_0, Q4_1 (affine), Q5_0 (five_bit) or Q5_1 (both): 32 values a block, d first; an affine block's m
     (the half after d) multiplies xsum; a five-bit block's 5th bits are the u32 before its nibbles."""
     block_bytes, qs, offset = _small_layout(affine, five_bit)
@@ -305,7 +306,7 @@ def _dot_small(row, xq, xd, xsum, f16, affine, five_bit):
     mins, mins_next = np.float32(0.0), np.float32(0.0)
     for b in range(xq.shape[0] // 32):
         o = b * block_bytes
-        _prefetch_ahead(row, o, block_bytes)
+        _prefetch_ahead(row, o + ahead, block_bytes)
         s = _block_sum(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset, xq, 32 * b)
         acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
         if affine:
@@ -339,14 +340,14 @@ def _k_scales(row, o, d, dmin, xd, xsum, k):
 
 
 @njit(inline="always")
-def _dot_k(row, xq, xd, xsum, f16, five_bit):
+def _dot_k(row, xq, xd, xsum, f16, ahead, five_bit):
     """Q4_K, or Q5_K (five_bit)."""
     acc_lo, acc_hi, next_lo, next_hi = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
     mins = zeros()
     size = 176 if five_bit else 144
     for b in range(xq.shape[0] // 256):
         o = b * size
-        _prefetch_ahead(row, o, size)
+        _prefetch_ahead(row, o + ahead, size)
         scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
         for pair in range(4):
@@ -369,7 +370,7 @@ def _k_codes_wide(row, o, pair, five_bit):
 
 
 @njit(inline="always")
-def _dot_k_wide(row, xq, xd, xsum, f16, five_bit):
+def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
     """_dot_k in 512-bit registers (MACHINE_HAS_512_BIT_LANES): a sub-block's 32 products in one madd, half the
     instructions; the same products and integer sums, the float sums in another order."""
     acc_lo, acc_hi, next_lo, next_hi = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains)
@@ -377,7 +378,7 @@ def _dot_k_wide(row, xq, xd, xsum, f16, five_bit):
     size = 176 if five_bit else 144
     for b in range(xq.shape[0] // 256):
         o = b * size
-        _prefetch_ahead(row, o, size)
+        _prefetch_ahead(row, o + ahead, size)
         scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
         for pair in range(4):
@@ -398,11 +399,11 @@ def _q6_part(v, xq, k, scale, acc):
 
 
 @njit(inline="always")
-def _dot_q6_k(row, xq, xd, xsum, f16):
+def _dot_q6_k(row, xq, xd, xsum, f16, ahead):
     acc0, acc1, acc2, acc3 = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
     for b in range(xq.shape[0] // 256):
         o = b * 210
-        _prefetch_ahead(row, o, 210)
+        _prefetch_ahead(row, o + ahead, 210)
         d = _half(row, o + 208, f16)
         for half in range(2):
             ql = o + half * 64
@@ -424,11 +425,11 @@ def _dot_q6_k(row, xq, xd, xsum, f16):
 # the same float scale; only the order in which the float lanes are summed differs.
 
 @njit(inline="always")
-def _dot_q8_0_wide(row, xq, xd, xsum, f16):
+def _dot_q8_0_wide(row, xq, xd, xsum, f16, ahead):
     acc, acc_next = zeros_16(), zeros_16()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 34
-        _prefetch_ahead(row, o, 34)
+        _prefetch_ahead(row, o + ahead, 34)
         s = madd(izeros_16(), load_i8w_32(row, o + 2), load_i16_32(xq, 32 * b))
         acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
     return hsum(fadd(acc, acc_next))
@@ -443,7 +444,7 @@ def _q5_codes_wide(row, qs, h, offset):
 
 
 @njit(inline="always")
-def _dot_q5_wide(row, xq, xd, xsum, f16, affine):
+def _dot_q5_wide(row, xq, xd, xsum, f16, ahead, affine):
     """Q5_0, or Q5_1 (`affine`: its m, the half after d, times xsum). (Q4_0 / Q4_1 stay narrow: measured no
     faster wide, bench/cpu_matmul.py; their blocks cost more in scales than in products.)"""
     block_bytes, qs, offset = _small_layout(affine, True)
@@ -451,7 +452,7 @@ def _dot_q5_wide(row, xq, xd, xsum, f16, affine):
     mins, mins_next = np.float32(0.0), np.float32(0.0)
     for b in range(xq.shape[0] // 32):
         o = b * block_bytes
-        _prefetch_ahead(row, o, block_bytes)
+        _prefetch_ahead(row, o + ahead, block_bytes)
         codes = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset)
         s = madd(izeros_16(), codes, load_i16_32(xq, 32 * b))
         acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
@@ -473,11 +474,11 @@ def _q6_part_wide(v, xq, k, scales, group, acc):
 
 
 @njit(inline="always")
-def _dot_q6_k_wide(row, xq, xd, xsum, f16):
+def _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead):
     acc0, acc1, acc2, acc3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains, not one)
     for b in range(xq.shape[0] // 256):
         o = b * 210
-        _prefetch_ahead(row, o, 210)
+        _prefetch_ahead(row, o + ahead, 210)
         d = _half(row, o + 208, f16)
         for half in range(2):
             ql = o + half * 64
@@ -501,24 +502,38 @@ def _dot_plain(code, row, x, f16):
 
 
 @njit(inline="always")
-def _dot_row(code, row, x, xq, xd, xsum, f16, wide):
-    """One row's dot product; `wide`: Q8_0, Q5_0 / Q5_1 and the K-quants in 512-bit registers."""
+def _dot_row(code, row, x, xq, xd, xsum, f16, ahead, wide):
+    """One row's dot product; `wide`: Q8_0, Q5_0 / Q5_1 and the K-quants in 512-bit registers; `ahead`: how many
+    bytes past each block to prefetch. (Each kernel takes its format's flags as constants, so that its loop is
+    compiled for that layout alone.)"""
     if code == C_Q8_0:
-        return _dot_q8_0_wide(row, xq, xd, xsum, f16) if wide else _dot_q8_0(row, xq, xd, xsum, f16)
+        if wide:
+            return _dot_q8_0_wide(row, xq, xd, xsum, f16, ahead)
+        return _dot_q8_0(row, xq, xd, xsum, f16, ahead)
     if code == C_Q5_0:
-        return _dot_q5_wide(row, xq, xd, xsum, f16, False) if wide else _dot_small(row, xq, xd, xsum, f16, False, True)
+        if wide:
+            return _dot_q5_wide(row, xq, xd, xsum, f16, ahead, False)
+        return _dot_small(row, xq, xd, xsum, f16, ahead, False, True)
     if code == C_Q4_K:
-        return _dot_k_wide(row, xq, xd, xsum, f16, False) if wide else _dot_k(row, xq, xd, xsum, f16, False)
+        if wide:
+            return _dot_k_wide(row, xq, xd, xsum, f16, ahead, False)
+        return _dot_k(row, xq, xd, xsum, f16, ahead, False)
     if code == C_Q6_K:
-        return _dot_q6_k_wide(row, xq, xd, xsum, f16) if wide else _dot_q6_k(row, xq, xd, xsum, f16)
+        if wide:
+            return _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead)
+        return _dot_q6_k(row, xq, xd, xsum, f16, ahead)
     if code == C_Q5_K:
-        return _dot_k_wide(row, xq, xd, xsum, f16, True) if wide else _dot_k(row, xq, xd, xsum, f16, True)
+        if wide:
+            return _dot_k_wide(row, xq, xd, xsum, f16, ahead, True)
+        return _dot_k(row, xq, xd, xsum, f16, ahead, True)
     if code == C_Q5_1:
-        return _dot_q5_wide(row, xq, xd, xsum, f16, True) if wide else _dot_small(row, xq, xd, xsum, f16, True, True)
+        if wide:
+            return _dot_q5_wide(row, xq, xd, xsum, f16, ahead, True)
+        return _dot_small(row, xq, xd, xsum, f16, ahead, True, True)
     if code == C_Q4_0:
-        return _dot_small(row, xq, xd, xsum, f16, False, False)
+        return _dot_small(row, xq, xd, xsum, f16, ahead, False, False)
     if code == C_Q4_1:
-        return _dot_small(row, xq, xd, xsum, f16, True, False)
+        return _dot_small(row, xq, xd, xsum, f16, ahead, True, False)
     return _dot_plain(code, row, x, f16)
 
 
@@ -557,12 +572,13 @@ def quantize_activation_row(x, xq, xd, xsum):
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
-def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES):
+def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahead=PREFETCH_BYTES):
     """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
     that reads the one activation vector x (x_hat: x rounded to 16-bit codes per 32 values; float weights
     take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
     decode step one thread wake-up per group, not one per weight. `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in
-    512-bit lanes (the machine's default; the narrow kernels give the same values up to float32 summation order)."""
+    512-bit lanes (the machine's default; the narrow kernels give the same values up to float32 summation order);
+    `ahead`: the bytes past each block to prefetch (0: none)."""
     n_in = x.shape[0]
     xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
     xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
@@ -582,7 +598,7 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES):
         n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
         row_bytes = data.shape[1]
         for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
-            out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, wide)
+            out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, ahead, wide)
 
 
 def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
