@@ -34,8 +34,9 @@ C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
 
 # The GEMV asks for the bytes this far ahead of the block it multiplies (its row's later blocks, then the next
 # row's): a row streams from DRAM with its compute between the loads, and the hardware prefetcher alone keeps too
-# few lines in flight. Measured (Gemma 4 E2B's Q6_K / Q4_K down and output rows, in turn as a decode step reads
-# them, 2-core Zen 5): 28 -> 38 GB/s and 26 -> 34 GB/s at 4 KiB; 2 KiB 31-35, 1 KiB and less no gain.
+# few lines in flight. bench/cpu_matmul.py (gemv_from_dram) measures it against none (2-core Zen 5, 2026-12-03:
+# Q6_K 41 -> 50 GB/s, Q4_K 33 -> 38); in a sweep on Gemma 4 E2B's own rows that day, 2 KiB gained about half
+# of what 4 KiB did, 1 KiB and less nothing.
 PREFETCH_BYTES = 4096
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
 
@@ -298,6 +299,14 @@ def _block_sum(row, qs, h, offset, xq, k):
 
 
 @njit(inline="always")
+def _small_layout(affine, five_bit):
+    """(block bytes, offset of the nibbles, code offset) of Q4_0 / Q4_1 / Q5_0 / Q5_1."""
+    if five_bit:
+        return (24, 8, 0) if affine else (22, 6, 16)
+    return (20, 4, 0) if affine else (18, 2, 8)
+
+
+@njit(inline="always")
 def _dot_small(row, xq, xd, xsum, f16, ahead, affine, five_bit):
     """Q4_0, Q4_1 (affine), Q5_0 (five_bit) or Q5_1 (both): 32 values a block, d first; an affine block's m
     (the half after d) multiplies xsum; a five-bit block's 5th bits are the u32 before its nibbles."""
@@ -312,14 +321,6 @@ def _dot_small(row, xq, xd, xsum, f16, ahead, affine, five_bit):
         if affine:
             mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
     return hsum(fadd(acc, acc_next)) + (mins + mins_next)
-
-
-@njit(inline="always")
-def _small_layout(affine, five_bit):
-    """(block bytes, offset of the nibbles, code offset) of Q4_0 / Q4_1 / Q5_0 / Q5_1."""
-    if five_bit:
-        return (24, 8, 0) if affine else (22, 6, 16)
-    return (20, 4, 0) if affine else (18, 2, 8)
 
 
 @njit(inline="always")
@@ -438,7 +439,8 @@ def _dot_q8_0_wide(row, xq, xd, xsum, f16, ahead):
 @njit(inline="always")
 def _q5_codes_wide(row, qs, h, offset):
     """_codes32 of a Q5_0 / Q5_1 block in one register: its 32 codes in order (the low nibbles, then the high
-    ones, each with its 5th bit from h), less `offset`."""
+    ones, each with its 5th bit from h), less `offset`. (The 5th bits as one 32-bit mask, bit_words_32: the wide
+    Q5_0 row measured x1.24-1.39 the narrow one, where testing each lane's bit gave x1.05-1.11.)"""
     v = load_u8w(row, qs)
     return isub(ior(join_32(iand(v, 15), ishr(v, 4)), bit_words_32(h, 16)), offset)
 
@@ -596,7 +598,6 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahea
             i += 1
         data, out, code = datas[i], outs[i], codes[i]
         n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
-        row_bytes = data.shape[1]
         for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
             out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, ahead, wide)
 
