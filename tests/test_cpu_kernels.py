@@ -254,3 +254,20 @@ def test_first_compile_notice_names_cupyllm_kernels_once():
     finally:
         event.unregister("numba:compile", listener)
     assert stream.getvalue() == NOTICE + "\n"
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n_rows", [1, 100])
+def test_gated_act_is_the_activation_times_up(activation, n_rows):
+    """The backend's fused act(gate) * up (row blocks on threads, in-place buffers) gives the reference
+    activation's values times up, bit for bit."""
+    from cupyllm.backend.cpu import CPUBackend, gelu_tanh, silu
+    rng = np.random.default_rng(3)
+    gate = (4 * rng.standard_normal((n_rows, 1000))).astype(np.float32)
+    up = rng.standard_normal((n_rows, 1000)).astype(np.float32)
+    reference = (silu if activation == "silu" else gelu_tanh)(gate) * up
+    gate_before, up_before = gate.copy(), up.copy()
+    got = CPUBackend().gated_act(gate, up, activation)
+    np.testing.assert_array_equal(got, reference)
+    np.testing.assert_array_equal(gate, gate_before)  # the inputs are left as they were
+    np.testing.assert_array_equal(up, up_before)

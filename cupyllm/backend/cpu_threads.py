@@ -60,7 +60,8 @@ class RowThreads:
         with self._controller().limit(limits=1, user_api="blas"):
             return list(self._pool.map(lambda block: fn(*block), blocks))
 
-    def rows(self, fn, x: np.ndarray) -> np.ndarray:
-        """fn(x) for an elementwise fn, computed block by block on the threads."""
-        parts = self.map_rows(lambda a, b: fn(x[a:b]), x.shape[0])
+    def rows(self, fn, *arrays: np.ndarray) -> np.ndarray:
+        """fn(*arrays) for an elementwise fn of arrays with the same rows, computed block by block on the
+        threads."""
+        parts = self.map_rows(lambda a, b: fn(*(x[a:b] for x in arrays)), arrays[0].shape[0])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -288,12 +288,10 @@ def _gemm_row_tiles(code, data, xp, xd, xs, n_tok, out, f16, kernel_rows):
                     _micro_kernel(kernel_rows, half, q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins,
                                   j0 * n_blocks, affine, group_pairs, g0, g1, xp, xd, xs, t0, tokens, acc,
                                   (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE)
-        for t0 in range(0, tokens, TOKEN_TILE):
-            for j0 in range(0, padded, kernel_rows):
-                a = (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE
-                for j in range(min(kernel_rows, n_rows - j0)):
-                    for l in range(min(TOKEN_TILE, n_tok - t0)):
-                        out[t0 + l, r0 + j0 + j] = acc[a + TOKEN_TILE * j + l]
+        for t in range(n_tok):  # a token's row of results at a time: out's rows are far apart (n_out floats)
+            a = t // TOKEN_TILE * padded * TOKEN_TILE + t % TOKEN_TILE
+            for r in range(n_rows):
+                out[t, r0 + r] = acc[a + TOKEN_TILE * r]
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: see quant/simd.py)
