@@ -14,8 +14,7 @@ import pytest
 import cupyllm
 from cupyllm.attention.cpu_encoded import BLOCK_KEYS, attend_encoded
 from cupyllm.kv.rows import HALF_TABLE, decode_row, decode_rows, row_codec
-from cupyllm.attention.dca import DCAConfig
-from cupyllm.attention.dca_cpu import dca_few
+from cupyllm.attention.dca import DCAConfig, attend_dca
 from cupyllm.attention.reference import attend, causal_mask
 from cupyllm.errors import CupyllmError
 from cupyllm.kv.cache import LayerKV
@@ -84,7 +83,7 @@ def test_encoded_attention_matches_the_reference_over_the_decoded_cache(k_type, 
 
 
 @pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("turbo3_tcq", "turbo3")])
-def test_encoded_dca_matches_the_fused_dca_kernel_over_the_decoded_cache(k_type, v_type):
+def test_encoded_dca_matches_the_dca_reference_over_the_decoded_cache(k_type, v_type):
     rng = np.random.default_rng(11)
     n_kv, head_dim, n_slots = 2, 128, 700
     layer = _filled_layer(rng, k_type, v_type, n_kv=n_kv, head_dim=head_dim, n_slots=n_slots, normalize_k=True)
@@ -92,7 +91,7 @@ def test_encoded_dca_matches_the_fused_dca_kernel_over_the_decoded_cache(k_type,
     k, v, k_pos = layer.decode(0, layer.n_used)
     q3 = rng.standard_normal((3, 2, 2 * n_kv, head_dim)).astype(np.float32)
     q_pos = np.array([100, n_slots - 1])  # a chunk-0 query (no successive / inter keys) and a late one
-    want, want_lse = dca_few(*q3, k, v, q_pos, k_pos, dca, scale=0.1)
+    want, want_lse = attend_dca(*q3, k, v, q_pos, k_pos, dca, scale=0.1)  # three masked attentions, LSE-merged
     got, got_lse = attend_encoded(q3, q_pos, layer, scale=0.1 * dca.logit_scale, chunk_len=dca.chunk_len)
     np.testing.assert_allclose(got, want, atol=2e-5)
     np.testing.assert_allclose(got_lse, want_lse, atol=2e-5)
@@ -101,20 +100,28 @@ def test_encoded_dca_matches_the_fused_dca_kernel_over_the_decoded_cache(k_type,
 @pytest.mark.parametrize("arch,kv_type,dca", [("gemma3", "turbo3", None), ("qwen2", "q4_0", None),
                                               ("qwen3", "turbo2_tcq", {"chunk_size": 16, "local_size": 4})])
 def test_the_engine_without_the_mirror_matches_the_engine_with_it(tiny_model, monkeypatch, arch, kv_type, dca):
-    """max_chunk 4: every prompt chunk takes the few-query decode path, so all logits come from it. Both read
-    the same stored rows and differ only in float rounding (K's normalisation and rotation fold into the query);
-    the matmuls take float32 activations (ACTIVATION_CODES off) so that a last-bit difference stays one, not a
+    """The lean engine prefills 32 tokens in chunks of 4 (max_chunk 4: every chunk takes the few-query path);
+    the mirrored engine's cache is restored from the lean one's stored rows (its float32 copies decoded from
+    them), and each decodes one more token from those same rows: logits within float rounding (K's
+    normalisation and rotation fold into the query without the mirror). (Each engine prefilling on its own
+    would write rows that may differ by a quantization step: a last-bit difference upstream of the encoder.)
+    The matmuls take float32 activations (ACTIVATION_CODES off), so a last-bit difference stays one, not a
     whole step of a 16-bit activation code (tests/test_kv_cache.py test_engine_with_normalized_keys)."""
+    from cupyllm.generate import prefill
     monkeypatch.setattr(cpu_linear, "ACTIVATION_CODES", False)
     path, _, _ = tiny_model(arch)
-    ids = list(range(4, 40))
+    ids = list(range(4, 37))
     kw = dict(device="cpu", ctx=64, kv_type_k=kv_type, kv_type_v=kv_type, max_chunk=4, dca=dca, progress=False)
     mirrored = cupyllm.load(path, **kw)
     lean = cupyllm.load(path, kv_mirror=False, **kw)
-    assert all(not layer.mirror for layer in lean.new_cache().own_layers())
-    assert all(layer.mirror for layer in mirrored.new_cache().own_layers())
-    want = mirrored.logits(ids)
-    got = lean.logits(ids)
+    lean_cache, mirrored_cache = lean.new_cache(), mirrored.new_cache()
+    assert all(not layer.mirror for layer in lean_cache.own_layers())
+    assert all(layer.mirror for layer in mirrored_cache.own_layers())
+    prefill(lean.transformer.forward, ids[:-1], lean_cache, 4)
+    mirrored_cache.restore(lean_cache.state(), lean_cache.n_past)
+    step = (np.array(ids[-1:]), np.array([len(ids) - 1]))
+    got = lean.transformer.forward(*step, lean_cache)
+    want = mirrored.transformer.forward(*step, mirrored_cache)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 

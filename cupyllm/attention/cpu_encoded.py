@@ -8,9 +8,12 @@ K channel normalisation (kv/cache.py key_normalization) folds into the query: wi
 
 Work is split over (KV head, block of `BLOCK_KEYS` slots), each task decoding its rows once for every query
 head of its group (GQA) and returning a partial (sum, max, weighted values); the partials merge by
-log-sum-exp (split-K flash decoding). Semantics: `reference.attend` over `LayerKV.decode` (causal and
-sliding-window masks from slot positions, softcap, (O, LSE)); for DCA the query rotation of each key's regime,
-as `dca_cpu.dca_few`. Tested against both (tests/test_cpu_encoded_attention.py).
+log-sum-exp (split-K flash decoding); a block's softmax weights are computed 16 at a time (`simd.fexp`), its
+dot products and value sums 16 lanes at a time. The same kernel reads float32 rows in place (`attend_floats`:
+the CPU cache's float32 mirror, cpu_decode.attend_few, dca_cpu.dca_few). Semantics: `reference.attend` over
+`LayerKV.decode` (causal and sliding-window masks from slot positions, softcap, (O, LSE)); for DCA the query
+rotation of each key's regime, as `dca.attend_dca`. Tested against the reference and the dense DCA reference
+(tests/test_cpu_encoded_attention.py, tests/test_attention_reference.py, tests/test_dca.py).
 """
 from __future__ import annotations
 
@@ -19,10 +22,35 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..kv.formats import is_rotated
-from ..kv.rows import HALF_TABLE, decode_row, row_codec
+from ..kv.formats import get_format, is_rotated
+from ..kv.rows import F32, HALF_TABLE, decode_row, row_codec
+from ..quant.simd import fadd, fexp, fma, fsub, hsum, load_f32_16, splat_16, store_f32, zeros_16
 
-BLOCK_KEYS = 256  # slots per task: enough work per task, and the task's scores stay in L1
+BLOCK_KEYS = 256  # slots per task (a multiple of 16): enough work per task, and the task's scores stay in L1
+
+
+@njit(inline="always")
+def _dot(a, ao, b, bo, n):
+    """sum_c a[ao + c] * b[bo + c] over c < n (1-D float32 arrays): 16 lanes at a time, then the tail."""
+    sums = zeros_16()
+    whole = n - n % 16
+    for c in range(0, whole, 16):
+        sums = fma(load_f32_16(a, ao + c), load_f32_16(b, bo + c), sums)
+    total = hsum(sums)
+    for c in range(whole, n):
+        total += a[ao + c] * b[bo + c]
+    return total
+
+
+@njit(inline="always")
+def _add_scaled(acc, ao, p, v, vo, n):
+    """acc[ao + c] += p * v[vo + c] over c < n (1-D float32 arrays), 16 lanes at a time."""
+    weight = splat_16(p)
+    whole = n - n % 16
+    for c in range(0, whole, 16):
+        store_f32(acc, ao + c, fma(weight, load_f32_16(v, vo + c), load_f32_16(acc, ao + c)))
+    for c in range(whole, n):
+        acc[ao + c] += p * v[vo + c]
 
 
 @njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True, nogil=True)  # keeps inf semantics
@@ -36,16 +64,25 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
     n_blocks = part_max.shape[1]
     rows = n_q * group  # row i * group + g: query i, head kh * group + g
     width = max(d, dv)
+    q_flat = q.reshape(q.size)
+    # float32 rows (the mirror) are read in place, flat: a view of each row would cost more than its reads
+    k_all = k_data.view(np.float32).reshape(k_data.size // 4) if k_codec[0] == F32 else np.empty(0, np.float32)
+    v_all = v_data.view(np.float32).reshape(v_data.size // 4) if v_codec[0] == F32 else np.empty(0, np.float32)
     for task in prange(n_kv * n_blocks):
         kh = task // n_blocks
         first = (task % n_blocks) * block_keys
         stop = min(first + block_keys, n_k)
-        scores = np.full((stop - first, rows), -np.inf, np.float32)
+        # row r's scores at scores[r * block_keys + j - first] (-inf: not seen), so that its softmax weights
+        # are one vector loop; block_keys is a multiple of 16, the slots past `stop` stay -inf
+        scores = np.full(rows * block_keys, -np.inf, np.float32)
+        weights = np.empty(rows * block_keys, np.float32)
         row_max = np.full(rows, -np.inf, np.float32)
         k_row = np.empty(d, np.float32)
         v_row = np.empty(dv, np.float32)
         bits = np.empty(max(width, (max(k_data.shape[2], v_data.shape[2]) + 7) // 4), np.uint32)
         bits_f = bits.view(np.float32)
+        k_floats = k_all if k_codec[0] == F32 else k_row  # where key j's values are, from k_at
+        v_floats = v_all if v_codec[0] == F32 else v_row
         # pass 1: decode each visible key once, score it for every query head of the group
         for j in range(first, stop):
             kp = k_pos[j]
@@ -55,42 +92,50 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
             for i in range(n_q):
                 if kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window):
                     continue
-                if not decoded:
+                if not decoded and k_codec[0] != F32:
                     decode_row(k_data[j, kh], k_codec, k_table, half_table, bits, bits_f, k_row)
                     decoded = True
+                k_at = (j * n_kv + kh) * d if k_codec[0] == F32 else 0
                 regime = 0 if chunk_len == 0 else min(q_pos[i] // chunk_len - kp // chunk_len, 2)
                 for g in range(group):
                     h = kh * group + g
-                    s = q_offset[regime, i, h]
-                    for c in range(d):
-                        s += q[regime, i, h, c] * k_row[c]
+                    s = q_offset[regime, i, h] + _dot(q_flat, ((regime * n_q + i) * n_head + h) * d, k_floats, k_at, d)
                     s *= scale
                     if softcap > 0.0:
                         s = softcap * np.float32(math.tanh(s / softcap))
                     r = i * group + g
-                    scores[j - first, r] = s
+                    scores[r * block_keys + j - first] = s
                     row_max[r] = max(row_max[r], s)
-        # pass 2: decode each value row some query sees once, accumulate it with its probabilities
-        acc = np.zeros((rows, dv), np.float32)
+        # pass 2: each row's softmax weights exp(s - max), 16 at a time (fexp of -inf: 0), and their sum
         total = np.zeros(rows, np.float32)
+        for r in range(rows):
+            if row_max[r] == -np.inf:
+                continue  # no key of the block seen: its weights are never read
+            m = splat_16(row_max[r])
+            sums = zeros_16()
+            for o in range(r * block_keys, (r + 1) * block_keys, 16):
+                e = fexp(fsub(load_f32_16(scores, o), m))
+                store_f32(weights, o, e)
+                sums = fadd(sums, e)
+            total[r] = hsum(sums)
+        # pass 3: decode each value row some query sees once, accumulate it with its weights
+        acc = np.zeros(rows * dv, np.float32)
         for j in range(first, stop):
             seen = False
             for r in range(rows):
-                if scores[j - first, r] != -np.inf:
+                if scores[r * block_keys + j - first] != -np.inf:
                     seen = True
                     break
             if not seen:
                 continue
-            decode_row(v_data[j, kh], v_codec, v_table, half_table, bits, bits_f, v_row)
+            if v_codec[0] != F32:
+                decode_row(v_data[j, kh], v_codec, v_table, half_table, bits, bits_f, v_row)
+            v_at = (j * n_kv + kh) * dv if v_codec[0] == F32 else 0
             for r in range(rows):
-                s = scores[j - first, r]
-                if s == -np.inf:
-                    continue
-                p = np.float32(math.exp(s - row_max[r]))
-                total[r] += p
-                for c in range(dv):
-                    acc[r, c] += p * v_row[c]
-        part_acc[kh, task % n_blocks] = acc
+                o = r * block_keys + j - first
+                if scores[o] != -np.inf:
+                    _add_scaled(acc, r * dv, weights[o], v_floats, v_at, dv)
+        part_acc[kh, task % n_blocks] = acc.reshape(rows, dv)
         part_max[kh, task % n_blocks] = row_max
         part_sum[kh, task % n_blocks] = total
 
@@ -103,25 +148,53 @@ def attend_encoded(q: np.ndarray, q_pos: np.ndarray, layer_kv, *, scale: float, 
     picks each key's regime by its position, as dca_cpu.dca_few; scale then includes DCA's logit scale)."""
     q = np.asarray(q, np.float32)
     q = q[None] if q.ndim == 3 else q
+    n_k = layer_kv.n_used
+    q, q_offset = _query_for_stored_keys(q, layer_kv, q.shape[2] // layer_kv.n_kv)
+    out, lse = attend_rows(q, q_offset, q_pos, layer_kv.k_data[:n_k], layer_kv.v_data[:n_k],
+                           layer_kv.slot_pos[:n_k], layer_kv.k_format, layer_kv.v_format, layer_kv.v_head_dim,
+                           scale=scale, window=window, softcap=softcap, chunk_len=chunk_len)
+    if is_rotated(layer_kv.v_format.name):  # sum_j p_j rotate(v_j) = rotate(sum_j p_j v_j): unrotate once
+        n_q, n_head, dv = out.shape
+        out = layer_kv.v_format.unrotate(out.reshape(n_q * n_head, dv)).reshape(n_q, n_head, dv)
+    return np.ascontiguousarray(out, np.float32), lse
+
+
+def attend_floats(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, *,
+                  scale: float, window: int = 0, softcap: float = 0.0,
+                  chunk_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """attend_encoded's (O, LSE) over float32 K [n_k, n_kv, d] and V [n_k, n_kv, dv] (the CPU cache's float32
+    mirror: its rows read as the f32 format's), keys at slot positions k_pos; q as attend_encoded's."""
+    q = np.ascontiguousarray(q, np.float32)
+    q = q[None] if q.ndim == 3 else q
+    f32 = get_format("f32")
+    return attend_rows(q, np.zeros(q.shape[:3], np.float32), q_pos,
+                       np.ascontiguousarray(k, np.float32).view(np.uint8),
+                       np.ascontiguousarray(v, np.float32).view(np.uint8), k_pos, f32, f32, v.shape[-1],
+                       scale=scale, window=window, softcap=softcap, chunk_len=chunk_len)
+
+
+def attend_rows(q, q_offset, q_pos, k_data, v_data, k_pos, k_format, v_format, dv: int, *, scale: float,
+                window: int, softcap: float, chunk_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(O [n_q, n_head, dv] in V's stored domain, LSE) of q [n_regime, n_q, n_head, d] (as it dots the stored
+    K rows; q_offset [n_regime, n_q, n_head] added to each score) over encoded rows k_data / v_data
+    [n_k, n_kv, row bytes] at slot positions k_pos: _attend_encoded's split-K partials merged by LSE."""
     n_regime, n_q, n_head, d = q.shape
-    n_k, n_kv, dv = layer_kv.n_used, layer_kv.n_kv, layer_kv.v_head_dim
+    n_k, n_kv = k_data.shape[:2]
     group = n_head // n_kv
-    q, q_offset = _query_for_stored_keys(q, layer_kv, group)
     n_blocks = max(1, -(-n_k // BLOCK_KEYS))
     part_acc = np.zeros((n_kv, n_blocks, n_q * group, dv), np.float32)
     part_max = np.full((n_kv, n_blocks, n_q * group), -np.inf, np.float32)
     part_sum = np.zeros((n_kv, n_blocks, n_q * group), np.float32)
-    k_codec, k_table = row_codec(layer_kv.k_format)
-    v_codec, v_table = row_codec(layer_kv.v_format)
-    _attend_encoded(q, q_offset, np.asarray(q_pos, np.int64), layer_kv.k_data[:n_k], layer_kv.v_data[:n_k],
-                    layer_kv.slot_pos[:n_k], int(window), int(chunk_len), np.float32(scale), np.float32(softcap),
-                    k_codec, k_table, v_codec, v_table, HALF_TABLE, BLOCK_KEYS, part_acc, part_max, part_sum)
+    k_codec, k_table = row_codec(k_format)
+    v_codec, v_table = row_codec(v_format)
+    _attend_encoded(q, np.ascontiguousarray(q_offset, np.float32), np.asarray(q_pos, np.int64), k_data, v_data,
+                    np.asarray(k_pos, np.int64), int(window), int(chunk_len), np.float32(scale),
+                    np.float32(softcap), k_codec, k_table, v_codec, v_table, HALF_TABLE, BLOCK_KEYS, part_acc,
+                    part_max, part_sum)
     out, lse = _merge_blocks(part_acc, part_max, part_sum)  # [n_kv, n_q * group, ...]
     out = out.reshape(n_kv, n_q, group, dv).transpose(1, 0, 2, 3).reshape(n_q, n_head, dv)
     lse = lse.reshape(n_kv, n_q, group).transpose(1, 0, 2).reshape(n_q, n_head)
-    if is_rotated(layer_kv.v_format.name):  # sum_j p_j rotate(v_j) = rotate(sum_j p_j v_j): unrotate once
-        out = layer_kv.v_format.unrotate(out.reshape(n_q * n_head, dv)).reshape(n_q, n_head, dv)
-    return np.ascontiguousarray(out, np.float32), lse
+    return out, np.ascontiguousarray(lse)
 
 
 def _query_for_stored_keys(q: np.ndarray, layer_kv, group: int) -> tuple[np.ndarray, np.ndarray]:

@@ -338,8 +338,8 @@ def fadd(typingctx, x, y):
 
 @intrinsic
 def fsub(typingctx, x, y):
-    """x - y"""
-    return _float_op((x, y), lambda b, x, y: b.fsub(x, y))
+    """x - y (either width)"""
+    return _float_op((x, y), lambda b, x, y: b.fsub(x, y), (f32x8, f32x16))
 
 
 @intrinsic
@@ -384,6 +384,50 @@ def fmin(typingctx, x, y):
 def fround(typingctx, x):
     """x rounded to the nearest integer, ties to even (np.rint), as float32 lanes."""
     return _float_intrinsic("llvm.roundeven", (x,))
+
+
+# exp's range reduction and polynomial (Cephes expf: e^x = 2^n * e^r, |r| <= ln(2) / 2, ln 2 split in two so
+# that n * ln 2 is exact to float32; the degree-7 polynomial is within 1.2e-7 relative of e^r)
+_LOG2E = 1.44269504088896341
+_LN2_HIGH, _LN2_LOW = 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+EXP_SMALLEST_X = -87.33654  # ln(2**-126): below it (-inf included) fexp gives 0, the normal floats' end
+
+
+@intrinsic
+def fexp(typingctx, x):
+    """e^x per lane (either width), within 2e-7 relative of math.exp for x >= EXP_SMALLEST_X; 0 below it (a
+    softmax's masked scores, -inf, come out 0), NaN kept. Plain float32 operations, so a vector of softmax
+    weights costs a few instructions per 16 lanes where math.exp is a libm call per value."""
+    if x not in (f32x8, f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        vec_type = v.type
+        lanes = vec_type.count
+        int_type = ir.VectorType(_I32, lanes)
+
+        def c(value):
+            return ir.Constant(vec_type, [value] * lanes)
+
+        def call(name, *operands):
+            fnty = ir.FunctionType(vec_type, [vec_type] * len(operands))
+            return builder.call(builder.module.declare_intrinsic(f"{name}.v{lanes}f32", fnty=fnty), list(operands))
+        small = builder.fcmp_ordered("<", v, c(EXP_SMALLEST_X))
+        nan = builder.fcmp_unordered("uno", v, v)
+        clamped = call("llvm.minnum", builder.select(small, c(0.0), v), c(88.37))  # (2^127 at most: finite)
+        n = call("llvm.roundeven", builder.fmul(clamped, c(_LOG2E)))
+        r = builder.fsub(builder.fsub(clamped, builder.fmul(n, c(_LN2_HIGH))), builder.fmul(n, c(_LN2_LOW)))
+        poly = c(_EXP_POLY[0])
+        for coefficient in _EXP_POLY[1:]:
+            poly = builder.fadd(builder.fmul(poly, r), c(coefficient))
+        e_r = builder.fadd(builder.fadd(builder.fmul(builder.fmul(poly, r), r), r), c(1.0))
+        exponent = builder.shl(builder.add(builder.fptosi(n, int_type), ir.Constant(int_type, [127] * lanes)),
+                               ir.Constant(int_type, [23] * lanes))
+        y = builder.fmul(e_r, builder.bitcast(exponent, vec_type))
+        return builder.select(nan, v, builder.select(small, c(0.0), y))
+    return x(x), codegen
 
 
 @intrinsic
