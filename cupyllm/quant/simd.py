@@ -355,11 +355,15 @@ def fma(typingctx, x, y, z):
                      (f32x8, f32x16))
 
 
+def _call_float_intrinsic(builder, name, *operands):
+    """The LLVM intrinsic `name` (llvm.fabs, llvm.minnum, ...) on float32 vectors of the operands' width."""
+    vec_type = operands[0].type
+    fnty = ir.FunctionType(vec_type, [vec_type] * len(operands))
+    return builder.call(builder.module.declare_intrinsic(f"{name}.v{vec_type.count}f32", fnty=fnty), list(operands))
+
+
 def _float_intrinsic(name, vs):
-    def build(builder, *args):
-        fnty = ir.FunctionType(_VF, [_VF] * len(args))
-        return builder.call(builder.module.declare_intrinsic(f"{name}.v8f32", fnty=fnty), list(args))
-    return _float_op(vs, build)
+    return _float_op(vs, lambda builder, *args: _call_float_intrinsic(builder, name, *args))
 
 
 @intrinsic
@@ -411,13 +415,11 @@ def fexp(typingctx, x):
         def c(value):
             return ir.Constant(vec_type, [value] * lanes)
 
-        def call(name, *operands):
-            fnty = ir.FunctionType(vec_type, [vec_type] * len(operands))
-            return builder.call(builder.module.declare_intrinsic(f"{name}.v{lanes}f32", fnty=fnty), list(operands))
         small = builder.fcmp_ordered("<", v, c(EXP_SMALLEST_X))
         nan = builder.fcmp_unordered("uno", v, v)
-        clamped = call("llvm.minnum", builder.select(small, c(0.0), v), c(88.37))  # (2^127 at most: finite)
-        n = call("llvm.roundeven", builder.fmul(clamped, c(_LOG2E)))
+        finite_x = builder.select(small, c(0.0), v)
+        clamped = _call_float_intrinsic(builder, "llvm.minnum", finite_x, c(88.37))  # (2^127 at most: finite)
+        n = _call_float_intrinsic(builder, "llvm.roundeven", builder.fmul(clamped, c(_LOG2E)))
         r = builder.fsub(builder.fsub(clamped, builder.fmul(n, c(_LN2_HIGH))), builder.fmul(n, c(_LN2_LOW)))
         poly = c(_EXP_POLY[0])
         for coefficient in _EXP_POLY[1:]:
