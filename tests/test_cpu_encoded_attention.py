@@ -13,7 +13,7 @@ import pytest
 
 import cupyllm
 from cupyllm.attention.cpu_encoded import BLOCK_KEYS, attend_encoded
-from cupyllm.kv.rows import HALF_TABLE, decode_row, decode_rows, row_codec
+from cupyllm.kv.rows import HALF_TABLE, decode_row, decode_row_at, decode_rows, row_codec
 from cupyllm.attention.dca import DCAConfig, attend_dca
 from cupyllm.attention.reference import attend, causal_mask
 from cupyllm.errors import CupyllmError
@@ -32,7 +32,7 @@ def test_the_row_decoder_matches_each_formats_decode(name, head_dim):
     x = (rng.standard_normal((6, 2 * head_dim)) * rng.uniform(0.1, 5.0, (6, 1))).astype(np.float32)
     if name in ("f32", "f16", "bf16"):  # the edges of the float formats: zeros, subnormal halves, inf
         x[0, :4] = [0.0, -0.0, 3e-6, -6e-8]
-        x[1, :2] = [np.inf, -np.inf]
+        x[1, :3] = [np.inf, -np.inf, np.nan]
     data = fmt.encode(x)
     want = fmt.decode_rotated(data, x.shape[1]) if is_rotated(name) else fmt.decode(data, x.shape[1])
     codec, table = row_codec(fmt)
@@ -41,6 +41,11 @@ def test_the_row_decoder_matches_each_formats_decode(name, head_dim):
         got = np.empty(x.shape[1], np.float32)
         decode_row(row, codec, table, HALF_TABLE, bits, bits.view(np.float32), got)
         np.testing.assert_array_equal(got, expected)
+    flat = data.reshape(-1)  # the rows in place, as attention reads the cache: the last one ends the array
+    for i, expected in enumerate(want):
+        got = np.empty(x.shape[1], np.float32)
+        decode_row_at(flat, i * data.shape[1], codec, table, HALF_TABLE, bits, bits.view(np.float32), got)
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))  # NaN payloads too
     np.testing.assert_array_equal(decode_rows(fmt, data, x.shape[1]), fmt.decode(data, x.shape[1]))  # unrotated
 
 

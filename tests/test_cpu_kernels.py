@@ -150,6 +150,56 @@ def test_simd_wide_lanes_match_numpy():
     np.testing.assert_array_equal(out[144:160], np.full(16, x[9]))
 
 
+@njit
+def _row_lanes(raw, table, table16):
+    """The sixteen-lane helpers of the KV row decoder (kv/rows.py) once each, as float32 lanes."""
+    out = np.empty(16 * 8, np.float32)
+    simd.store_f32(out, 0, simd.load_f16_16(raw, 1))
+    simd.store_f32(out, 16, simd.load_bf16_16(raw, 3))
+    simd.store_f32(out, 32, simd.to_f32(simd.isub(simd.iand(simd.load_u8_16(raw, 2), 15), 8)))
+    simd.store_f32(out, 48, simd.to_f32(simd.load_i8_16(raw, 5)))
+    simd.store_f32(out, 64, simd.to_f32(simd.bit_lanes_16(np.uint32(0xA5F00F5A), 9, 16)))
+    indices = simd.bit_fields_16(simd.load_u64(raw, 7), 3, 7)
+    simd.store_f32(out, 80, simd.to_f32(indices))
+    simd.store_f32(out, 96, simd.gather_16(simd.borrow(table), simd.bit_fields_16(simd.load_u64(raw, 9), 4, 511)))
+    simd.store_f32(out, 112, simd.lookup_16(simd.load_f32_16(table16, 0), indices))
+    return out, (simd.load_u16(raw, 3), simd.load_u32(raw, 5), simd.load_u64(raw, 9))
+
+
+def test_simd_row_lanes_match_numpy():
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, 48, dtype=np.uint8)
+    raw[1:3] = [0x01, 0x7C]  # a signalling NaN half: its payload kept, as NumPy's astype keeps it
+    table, table16 = rng.standard_normal(512).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    out, scalars = _row_lanes(raw, table, table16)
+    np.testing.assert_array_equal(out[:16].view(np.uint32), raw[1:33].view(np.float16).astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(out[16:32].view(np.uint32), raw[3:35].view(np.uint16).astype(np.uint32) << 16)
+    np.testing.assert_array_equal(out[32:48], (raw[2:18] & 15).astype(np.float32) - 8)
+    np.testing.assert_array_equal(out[48:64], raw[5:21].view(np.int8))
+    np.testing.assert_array_equal(out[64:80], ((0xA5F00F5A >> np.arange(9, 25)) & 1) * 16)
+    word = int(raw[7:15].view("<u8")[0])
+    fields = np.array([(word >> (3 * i)) & 7 for i in range(16)])
+    np.testing.assert_array_equal(out[80:96], fields)
+    word = int(raw[9:17].view("<u8")[0])
+    np.testing.assert_array_equal(out[96:112], table[[(word >> (4 * i)) & 511 for i in range(16)]])
+    np.testing.assert_array_equal(out[112:128], table16[fields])
+    assert [int(v) for v in scalars] == [int(raw[3:5].view("<u2")[0]), int(raw[5:9].view("<u4")[0]), word]
+
+
+def test_every_half_converts_as_numpy():
+    """load_f16_16 on all 65,536 fp16 bit patterns: NumPy's float32, bit for bit (zeros, subnormals, inf, NaNs)."""
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    got = np.empty(1 << 16, np.float32)
+    _halves(halves.view(np.uint8), got)
+    np.testing.assert_array_equal(got.view(np.uint32), halves.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+@njit
+def _halves(raw, out):
+    for i in range(0, out.size, 16):
+        simd.store_f32(out, i, simd.load_f16_16(raw, 2 * i))
+
+
 @pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
 def test_gemv_and_gemm_match_reference(qtype, n_in):

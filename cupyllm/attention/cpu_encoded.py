@@ -20,25 +20,34 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+import numba
+from numba import get_thread_id, njit, prange
 
 from ..kv.formats import get_format, is_rotated
-from ..kv.rows import F32, HALF_TABLE, decode_row, row_codec
-from ..quant.simd import fadd, fexp, fma, fsub, hsum, load_f32_16, splat_16, store_f32, zeros_16
+from ..kv.rows import F32, HALF_TABLE, decode_in_place, row_codec
+from ..quant.simd import borrow, fadd, fexp, fma, fsub, hsum, load_f32_16, splat_16, store_f32, zeros_16
 
 BLOCK_KEYS = 256  # slots per task (a multiple of 16): enough work per task, and the task's scores stay in L1
 
 
 @njit(inline="always")
 def _dot(a, ao, b, bo, n):
-    """sum_c a[ao + c] * b[bo + c] over c < n (1-D float32 arrays): 16 lanes at a time, then the tail."""
-    sums = zeros_16()
-    whole = n - n % 16
-    for c in range(0, whole, 16):
-        sums = fma(load_f32_16(a, ao + c), load_f32_16(b, bo + c), sums)
-    total = hsum(sums)
-    for c in range(whole, n):
-        total += a[ao + c] * b[bo + c]
+    """sum_c a[ao + c] * b[bo + c] over c < n (1-D float32 arrays): 16 lanes at a time into four sums (one sum
+    would chain every multiply-add on the one before: 4 cycles each), then the tail."""
+    s0, s1, s2, s3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    c = 0
+    while c + 64 <= n:
+        s0 = fma(load_f32_16(a, ao + c), load_f32_16(b, bo + c), s0)
+        s1 = fma(load_f32_16(a, ao + c + 16), load_f32_16(b, bo + c + 16), s1)
+        s2 = fma(load_f32_16(a, ao + c + 32), load_f32_16(b, bo + c + 32), s2)
+        s3 = fma(load_f32_16(a, ao + c + 48), load_f32_16(b, bo + c + 48), s3)
+        c += 64
+    while c + 16 <= n:
+        s0 = fma(load_f32_16(a, ao + c), load_f32_16(b, bo + c), s0)
+        c += 16
+    total = hsum(fadd(fadd(s0, s1), fadd(s2, s3)))
+    for t in range(c, n):
+        total += a[ao + t] * b[bo + t]
     return total
 
 
@@ -53,9 +62,22 @@ def _add_scaled(acc, ao, p, v, vo, n):
         acc[ao + c] += p * v[vo + c]
 
 
-@njit(parallel=True, fastmath={"reassoc", "contract"}, cache=True, nogil=True)  # keeps inf semantics
+@njit(inline="always")
+def _take(work, at, n):
+    """(work[at:at + n], at + n): the next n words of a scratch."""
+    return work[at:at + n], at + n
+
+
+def _scratch_words(rows: int, block_keys: int, d: int, dv: int, k_row_bytes: int, v_row_bytes: int) -> int:
+    """float32 words of one thread's scratch in _attend_encoded: scores and weights [rows, block_keys], the rows'
+    maxima and sums, their value sums [rows, dv], a decoded K and V row, the row decoder's uint32 scratch."""
+    bits_words = max(d, dv, (max(k_row_bytes, v_row_bytes) + 7) // 4)
+    return 2 * rows * block_keys + 2 * rows + rows * dv + d + dv + bits_words
+
+
+@njit(parallel=True, cache=True, nogil=True)  # no fastmath: the inlined row decode stays exact
 def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len, scale, softcap,
-                    k_codec, k_table, v_codec, v_table, half_table, block_keys,
+                    k_codec, k_table, v_codec, v_table, half_table, block_keys, scratch,
                     part_acc, part_max, part_sum):  # pragma: no cover - compiled
     n_regime, n_q, n_head, d = q.shape
     n_k, n_kv, _ = k_data.shape
@@ -63,24 +85,37 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
     group = n_head // n_kv
     n_blocks = part_max.shape[1]
     rows = n_q * group  # row i * group + g: query i, head kh * group + g
-    width = max(d, dv)
-    q_flat = q.reshape(q.size)
-    # float32 rows (the mirror) are read in place, flat: a view of each row would cost more than its reads
-    k_all = k_data.view(np.float32).reshape(k_data.size // 4) if k_codec[0] == F32 else np.empty(0, np.float32)
-    v_all = v_data.view(np.float32).reshape(v_data.size // 4) if v_codec[0] == F32 else np.empty(0, np.float32)
+    k_row_bytes, v_row_bytes = k_data.shape[2], v_data.shape[2]
+    # Every array the loops read is borrowed (simd.borrow: no reference counts, which numba would otherwise take
+    # per row for the inlined helpers): the arguments' views here, each thread's slice of `scratch` below.
+    q_flat, q_offset, q_pos, k_pos = borrow(q.reshape(q.size)), borrow(q_offset), borrow(q_pos), borrow(k_pos)
+    k_codec, k_table, v_codec, v_table = borrow(k_codec), borrow(k_table), borrow(v_codec), borrow(v_table)
+    half_table = borrow(half_table)
+    # float32 rows (the mirror) are read in place, flat; encoded rows are decoded in place
+    no_floats = np.empty(0, np.float32)
+    k_all = borrow(k_data.view(np.float32).reshape(k_data.size // 4) if k_codec[0] == F32 else no_floats)
+    v_all = borrow(v_data.view(np.float32).reshape(v_data.size // 4) if v_codec[0] == F32 else no_floats)
+    k_bytes, v_bytes = borrow(k_data.reshape(k_data.size)), borrow(v_data.reshape(v_data.size))
     for task in prange(n_kv * n_blocks):
         kh = task // n_blocks
         first = (task % n_blocks) * block_keys
         stop = min(first + block_keys, n_k)
+        work = borrow(scratch[get_thread_id()])  # (one task at a time per thread)
         # row r's scores at scores[r * block_keys + j - first] (-inf: not seen), so that its softmax weights
         # are one vector loop; block_keys is a multiple of 16, the slots past `stop` stay -inf
-        scores = np.full(rows * block_keys, -np.inf, np.float32)
-        weights = np.empty(rows * block_keys, np.float32)
-        row_max = np.full(rows, -np.inf, np.float32)
-        k_row = np.empty(d, np.float32)
-        v_row = np.empty(dv, np.float32)
-        bits = np.empty(max(width, (max(k_data.shape[2], v_data.shape[2]) + 7) // 4), np.uint32)
-        bits_f = bits.view(np.float32)
+        scores, at = _take(work, 0, rows * block_keys)
+        weights, at = _take(work, at, rows * block_keys)
+        row_max, at = _take(work, at, rows)
+        total, at = _take(work, at, rows)
+        acc, at = _take(work, at, rows * dv)
+        k_row, at = _take(work, at, d)
+        v_row, at = _take(work, at, dv)
+        bits_f = work[at:]  # the row decoder's scratch
+        bits = bits_f.view(np.uint32)
+        scores[:] = -np.inf
+        row_max[:] = -np.inf
+        total[:] = 0.0
+        acc[:] = 0.0
         k_floats = k_all if k_codec[0] == F32 else k_row  # where key j's values are, from k_at
         v_floats = v_all if v_codec[0] == F32 else v_row
         # pass 1: decode each visible key once, score it for every query head of the group
@@ -93,7 +128,8 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
                 if kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window):
                     continue
                 if not decoded and k_codec[0] != F32:
-                    decode_row(k_data[j, kh], k_codec, k_table, half_table, bits, bits_f, k_row)
+                    decode_in_place(k_bytes, (j * n_kv + kh) * k_row_bytes, k_codec, k_table, half_table, bits,
+                                    bits_f, k_row)
                     decoded = True
                 k_at = (j * n_kv + kh) * d if k_codec[0] == F32 else 0
                 regime = 0 if chunk_len == 0 else min(q_pos[i] // chunk_len - kp // chunk_len, 2)
@@ -107,7 +143,6 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
                     scores[r * block_keys + j - first] = s
                     row_max[r] = max(row_max[r], s)
         # pass 2: each row's softmax weights exp(s - max), 16 at a time (fexp of -inf: 0), and their sum
-        total = np.zeros(rows, np.float32)
         for r in range(rows):
             if row_max[r] == -np.inf:
                 continue  # no key of the block seen: its weights are never read
@@ -119,7 +154,6 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
                 sums = fadd(sums, e)
             total[r] = hsum(sums)
         # pass 3: decode each value row some query sees once, accumulate it with its weights
-        acc = np.zeros(rows * dv, np.float32)
         for j in range(first, stop):
             seen = False
             for r in range(rows):
@@ -129,7 +163,8 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
             if not seen:
                 continue
             if v_codec[0] != F32:
-                decode_row(v_data[j, kh], v_codec, v_table, half_table, bits, bits_f, v_row)
+                decode_in_place(v_bytes, (j * n_kv + kh) * v_row_bytes, v_codec, v_table, half_table, bits,
+                                bits_f, v_row)
             v_at = (j * n_kv + kh) * dv if v_codec[0] == F32 else 0
             for r in range(rows):
                 o = r * block_keys + j - first
@@ -187,10 +222,12 @@ def attend_rows(q, q_offset, q_pos, k_data, v_data, k_pos, k_format, v_format, d
     part_sum = np.zeros((n_kv, n_blocks, n_q * group), np.float32)
     k_codec, k_table = row_codec(k_format)
     v_codec, v_table = row_codec(v_format)
-    _attend_encoded(q, np.ascontiguousarray(q_offset, np.float32), np.asarray(q_pos, np.int64), k_data, v_data,
-                    np.asarray(k_pos, np.int64), int(window), int(chunk_len), np.float32(scale),
-                    np.float32(softcap), k_codec, k_table, v_codec, v_table, HALF_TABLE, BLOCK_KEYS, part_acc,
-                    part_max, part_sum)
+    words = _scratch_words(n_q * group, BLOCK_KEYS, d, dv, k_data.shape[2], v_data.shape[2])
+    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, words), np.float32)  # a slice per thread
+    _attend_encoded(q, np.ascontiguousarray(q_offset, np.float32), np.ascontiguousarray(q_pos, np.int64), k_data,
+                    v_data, np.ascontiguousarray(k_pos, np.int64), int(window), int(chunk_len), np.float32(scale),
+                    np.float32(softcap), k_codec, k_table, v_codec, v_table, HALF_TABLE, BLOCK_KEYS, scratch,
+                    part_acc, part_max, part_sum)
     out, lse = _merge_blocks(part_acc, part_max, part_sum)  # [n_kv, n_q * group, ...]
     out = out.reshape(n_kv, n_q, group, dv).transpose(1, 0, 2, 3).reshape(n_q, n_head, dv)
     lse = lse.reshape(n_kv, n_q, group).transpose(1, 0, 2).reshape(n_q, n_head)

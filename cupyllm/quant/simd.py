@@ -110,7 +110,7 @@ class _I16x32Model(models.PrimitiveModel):
 
 
 _INT_LANES = {i32x8: (_VI, types.int32), i16x16: (_VW, types.int16),  # lane type -> (LLVM vector, scalar)
-              i16x32: (_VW32, types.int16)}
+              i16x32: (_VW32, types.int16), i32x16: (_VI16, types.int32)}
 FLOAT_OF = {i32x8: f32x8, i32x16: f32x16}  # int32 lanes -> the float32 lanes of their width
 PAIRS_OF = {i32x8: i16x16, i32x16: i16x32}  # int32 sums -> the int16 pairs `madd` multiplies into them
 
@@ -733,3 +733,200 @@ def bit_words_32(typingctx, word, value):
         value = _splat(builder, builder.trunc(_int32(context, builder, args[1], sig.args[1]), _I16), _VW32)
         return builder.select(is_set, value, ir.Constant(_VW32, [0] * 32))
     return i16x32(word, value), codegen
+
+
+# --- sixteen values of an encoded KV row (kv/rows.py decode_row_at: the CPU's decode attention) -----------
+@intrinsic
+def load_u8_16(typingctx, arr, index):
+    """arr[index:index+16] of a byte array, zero-extended to sixteen int32 lanes (0..255)."""
+    return _byte_load(arr, index, "zext", i32x16)
+
+
+@intrinsic
+def load_i8_16(typingctx, arr, index):
+    """arr[index:index+16] of a byte array read as int8, sign-extended to sixteen int32 lanes (-128..127)."""
+    return _byte_load(arr, index, "sext", i32x16)
+
+
+def _u16_lanes(context, builder, sig, args):
+    """The 16 little-endian uint16 at byte args[1] of the byte array args[0], zero-extended to int32 lanes."""
+    raw = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8), 32), align=1)
+    return builder.zext(builder.bitcast(raw, ir.VectorType(_I16, WIDE_LANES)), _VI16)
+
+
+def _u16_load(arr, index, convert):
+    if not (_is_array(arr, types.uint8) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return convert(builder, _u16_lanes(context, builder, sig, args))
+    return f32x16(arr, index), codegen
+
+
+def _i32_constant(value):
+    return ir.Constant(_VI16, [value] * WIDE_LANES)
+
+
+def _halves_to_f32(builder, h):
+    """IEEE half bits (int32 lanes) -> float32, exactly as NumPy's astype: the magnitude's bits moved up into a
+    float32 and scaled by 2^112 (exact, subnormal halves included), the infinities and NaNs (exponent 31, payload
+    kept) then given float32's all-ones exponent, the sign put back."""
+    magnitude = builder.bitcast(builder.shl(builder.and_(h, _i32_constant(0x7FFF)), _i32_constant(13)), _VF16)
+    scaled = builder.bitcast(builder.fmul(magnitude, ir.Constant(_VF16, [2.0 ** 112] * WIDE_LANES)), _VI16)
+    special = builder.icmp_unsigned(">=", builder.and_(h, _i32_constant(0x7C00)), _i32_constant(0x7C00))
+    exponent = builder.select(special, _i32_constant(0x7F800000), _i32_constant(0))
+    sign = builder.shl(builder.and_(h, _i32_constant(0x8000)), _i32_constant(16))
+    return builder.bitcast(builder.or_(builder.or_(scaled, exponent), sign), _VF16)
+
+
+@intrinsic
+def load_f16_16(typingctx, arr, index):
+    """The 16 fp16 values at byte `index` of a byte array as float32 lanes, bit for bit NumPy's astype (NaN
+    payloads kept)."""
+    return _u16_load(arr, index, _halves_to_f32)
+
+
+@intrinsic
+def load_bf16_16(typingctx, arr, index):
+    """The 16 bfloat16 values at byte `index` of a byte array as float32 lanes (their bits, 16 places up)."""
+    return _u16_load(arr, index, lambda builder, h: builder.bitcast(builder.shl(h, _i32_constant(16)), _VF16))
+
+
+@intrinsic
+def bit_lanes_16(typingctx, word, first_bit, value):
+    """Lane i of 16: `value` where bit (first_bit + i) of the 32-bit `word` is set, else 0 (first_bit + 15 <= 31)."""
+    if not (_is_int(word) and _is_int(first_bit) and _is_int(value)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        w = _splat(builder, _int32(context, builder, args[0], sig.args[0]), _VI16)
+        first = _splat(builder, _int32(context, builder, args[1], sig.args[1]), _VI16)
+        shift = builder.add(first, ir.Constant(_VI16, list(range(WIDE_LANES))))
+        bits = builder.and_(builder.lshr(w, shift), _i32_constant(1))
+        return builder.mul(bits, _splat(builder, _int32(context, builder, args[2], sig.args[2]), _VI16))
+    return i32x16(word, first_bit, value), codegen
+
+
+@intrinsic
+def bit_fields_16(typingctx, word, step, mask):
+    """Lane i of 16: (word >> (i * step)) & mask of the 64-bit `word`: sixteen packed indices `step` bits apart
+    (15 * step + bits of mask <= 64)."""
+    if not all(_is_int(a) for a in (word, step, mask)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64, lanes64 = ir.IntType(64), ir.VectorType(ir.IntType(64), WIDE_LANES)
+        word_, step_ = (context.cast(builder, a, t, types.int64) for a, t in zip(args[:2], sig.args[:2]))
+        shift = builder.mul(ir.Constant(lanes64, list(range(WIDE_LANES))), _splat(builder, step_, lanes64))
+        fields = builder.trunc(builder.lshr(_splat(builder, word_, lanes64), shift), _VI16)
+        return builder.and_(fields, _splat(builder, _int32(context, builder, args[2], sig.args[2]), _VI16))
+    return i32x16(word, step, mask), codegen
+
+
+def _scalar_load(arr, index, width):
+    """The little-endian `width`-bit unsigned integer at byte `index` of a byte array (no bounds checks)."""
+    if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
+        return None
+    result = types.uint64 if width == 64 else types.int64
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(width).as_pointer())
+        value = builder.load(address, align=1)
+        return value if width == 64 else builder.zext(value, ir.IntType(64))
+    return result(arr, index), codegen
+
+
+@intrinsic
+def load_u16(typingctx, arr, index):
+    """The uint16 at byte `index` of a byte array (unaligned, little-endian: x86 and ARM), as an int64."""
+    return _scalar_load(arr, index, 16)
+
+
+@intrinsic
+def load_u32(typingctx, arr, index):
+    """The uint32 at byte `index` of a byte array, as an int64."""
+    return _scalar_load(arr, index, 32)
+
+
+@intrinsic
+def load_u64(typingctx, arr, index):
+    """The uint64 at byte `index` of a byte array."""
+    return _scalar_load(arr, index, 64)
+
+
+@intrinsic
+def gather_16(typingctx, table, indices):
+    """table[indices[i]] in lane i (a float32 array, int32 lanes in its range: no bounds checks)."""
+    if not (_is_array(table, types.float32) and indices == i32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        # a vector GEP (llvmlite's builder.gep types only scalar indices): LLVM makes it one vgatherdps
+        pointers = ir.instructions.GEPInstr(builder.block, data, [args[1]], inbounds=True, name="",
+                                            source_etype=ir.FloatType())
+        pointers.type = ir.VectorType(data.type, WIDE_LANES)
+        builder._insert(pointers)
+        fnty = ir.FunctionType(_VF16, [pointers.type, _I32, ir.VectorType(ir.IntType(1), WIDE_LANES), _VF16])
+        gather = builder.module.declare_intrinsic("llvm.masked.gather.v16f32.v16p0", fnty=fnty)
+        return builder.call(gather, [pointers, ir.Constant(_I32, 4),
+                                     ir.Constant(ir.VectorType(ir.IntType(1), WIDE_LANES), [1] * WIDE_LANES),
+                                     ir.Constant(_VF16, ir.Undefined)])
+    return f32x16(table, indices), codegen
+
+
+@intrinsic
+def borrow(typingctx, arr):
+    """arr without its reference count: the same data, shape and strides, no owner. numba counts references to
+    every array a function gives an inlined helper, with atomic operations that it often cannot prune out of a
+    loop with branches (measured: 14 a row, 90% of a row decode's time, the cores contending for the counts'
+    cache lines); a borrowed array's count is a null test. The caller keeps the owner alive meanwhile."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        view = context.make_array(sig.args[0])(context, builder, value=args[0])
+        view.meminfo = ir.Constant(view.meminfo.type, None)
+        view.parent = ir.Constant(view.parent.type, None)
+        return view._getvalue()
+    return arr(arr), codegen
+
+
+@intrinsic
+def lookup_16(typingctx, table, indices):
+    """table[indices[i] & 15] in lane i, `table` sixteen float32 lanes (a level table in a register): one vpermps
+    with AVX-512, a table spilled and gathered elsewhere."""
+    if not (table == f32x16 and indices == i32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        wrapped = builder.and_(args[1], _i32_constant(15))
+        if MACHINE_HAS_512_BIT_LANES:
+            fnty = ir.FunctionType(_VF16, [_VF16, _VI16])
+            permute = builder.module.declare_intrinsic("llvm.x86.avx512.permvar.sf.512", fnty=fnty)
+            return builder.call(permute, [args[0], wrapped])
+        value = ir.Constant(_VF16, ir.Undefined)
+        for lane in range(WIDE_LANES):  # (LLVM turns this into shuffles or a gather where it can)
+            at = ir.Constant(_I32, lane)
+            value = builder.insert_element(value, builder.extract_element(
+                args[0], builder.extract_element(wrapped, at)), at)
+        return value
+    return f32x16(table, indices), codegen
+
+
+@intrinsic
+def butterflies_16(typingctx, v):
+    """The Walsh-Hadamard butterfly stages h = 1, 2, 4, 8 of sixteen float32 lanes, in that order: lane i with bit h
+    clear becomes v[i] + v[i + h], its partner v[i] - v[i + h] (kv/turbo.py fwht_unnormalised, the same roundings)."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+        for h in (1, 2, 4, 8):
+            partner = builder.shuffle_vector(x, x, ir.Constant(_VI16, [i ^ h for i in range(WIDE_LANES)]))
+            high = ir.Constant(ir.VectorType(ir.IntType(1), WIDE_LANES), [(i & h) != 0 for i in range(WIDE_LANES)])
+            x = builder.select(high, builder.fsub(partner, x), builder.fadd(x, partner))
+        return x
+    return f32x16(v), codegen
