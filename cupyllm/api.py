@@ -26,7 +26,7 @@ from .generate import GenerationStats, generate_stream, prefill
 from .gguf_io import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec, host_bytes_available
 from .kv.formats import get_format
-from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, format_bytes, parse_bytes, plan_kv, plan_spill
+from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, parse_bytes, plan_kv, plan_spill
 from .model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
@@ -221,11 +221,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     kv_spill: (GPU) a cache over the budget keeps only its newest positions on the device and the rest in pinned
          host memory, attention streaming over both (kv/plan.py plan_spill, backend/gpu_spill.py); with "auto"
          types, the smallest tier spills when no tier fits whole.
-    kv_mirror: (CPU) keep a float32 copy of the decoded cache beside it, so decode steps read floats (fast, but 4
-         more bytes per value whatever the KV type). False: the cache takes only its format's bytes (what
-         kv_budget and the "auto" types then count) and decode steps read the encoded rows (a little slower;
-         attention/cpu_encoded.py). None (default): the copy, unless a kv_budget fits the cache only without it
-         (then a warning says so). The GPU keeps no copy (True there is an error).
+    kv_mirror: (CPU) also keep a float32 copy of the decoded cache, which kv_budget and the "auto" types then
+         count: 4 more bytes per value whatever the KV type, for decode steps up to 1.25x faster with the rotated
+         formats and no faster with f16 or q8_0 (bench/results/kv_mirror_cpu.json). Default: no copy, the cache
+         takes its format's bytes and decode steps read the encoded rows (attention/cpu_encoded.py). The GPU keeps
+         no copy (True there is an error).
     threads: CPU threads for the CPU backend's matmuls, attention and BLAS (llama.cpp's -t; default: every core).
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
@@ -255,10 +255,10 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         get_format(kv_type_v, head_dim=head_dim)
     budget = parse_bytes(kv_budget) if kv_budget is not None else None
     backend = select_backend(device, threads=threads)
-    if kv_mirror and not backend.kv_mirror:
+    if kv_mirror and not backend.can_mirror_kv:
         raise CupyllmError(f"kv_mirror=True (--kv-mirror) keeps a float32 copy of the KV cache for the CPU backend; "
                            f"on the {backend.name} the kernels read the encoded cache and keep none: drop it")
-    mirror = backend.kv_mirror if kv_mirror is None else bool(kv_mirror)
+    mirror = bool(kv_mirror)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)
     if dca_cfg is None and ctx > cfg.ctx_train:
@@ -274,20 +274,9 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
                            "cache is in host memory already")
     if auto or kv_spill:
         budget = budget if budget is not None else int(0.9 * backend.memory_available())
-    try:
-        kv_type_k, kv_type_v, kv_plan, spill_plan, spec = _fit_cache(
-            cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=mirror, max_chunk=max_chunk,
-            normalize_k=kv_normalize_k, float_mirror=kv_mirror)
-    except BudgetError:
-        if kv_mirror is not None or not mirror:
-            raise
-        # the CPU's float32 copy is ours to drop, not the user's: without it the cache takes its format's bytes
-        kv_type_k, kv_type_v, kv_plan, spill_plan, spec = _fit_cache(
-            cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=False, max_chunk=max_chunk,
-            normalize_k=kv_normalize_k, float_mirror=False)
-        warnings.warn(f"the KV cache fits the budget of {format_bytes(budget)} only without the CPU's float32 "
-                      "copy of it: decode steps read the encoded rows (--no-kv-mirror, a little slower; README)",
-                      stacklevel=2)
+    kv_type_k, kv_type_v, kv_plan, spill_plan, spec = _fit_cache(
+        cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=mirror, max_chunk=max_chunk,
+        normalize_k=kv_normalize_k, float_mirror=mirror)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
                  kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
                  threads=threads)

@@ -51,8 +51,8 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         f"trained context {cfg.ctx_train}",
         f"KV cache        {_gib(cache)} at ctx {ctx} (K {kv_type_k}{', normalised' if spec.k_normalized else ''}, "
         f"V {kv_type_v})",
-        f"memory needed   {_gib(weight_bytes + cache)} (weights + KV cache); the CPU backend adds "
-        f"{_gib(kv_bytes(cfg, spec, mirror=True) - cache)} for its float32 copy of the cache unless --no-kv-mirror",
+        f"memory needed   {_gib(weight_bytes + cache)} (weights + KV cache); --kv-mirror (CPU) adds "
+        f"{_gib(kv_bytes(cfg, spec, mirror=True) - cache)} for a float32 copy of the cache",
         *budget_line,
     ]
     if budget is not None and not budget_line:

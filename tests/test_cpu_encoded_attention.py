@@ -117,8 +117,8 @@ def test_the_engine_without_the_mirror_matches_the_engine_with_it(tiny_model, mo
     path, _, _ = tiny_model(arch)
     ids = list(range(4, 37))
     kw = dict(device="cpu", ctx=64, kv_type_k=kv_type, kv_type_v=kv_type, max_chunk=4, dca=dca, progress=False)
-    mirrored = cupyllm.load(path, **kw)
-    lean = cupyllm.load(path, kv_mirror=False, **kw)
+    mirrored = cupyllm.load(path, kv_mirror=True, **kw)
+    lean = cupyllm.load(path, **kw)  # the default: no copy
     lean_cache, mirrored_cache = lean.new_cache(), mirrored.new_cache()
     assert all(not layer.mirror for layer in lean_cache.own_layers())
     assert all(layer.mirror for layer in mirrored_cache.own_layers())
@@ -149,15 +149,15 @@ def test_a_mirror_asked_of_the_gpu_is_an_error(tiny_model, monkeypatch):
     from cupyllm import api
     path, _, _ = tiny_model("qwen2")
     monkeypatch.setattr(api, "select_backend", lambda device, threads=None: types.SimpleNamespace(name="gpu",
-                                                                                                 kv_mirror=False))
+                                                                                                 can_mirror_kv=False))
     with pytest.raises(CupyllmError, match="keep none"):
         cupyllm.load(path, device="gpu", ctx=32, kv_mirror=True, progress=False)
 
 
-def test_a_budget_the_mirror_overflows_fits_without_it(tiny_model):
-    """kv_budget counts what the cache holds: with the float32 copy it may not fit where the encoded rows do. Then
-    the default drops the copy with a warning, kv_mirror=True is an error that says how to drop it; `cupyllm
-    info` reports the copy's size beside the cache."""
+def test_a_budget_counts_the_mirror_only_when_asked_for(tiny_model):
+    """kv_budget counts what the cache holds: by default the encoded rows alone; with kv_mirror=True their float32
+    copy too, which may not fit where the encoded rows do (an error that says how to drop it); `cupyllm info`
+    reports the copy's size beside the cache."""
     from cupyllm.errors import BudgetError
     from cupyllm.kv.cache import KVSpec, kv_bytes
     from cupyllm.kv.plan import format_bytes
@@ -171,19 +171,19 @@ def test_a_budget_the_mirror_overflows_fits_without_it(tiny_model):
     budget = (encoded + mirrored) // 2
     kw = dict(device="cpu", ctx=64, kv_type_k="q4_0", kv_type_v="q4_0", kv_budget=budget, progress=False)
     assert not cupyllm.load(path, kv_mirror=False, **kw).new_cache().own_layers()[0].mirror
-    with pytest.raises(BudgetError, match="--no-kv-mirror"):  # asked for, the copy is kept or it is an error
-        cupyllm.load(path, kv_mirror=True, **kw)
-    with pytest.warns(UserWarning, match="only without the CPU's float32 copy"):  # by default it is dropped
-        dropped = cupyllm.load(path, **kw)
-    assert not dropped.new_cache().own_layers()[0].mirror and dropped.kv_spec.float_mirror is False
+    default = cupyllm.load(path, **kw)  # no copy by default: the encoded rows fit
+    assert not default.new_cache().own_layers()[0].mirror and not default.kv_spec.float_mirror
+    with pytest.raises(BudgetError, match="kv_mirror=True asks for"):  # asked for, the copy is kept or it is an error
+        cupyllm.load(path, kv_mirror=True, **kw)  # (the message: the copy, and that without it the cache fits)
+    mirrored_model = cupyllm.load(path, kv_mirror=True, **{**kw, "kv_budget": mirrored})
+    assert mirrored_model.new_cache().own_layers()[0].mirror
     with pytest.raises(BudgetError):  # below the encoded cache nothing fits
         cupyllm.load(path, **{**kw, "kv_budget": encoded // 2})
-    with pytest.warns(UserWarning, match="float32 copy"):  # "auto" types plan on the encoded bytes then
-        auto = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", kv_type_v="auto", kv_budget=encoded,
-                            progress=False)
-    assert auto.kv_spec.float_mirror is False
+    auto = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", kv_type_v="auto", kv_budget=encoded,
+                        progress=False)  # "auto" types plan on the encoded bytes
+    assert not auto.kv_spec.float_mirror and auto.new_cache().nbytes <= encoded
     report = model_report(path, ctx=64, kv_type_k="q4_0", kv_type_v="q4_0")
-    assert f"adds {format_bytes(mirrored - encoded)} for its float32 copy" in report
+    assert f"--kv-mirror (CPU) adds {format_bytes(mirrored - encoded)} for a float32 copy" in report
 
 
 @pytest.mark.parametrize("mirror", [True, False])
@@ -214,9 +214,9 @@ def test_prefill_streams_the_cache_in_chunks_to_the_whole_attention(monkeypatch,
     np.testing.assert_allclose(backend.dca_attention(*q3, q_pos, layer, dca, scale=0.2), want, atol=2e-5)
 
 
-def test_a_cache_whose_copy_overflows_the_host_drops_the_copy(tiny_model, monkeypatch):
+def test_a_cache_whose_copy_overflows_the_host(tiny_model, monkeypatch):
     """No budget given: the host's available memory decides. A cache that fits it only without the float32 copy
-    is made without it (with a warning) unless the copy was asked for, which then fails with what to do."""
+    is made (it has none by default); asked for, the copy fails with what to do."""
     from cupyllm.backend import cpu
     from cupyllm.errors import BudgetError
     from cupyllm.kv import cache as kv_cache
@@ -227,8 +227,7 @@ def test_a_cache_whose_copy_overflows_the_host_drops_the_copy(tiny_model, monkey
     room = (kv_bytes(model.cfg, spec) + kv_bytes(model.cfg, spec, mirror=True)) // 2
     for module in (cpu, kv_cache):
         monkeypatch.setattr(module, "host_bytes_available", lambda: room)
-    with pytest.warns(UserWarning, match="host memory available only without its float32 copy"):
-        lean = model.transformer.ops.new_cache(model.cfg, spec)
+    lean = model.transformer.ops.new_cache(model.cfg, spec)
     assert not any(layer.mirror for layer in lean.own_layers())
-    with pytest.raises(BudgetError, match="--no-kv-mirror"):
+    with pytest.raises(BudgetError, match="drop --kv-mirror"):
         model.transformer.ops.new_cache(model.cfg, dataclasses.replace(spec, float_mirror=True))

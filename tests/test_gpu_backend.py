@@ -434,7 +434,7 @@ def _run(ops, path, ids, chunk: int, kv_type: str = "f16", decode_steps=(), norm
     if ops.name == "gpu":
         cache = ops.new_cache(transformer.cfg, spec)
     else:
-        cache = KVCache.for_model(transformer.cfg, spec, mirror=ops.kv_mirror)
+        cache = KVCache.for_model(transformer.cfg, spec)
     forward = _numpy_forward(ops, transformer)
     logits = [prefill(forward, ids, cache, chunk, all_logits=True)]
     for token in decode_steps:

@@ -331,7 +331,7 @@ def test_engine_dca_matches_the_cpu_engine(tiny_qwen64, attention):
         # test_gpu_backend.py's normalised-K tests cover; here the fused kernels are under test
         spec = KVSpec(ctx=64, kv_type_k="q8_0", kv_type_v="f16", max_chunk=12, normalize_k=False)
         cache = ops.new_cache(transformer.cfg, spec) if ops.name == "gpu" else \
-            KVCache.for_model(transformer.cfg, spec, mirror=ops.kv_mirror)
+            KVCache.for_model(transformer.cfg, spec)
 
         def forward(tokens, positions, cache, all_logits=False):
             return ops.to_numpy(transformer.forward(tokens, positions, cache, all_logits))

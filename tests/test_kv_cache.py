@@ -106,7 +106,7 @@ def test_engine_with_normalized_keys(tiny_model, monkeypatch):
 
     def logits(kv_type: str, normalize_k: bool) -> np.ndarray:
         spec = KVSpec(ctx=32, kv_type_k=kv_type, kv_type_v="f32", max_chunk=8, normalize_k=normalize_k)
-        cache = KVCache.for_model(model.cfg, spec, mirror=model.transformer.ops.kv_mirror)
+        cache = KVCache.for_model(model.cfg, spec, mirror=False)
         forward = lambda t, p, kv, all_logits=False: np.asarray(model.transformer.forward(t, p, kv, all_logits))  # noqa: E731
         return prefill(forward, ids, cache, 8, all_logits=True, progress=False)
 
@@ -154,7 +154,7 @@ def test_the_model_hands_its_queries_to_the_cache(tiny_model, dca):
             super().write(k, v, positions, queries=queries)
 
     spec = KVSpec(ctx=64, kv_type_k="q8_0", max_chunk=8)
-    cache = KVCache.for_model(model.cfg, spec, mirror=model.transformer.ops.kv_mirror, make_layer=Spy)
+    cache = KVCache.for_model(model.cfg, spec, make_layer=Spy)
     forward = lambda t, p, kv, all_logits=False: np.asarray(model.transformer.forward(t, p, kv, all_logits))  # noqa: E731
     prefill(forward, np.arange(4, 44), cache, 8, all_logits=False, progress=False)
     assert seen and all(shape == (n, model.cfg.n_head, model.cfg.head_dim) for n, shape in seen), seen

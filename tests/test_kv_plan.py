@@ -90,7 +90,7 @@ def test_parse_bytes_rejects_nonsense(text):
 def test_load_with_auto_types_and_a_budget(tiny_model):
     path = tiny_model("gemma3")[0]
     cfg = config_from_gguf(read_gguf(path))
-    budget = kv_bytes(cfg, KVSpec(ctx=64, kv_type_k="q8_0", kv_type_v="q8_0"), mirror=True)
+    budget = kv_bytes(cfg, KVSpec(ctx=64, kv_type_k="q8_0", kv_type_v="q8_0"))
     model = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", kv_type_v="auto", kv_budget=budget,
                          progress=False)
     assert (model.kv_spec.kv_type_k, model.kv_spec.kv_type_v) == ("q8_0", "q8_0")
@@ -98,12 +98,11 @@ def test_load_with_auto_types_and_a_budget(tiny_model):
     ids = [5, 17, 99, 3, 42]
     assert model.logits(ids).shape == (5, cfg.n_vocab)
     with pytest.raises(BudgetError, match="over the budget"):  # explicit types: checked, not changed
-        cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f16", kv_type_v="f16", kv_budget=budget, kv_mirror=True,
-                     progress=False)
-    with pytest.warns(UserWarning, match="float32 copy"):  # the mirror may go (f16 alone fits), not the types
-        lean = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f16", kv_type_v="f16", kv_budget=budget,
-                            progress=False)
-    assert (lean.kv_spec.kv_type_k, lean.kv_spec.kv_type_v, lean.kv_spec.float_mirror) == ("f16", "f16", False)
+        cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f16", kv_type_v="f16", kv_budget=budget, progress=False)
+    mirrored_budget = kv_bytes(cfg, KVSpec(ctx=64, kv_type_k="q8_0", kv_type_v="q8_0"), mirror=True)
+    mirrored = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", kv_type_v="auto", kv_mirror=True,
+                            kv_budget=mirrored_budget, progress=False)  # the float32 copy counted too
+    assert (mirrored.kv_spec.kv_type_k, mirrored.kv_spec.float_mirror) == ("q8_0", True)
     with pytest.raises(CupyllmError, match="kv_type_v='auto' too"):
         cupyllm.load(path, device="cpu", ctx=64, kv_type_k="auto", progress=False)
 

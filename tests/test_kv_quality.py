@@ -118,7 +118,7 @@ def test_dump_kv_captures_what_the_cache_stores(tiny_model):
     assert per_layer == {i: len(ids) * cache.layers[i].n_kv * cache.layers[i].head_dim // g
                          for i in range(len(cache.layers))}
     np.testing.assert_allclose(np.linalg.norm(k_rows, axis=1), 1.0, rtol=1e-5)
-    for which, rows in (("k", k_rows), ("v", capture.stacked("v")[0])):
-        stored = getattr(cache.layers[0], f"{which}_f32")[:len(ids)]
+    stored_k, stored_v, _ = cache.layers[0].decode(0, len(ids))  # (an f32 cache: its stored values)
+    for stored, rows in ((stored_k, k_rows), (stored_v, capture.stacked("v")[0])):
         want, _ = dump_kv.rotated_unit_groups(stored, g)
         np.testing.assert_array_equal(rows[:per_layer[0]], want)

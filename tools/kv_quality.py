@@ -194,7 +194,7 @@ def new_cache(model, config: KVConfig, ctx: int, codebooks: dict[str, np.ndarray
     (normalize_k: KVSpec.normalize_k, None for the engine's default)."""
     spec = KVSpec(ctx=ctx, kv_type_k=config.k, kv_type_v=config.v, max_chunk=model.kv_spec.max_chunk,
                   normalize_k=normalize_k)
-    cache = KVCache.for_model(model.cfg, spec, mirror=model.transformer.ops.kv_mirror)
+    cache = KVCache.for_model(model.cfg, spec, mirror=bool(model.kv_spec.float_mirror))
     codebooks = codebooks or {}
     if codebooks or norm_mode:
         k_fmt = format_for(config.k, model.cfg.head_dim, codebooks, norm_mode)

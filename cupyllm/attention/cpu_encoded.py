@@ -1,7 +1,8 @@
-"""Few-query attention on the CPU straight from the encoded cache (decode steps without the float32 mirror).
+"""Few-query attention on the CPU straight from the encoded cache (decode steps; the default, no float32 mirror).
 
-What the GPU's FA-VEC kernel does, in numba: each K/V row is decoded into a small scratch inside the loop,
-never the whole cache. The rotated formats (turbo*, *_tcq) are read in their rotated domain: Q is rotated
+What the GPU's FA-VEC kernel does, in numba: each K/V row is decoded into a small scratch inside the loop
+(kv/rows.py decode_in_place, 16 values at a time), never the whole cache; every array the loops read is
+borrowed (simd.borrow), so that numba counts no references per row. The rotated formats (turbo*, *_tcq) are read in their rotated domain: Q is rotated
 once for K (dot products are rotation-invariant) and the output is unrotated once for V (it is linear in V).
 K channel normalisation (kv/cache.py key_normalization) folds into the query: with K stored as
 (K - offset) / scale, q . K = (q * scale) . K_stored + q . offset.

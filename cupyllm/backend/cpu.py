@@ -2,7 +2,6 @@
 reference attention streamed over the cache in chunks (memory stays O(chunk), never O(n^2))."""
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 
@@ -11,7 +10,7 @@ from ..attention.cpu_encoded import attend_encoded
 from ..attention.dca import attend_dca
 from ..attention.dca_cpu import dca_few
 from ..attention.reference import attend, causal_mask, merge
-from ..kv.cache import KVCache, LayerKV, host_bytes_available, kv_bytes
+from ..kv.cache import KVCache, LayerKV, host_bytes_available
 from . import compile_notice
 from .cpu_memory import keep_freed_memory
 from .cpu_kernels import rms_norm_rows, rope_rows
@@ -28,7 +27,7 @@ KEY_CHUNK = 4096  # cache slots decoded and scored at a time
 class CPUBackend:
     name = "cpu"
     xp = np
-    kv_mirror = True  # by default attention reads a float32 copy of the decoded cache instead of decoding every step
+    can_mirror_kv = True  # on request (--kv-mirror) a float32 copy of the decoded cache beside the encoded rows
 
     def __init__(self, threads: int | None = None):
         self._rope_tables = {}
@@ -54,18 +53,12 @@ class CPUBackend:
 
     @staticmethod
     def new_cache(cfg, spec) -> KVCache:
-        """A host cache, with a float32 mirror unless spec.float_mirror is False, or None and only the encoded cache
-        fits the host's memory (then decode steps read the encoded rows, attention/cpu_encoded.py, and prefill
-        decodes them chunk by chunk: the memory of the KV format)."""
+        """A host cache of the KV format's bytes: decode steps read the encoded rows (attention/cpu_encoded.py) and
+        prefill decodes them chunk by chunk; with spec.float_mirror, also a float32 copy of them."""
         if spec.spilled:
             raise CupyllmError("spilling the KV cache to host memory is for the GPU backend; on the CPU the whole "
                                "cache is in host memory already (drop --kv-spill / kv_spill=)")
-        mirror = spec.float_mirror is not False
-        if spec.float_mirror is None and kv_bytes(cfg, spec) <= host_bytes_available() < kv_bytes(cfg, spec, True):
-            warnings.warn("the KV cache fits the host memory available only without its float32 copy: decode "
-                          "steps read the encoded rows (--no-kv-mirror, a little slower; README)", stacklevel=2)
-            mirror = False
-        return KVCache.for_model(cfg, spec, mirror=mirror)
+        return KVCache.for_model(cfg, spec, mirror=bool(spec.float_mirror))
 
     @staticmethod
     def decode_forward(forward):

@@ -64,7 +64,7 @@ def _dispatch_attention():
 
 class GPUBackend:
     name = "gpu"
-    kv_mirror = False  # attention reads the encoded cache; there is no float copy
+    can_mirror_kv = False  # attention reads the encoded cache; there is no float copy
 
     @staticmethod
     def running_on(threads: int | None):

@@ -33,8 +33,8 @@ class KVSpec:
     # on the device, in a ring; older ones move to pinned host memory (backend/gpu_spill.py). 0: all on the device.
     device_window: int = 0
     # CPU backend: keep a float32 copy of the decoded cache beside the encoded rows, so decode attention reads
-    # floats instead of decoding every step (fast, but 4 more bytes per value whatever the format). None: the
-    # backend's default (on for the CPU; the GPU reads the encoded rows in its kernels and keeps none).
+    # floats instead of decoding every step (4 more bytes per value whatever the format). None / False: none
+    # (the default; the GPU reads the encoded rows in its kernels and never keeps one).
     float_mirror: bool | None = None
 
     @property
@@ -351,8 +351,8 @@ def host_bytes_available() -> float:
 def _no_room(spec: KVSpec, need: int, why: str, mirror: bool) -> str:
     what = f"a KV cache of {spec.ctx} tokens (K {spec.kv_type_k}, V {spec.kv_type_v}) needs {_gib(need)}"
     if mirror:  # the float32 copy dominates: fewer KV bits barely help on the CPU
-        return (f"{what} on the CPU (with its float32 copy for attention) and {why}; pass --no-kv-mirror "
-                f"(kv_mirror=False) to store only the cache's own format, with -ctk/-ctv q8_0, turbo3, ... to make "
+        return (f"{what} on the CPU (with the float32 copy --kv-mirror asks for) and {why}; drop --kv-mirror "
+                f"/ kv_mirror=True to store only the cache's own format, with -ctk/-ctv q8_0, turbo3, ... to make "
                 f"that smaller, or lower -c/--ctx (ctx=...)")
     return (f"{what} and {why}; lower -c/--ctx (ctx=...) or store K/V in fewer bits (-ctk/-ctv q8_0, q4_0, "
             f"turbo3, turbo2_tcq; kv_type_k=/kv_type_v=)")

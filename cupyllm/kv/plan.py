@@ -107,11 +107,14 @@ def plan_kv(cfg: ModelConfig, ctx: int, budget: int, *, mirror: bool = False, ma
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(smallest, mid) <= budget else (lo, mid - 1)
     fits = f"it fits ctx {lo} there" if lo > 0 else "no context fits"
-    copy = (" (on the CPU the cache also keeps a float32 copy: --no-kv-mirror / kv_mirror=False drops it)"
-            if mirror else "")
+    copy = _MIRROR_NOTE if mirror else ""
     raise BudgetError(f"a KV cache of {ctx} tokens needs {format_bytes(need(smallest, ctx))} even as "
                       f"{smallest.name}, the smallest tier, and the budget is {format_bytes(budget)}; {fits}: lower "
                       f"-c/--ctx (ctx=...) or raise --kv-budget (kv_budget=...){copy}")
+
+
+_MIRROR_NOTE = (" (the CPU cache also keeps the float32 copy that --kv-mirror / kv_mirror=True asks for; without "
+                "it the cache takes only its format's bytes)")
 
 
 def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = False) -> int:
@@ -121,8 +124,7 @@ def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = 
         raise BudgetError(f"a KV cache of {spec.ctx} tokens (K {spec.kv_type_k}, V {spec.kv_type_v}) needs "
                           f"{format_bytes(n_bytes)}, over the budget of {format_bytes(budget)}; pass -ctk auto -ctv "
                           "auto (kv_type_k='auto', kv_type_v='auto') to pick the best types that fit, or lower "
-                          "-c/--ctx" + (" (on the CPU the cache also keeps a float32 copy: --no-kv-mirror / "
-                                        "kv_mirror=False drops it)" if mirror else ""))
+                          "-c/--ctx" + (_MIRROR_NOTE if mirror else ""))
     return n_bytes
 
 

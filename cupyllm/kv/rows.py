@@ -1,10 +1,13 @@
 """Encoded KV rows decoded in numba, one row at a time (what the CPU's decode attention reads inside its loop,
-attention/cpu_encoded.py) or many in parallel (`decode_rows`: LayerKV.decode without a float32 mirror).
+attention/cpu_encoded.py: `decode_in_place`) or many in parallel (`decode_rows`: LayerKV.decode, prefill).
 
 Bit for bit what each format's NumPy `decode` gives (tests/test_cpu_encoded_attention.py): the same float32
-operations in the same order, no FMA (no fastmath here). `decode_row` leaves a rotated format's values rotated
-(`decode_rotated`); `decode_rows` unrotates them with the butterflies of kv/turbo.py's `unrotate` (4096 rows of
-256 values, 2 cores: turbo3 35 -> 5 ms, turbo3_tcq 36 -> 6, f16 1.7 -> 0.4 against NumPy's decode).
+operations in the same order, no FMA (no fastmath here), sixteen values at a time (quant/simd.py: fp16 halves
+converted in registers, block codes unpacked, rotated indices looked up by a permute or a gather). `decode_row`
+leaves a rotated format's values rotated (`decode_rotated`); `decode_rows` unrotates them with the butterflies
+of kv/turbo.py's `unrotate`, 16 lanes at a time. 4,096 rows of 256 values on 2 cores, against the one-value-at-a-
+time decoder with reference-counted calls before it: f16 0.31 -> 0.09 ms, q8_0 0.62 -> 0.07, q4_0 1.22 -> 0.10,
+turbo3 3.6 -> 0.56, turbo3_tcq 3.5 -> 0.64.
 """
 from __future__ import annotations
 
