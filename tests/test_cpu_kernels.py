@@ -341,3 +341,19 @@ def test_fexp_matches_exp():
     want = np.exp(x[normal].astype(np.float64))
     assert np.max(np.abs(got[normal] - want) / want) <= 2e-7
     assert np.all(got[(x < simd.EXP_SMALLEST_X)] == 0) and np.isnan(got[np.isnan(x)]).all()
+
+
+def test_gather_from_integer_addresses(monkeypatch):
+    """gather_16 as an older llvmlite (no vector GEP) compiles it: the same lanes."""
+    monkeypatch.setattr(simd, "_VECTOR_GEP", False)
+
+    @njit(cache=False)
+    def gather(table, raw):
+        out = np.empty(16, np.float32)
+        simd.store_f32(out, 0, simd.gather_16(table, simd.bit_fields_16(simd.load_u64(raw, 0), 4, 511)))
+        return out
+
+    table = np.random.default_rng(4).standard_normal(512).astype(np.float32)
+    raw = (np.arange(8) * 37).astype(np.uint8)
+    word = int(raw.view("<u8")[0])
+    np.testing.assert_array_equal(gather(table, raw), table[[(word >> (4 * i)) & 511 for i in range(16)]])

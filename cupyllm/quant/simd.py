@@ -17,6 +17,8 @@ these included. Only `fma` (flagged `contract`) lets LLVM contract `a * b + c` i
 """
 from __future__ import annotations
 
+import inspect
+
 from llvmlite import binding, ir
 from numba import types
 from numba.core import config as numba_config
@@ -855,6 +857,27 @@ def load_u64(typingctx, arr, index):
     return _scalar_load(arr, index, 64)
 
 
+# llvmlite's GEPInstr names the element type itself (so that a vector of indices can be given) from 0.44 on
+_VECTOR_GEP = "source_etype" in inspect.signature(ir.instructions.GEPInstr.__init__).parameters
+
+
+def _lane_pointers(builder, data, indices):
+    """<16 x float*>: data + indices[i] in lane i. A vector GEP, which LLVM makes one vgatherdps (llvmlite's
+    builder.gep types only scalar indices, so the instruction is built by hand); with an older llvmlite, from
+    integer addresses (two 8-lane gathers)."""
+    vector_type = ir.VectorType(data.type, WIDE_LANES)
+    if not _VECTOR_GEP:
+        i64s = ir.VectorType(ir.IntType(64), WIDE_LANES)
+        base = _splat(builder, builder.ptrtoint(data, ir.IntType(64)), i64s)
+        offsets = builder.shl(builder.sext(indices, i64s), ir.Constant(i64s, [2] * WIDE_LANES))
+        return builder.inttoptr(builder.add(base, offsets), vector_type)
+    pointers = ir.instructions.GEPInstr(builder.block, data, [indices], inbounds=True, name="",
+                                        source_etype=ir.FloatType())
+    pointers.type = vector_type
+    builder._insert(pointers)
+    return pointers
+
+
 @intrinsic
 def gather_16(typingctx, table, indices):
     """table[indices[i]] in lane i (a float32 array, int32 lanes in its range: no bounds checks)."""
@@ -863,13 +886,10 @@ def gather_16(typingctx, table, indices):
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        # a vector GEP (llvmlite's builder.gep types only scalar indices): LLVM makes it one vgatherdps
-        pointers = ir.instructions.GEPInstr(builder.block, data, [args[1]], inbounds=True, name="",
-                                            source_etype=ir.FloatType())
-        pointers.type = ir.VectorType(data.type, WIDE_LANES)
-        builder._insert(pointers)
+        pointers = _lane_pointers(builder, data, args[1])
         fnty = ir.FunctionType(_VF16, [pointers.type, _I32, ir.VectorType(ir.IntType(1), WIDE_LANES), _VF16])
-        gather = builder.module.declare_intrinsic("llvm.masked.gather.v16f32.v16p0", fnty=fnty)
+        suffix = "v16p0" if getattr(data.type, "is_opaque", False) else "v16p0f32"  # (typed pointers: LLVM < 17)
+        gather = builder.module.declare_intrinsic(f"llvm.masked.gather.v16f32.{suffix}", fnty=fnty)
         return builder.call(gather, [pointers, ir.Constant(_I32, 4),
                                      ir.Constant(ir.VectorType(ir.IntType(1), WIDE_LANES), [1] * WIDE_LANES),
                                      ir.Constant(_VF16, ir.Undefined)])
