@@ -52,6 +52,8 @@ props = rt.getDeviceProperties(0)
 print(f"cupy {cupy.__version__}, CUDA runtime {rt.runtimeGetVersion()}, driver {rt.driverGetVersion()}, "
       f"NVRTC {nvrtc.getVersion()}, device {props['name'].decode()} sm_{props['major']}{props['minor']}, "
       f"{rt.getDeviceCount()} device(s)")
+import numba, llvmlite.binding as llvm
+print(f"numba {numba.__version__}, LLVM {'.'.join(map(str, llvm.llvm_version_info))} (the CPU path's kernels)")
 from cupyllm.cuda.registry import cuda_include_dirs, kernel_source_dir
 print("kernels:", kernel_source_dir(), "CUDA headers:", cuda_include_dirs())
 EOF
