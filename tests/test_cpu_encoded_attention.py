@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupyllm
-from cupyllm.attention.cpu_encoded import BLOCK_KEYS, attend_encoded
+from cupyllm.attention.cpu_encoded import BLOCK_KEYS, attend_encoded, attend_floats
 from cupyllm.kv.rows import HALF_TABLE, decode_row, decode_row_at, decode_rows, row_codec
 from cupyllm.attention.dca import DCAConfig, attend_dca
 from cupyllm.attention.reference import attend, causal_mask
@@ -85,6 +85,27 @@ def test_encoded_attention_matches_the_reference_over_the_decoded_cache(k_type, 
     layer.slot_pos[:] = -1  # nothing visible: zeros and -inf, no NaN
     empty, empty_lse = attend_encoded(q, q_pos, layer, scale=0.2)
     assert np.all(empty == 0) and np.all(np.isneginf(empty_lse))
+
+
+@pytest.mark.parametrize("n_kv,group,head_dim,value_dim", [(1, 4, 256, 256), (2, 7, 64, 64), (1, 8, 80, 80),
+                                                           (1, 5, 72, 40), (3, 1, 16, 8)])
+def test_the_kernel_tiles_match_the_reference_for_every_group_and_width(n_kv, group, head_dim, value_dim):
+    """The float32 rows through every tile of the kernel: dot products four heads at a time and one at a time, value
+    sums in 4-row x 64-column tiles, 4 x 16, 1 x 64, 1 x 16 and the scalar tail; several queries that see different
+    keys (one of them none in a whole block), sliding window and softcap, empty slots."""
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    n_slots = 2 * BLOCK_KEYS + 37
+    k = rng.standard_normal((n_slots, n_kv, head_dim)).astype(np.float32)
+    v = rng.standard_normal((n_slots, n_kv, value_dim)).astype(np.float32)
+    k_pos = rng.permutation(n_slots)
+    k_pos[rng.choice(n_slots, 9, replace=False)] = -1
+    q = rng.standard_normal((3, n_kv * group, head_dim)).astype(np.float32)
+    q_pos = np.array([5, 300, n_slots - 1])
+    for window, softcap in ((0, 0.0), (60, 0.0), (0, 12.0)):
+        want, want_lse = attend(q, k, v, causal_mask(q_pos, k_pos, window), scale=0.15, softcap=softcap)
+        got, got_lse = attend_floats(q, k, v, q_pos, k_pos, scale=0.15, window=window, softcap=softcap)
+        np.testing.assert_allclose(got, want, atol=2e-5)
+        np.testing.assert_allclose(got_lse, want_lse, atol=2e-5)
 
 
 @pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("turbo3_tcq", "turbo3")])

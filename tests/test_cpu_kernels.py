@@ -118,6 +118,28 @@ def test_simd_word_lanes_match_numpy():
 
 
 @njit
+def _wide_reductions(x):
+    """hsum of four sixteen-lane vectors one at a time, then all four by store_hsums_4; hmax and fmax of 16."""
+    out = np.empty(10, np.float32)
+    vs = (simd.load_f32_16(x, 0), simd.load_f32_16(x, 16), simd.load_f32_16(x, 32), simd.load_f32_16(x, 48))
+    for t in range(4):
+        out[t] = simd.hsum(vs[t])
+    simd.store_hsums_4(out, 4, vs[0], vs[1], vs[2], vs[3])
+    out[8] = simd.hmax(vs[1])
+    out[9] = simd.hmax(simd.fmax(vs[2], vs[3]))
+    return out
+
+
+def test_four_sums_at_once_are_hsums_bit_for_bit():
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6, 64)).astype(np.float32)  # sums that round
+    out = _wide_reductions(x)
+    np.testing.assert_array_equal(out[4:8], out[:4])
+    np.testing.assert_allclose(out[:4], x.reshape(4, 16).astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-4)
+    assert out[8] == x[16:32].max() and out[9] == np.maximum(x[32:48], x[48:64]).max()
+
+
+@njit
 def _wide_lanes(raw, x, pick):
     """The 32-lane helpers of the wide GEMV once each: int16 lanes out through madd against `pick` (1, 0 pairs:
     lane 2m -> int32 lane m, then the odd lanes), float lanes stored as they are."""

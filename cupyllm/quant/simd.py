@@ -365,7 +365,7 @@ def _call_float_intrinsic(builder, name, *operands):
 
 
 def _float_intrinsic(name, vs):
-    return _float_op(vs, lambda builder, *args: _call_float_intrinsic(builder, name, *args))
+    return _float_op(vs, lambda builder, *args: _call_float_intrinsic(builder, name, *args), (f32x8, f32x16))
 
 
 @intrinsic
@@ -436,13 +436,15 @@ def fexp(typingctx, x):
 
 @intrinsic
 def hmax(typingctx, v):
-    """The largest of the 8 lanes as float32."""
-    if v != f32x8:
+    """The largest of the 8 (or 16) lanes as float32."""
+    if v not in (f32x8, f32x16):
         return None
+    lanes = LANES if v == f32x8 else WIDE_LANES
 
     def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.FloatType(), [_VF])
-        return builder.call(builder.module.declare_intrinsic("llvm.vector.reduce.fmax.v8f32", fnty=fnty), [args[0]])
+        fnty = ir.FunctionType(ir.FloatType(), [_VF if v == f32x8 else _VF16])
+        return builder.call(builder.module.declare_intrinsic(f"llvm.vector.reduce.fmax.v{lanes}f32", fnty=fnty),
+                            [args[0]])
     return types.float32(v), codegen
 
 
@@ -462,6 +464,31 @@ def hsum(typingctx, v):
         return builder.fadd(builder.extract_element(s2, ir.Constant(_I32, 0)),
                             builder.extract_element(s2, ir.Constant(_I32, 1)))
     return types.float32(v), codegen
+
+
+@intrinsic
+def store_hsums_4(typingctx, arr, index, a, b, c, d):
+    """arr[index + t] = hsum of the t-th of the sixteen-lane a, b, c, d (t < 4; float32 array), the same sums in
+    the same order as `hsum`'s, with the shuffles of the four shared: two vectors' halves meet in one add."""
+    if not (_is_array(arr, types.float32) and _is_int(index) and all(v == f32x16 for v in (a, b, c, d))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def pick(x, y, lanes):
+            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+
+        def pair_sums(x, y, first, second):  # pick(first) + pick(second) of x's lanes then y's
+            return builder.fadd(pick(x, y, first), pick(x, y, second))
+        lo, hi = list(range(8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))
+        ab, cd = pair_sums(args[2], args[3], lo, hi), pair_sums(args[4], args[5], lo, hi)  # lane i + lane i + 8
+        fours = [q + o for q in (0, 8, 16, 24) for o in range(4)]
+        s4 = pair_sums(ab, cd, fours, [f + 4 for f in fours])  # each vector's lanes i + i + 4: 4 lanes apiece
+        twos = [q + o for q in (0, 4, 8, 12) for o in range(2)]
+        s2 = pair_sums(s4, s4, twos, [t + 2 for t in twos])
+        s1 = pair_sums(s2, s2, [0, 2, 4, 6], [1, 3, 5, 7])
+        builder.store(s1, _lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType(), 4), align=4)
+        return context.get_dummy_value()
+    return types.none(arr, index, a, b, c, d), codegen
 
 
 @intrinsic
@@ -781,11 +808,30 @@ def _halves_to_f32(builder, h):
     return builder.bitcast(builder.or_(builder.or_(scaled, exponent), sign), _VF16)
 
 
+def _halves_to_f32_fast(builder, h):
+    """_halves_to_f32 by the hardware's conversion (one vcvtph2ps where the CPU has F16C / AVX-512), which is
+    exact for every half but a signalling NaN: it quiets those (NumPy keeps them as they are). So when a lane
+    is NaN, a branch that is as good as never taken converts the sixteen again bit by bit."""
+    fast = builder.fpext(builder.bitcast(builder.trunc(h, ir.VectorType(_I16, WIDE_LANES)),
+                                         ir.VectorType(ir.HalfType(), WIDE_LANES)), _VF16)
+    lane_mask = ir.IntType(WIDE_LANES)
+    nan_lanes = builder.bitcast(builder.fcmp_unordered("uno", fast, fast), lane_mask)
+    any_nan = builder.icmp_unsigned("!=", nan_lanes, ir.Constant(lane_mask, 0))
+    checked = builder.block
+    with builder.if_then(any_nan, likely=False):
+        exact = _halves_to_f32(builder, h)
+        converted = builder.block
+    result = builder.phi(_VF16)
+    result.add_incoming(fast, checked)
+    result.add_incoming(exact, converted)
+    return result
+
+
 @intrinsic
 def load_f16_16(typingctx, arr, index):
     """The 16 fp16 values at byte `index` of a byte array as float32 lanes, bit for bit NumPy's astype (NaN
     payloads kept)."""
-    return _u16_load(arr, index, _halves_to_f32)
+    return _u16_load(arr, index, _halves_to_f32_fast)
 
 
 @intrinsic
