@@ -1,4 +1,4 @@
-"""CPU decode attention over a long cache: one query step of the numba kernel (attention/cpu_encoded.py) reading
+"""CPU decode attention over a long cache: one query step of the numba kernel (ops/attention/cpu.py) reading
 each KV format in place, beside the NumPy reference (`reference.attend`: BLAS matmuls over float32 K and V that
 were decoded beforehand, so its time holds no decode) in the same run, at the shapes of the two real models.
 
@@ -19,9 +19,9 @@ import numpy as np
 from tqdm.auto import tqdm
 from host_cpu import cpu_description
 
-from cupyllm.attention.cpu_encoded import attend_rows
-from cupyllm.attention.reference import attend, causal_mask
-from cupyllm.kv.formats import get_format, is_rotated
+from cupyllm.ops.attention.cpu import attend_rows
+from cupyllm.ops.attention.reference import attend, causal_mask
+from cupyllm.ops.kv_formats.formats import get_format, is_rotated
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"gemma3-270m": (1, 4, 256), "qwen2.5-0.5b": (2, 14, 64)}  # (KV heads, query heads, head dim)

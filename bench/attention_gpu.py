@@ -5,7 +5,7 @@ One query token (batch 1) over a KV cache of 4k .. 1M positions (as memory allow
     hd128 32q/8kv (Llama-style), hd256 8q/4kv, hd256 4q/1kv (Gemma 3 270M), hd512 16q/2kv, hd64 14q/2kv (Qwen2.5-0.5B)
 
 and every KV format (K and V in the same format; --pairs adds asymmetric ones). Reported per run, for both
-decode kernels (FA-VEC and MMA's decode tiles; "auto" marks the one cupyllm.attention.dispatch picks): time
+decode kernels (FA-VEC and MMA's decode tiles; "auto" marks the one cupyllm.ops.attention.gpu_dispatch picks): time
 (CUDA events, median of the repeats), effective bandwidth = bytes of K and V actually read / time, as a
 percentage of the device's peak HBM bandwidth, the split count used, and PyTorch
 `scaled_dot_product_attention` with the flash backend on the same shape in f16 (GQA via enable_gqa) with the
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from cupyllm.cuda import device_name, gpu_count  # noqa: E402
-from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
+from cupyllm.ops.kv_formats.formats import get_format, list_formats  # noqa: E402
 
 # where the GPU benchmarks write their JSON (tests/test_gpu_bench_smoke.py points it at a temporary folder)
 RESULTS = Path(os.environ.get("CUPYLLM_BENCH_RESULTS") or REPO / "bench" / "results")
@@ -95,7 +95,7 @@ class Layer:
 
 def encoded_block(cp, fmt, head_dim: int, n_kv: int, rows: int, rng):
     """`rows` positions of K-like data encoded by the GPU codec: uint8 [rows, n_kv, row_bytes]."""
-    from cupyllm.backend.gpu_kv import GpuKVCodec
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
     codec = GpuKVCodec(fmt, head_dim, n_kv)
     src = cp.asarray(rng.standard_normal((rows, n_kv, head_dim)).astype(np.float32))
     block = codec.allocate(rows)
@@ -156,7 +156,7 @@ def time_calls(cp, fn, n_calls: int, repeats: int) -> tuple[float, str]:
 
 
 def bench_cupyllm(cp, runner, layers, n_head, head_dim, repeats, kernel: str) -> dict:
-    from cupyllm.attention import dispatch
+    from cupyllm.ops.attention import gpu_dispatch as dispatch
     rng = np.random.default_rng(1)
     q = cp.asarray(rng.standard_normal((1, n_head, head_dim)).astype(np.float32))
     n_keys = layers[0].n_used
@@ -241,8 +241,8 @@ def main(argv=None) -> int:
     if args.smoke:
         args.shapes, args.formats, args.lengths = ["hd64_14q2kv_qwen2.5_0.5b"], ["q8_0", "turbo3"], [256]
         args.repeats, args.no_torch, args.pairs = 1, True, False
-    from cupyllm.attention import dispatch
-    from cupyllm.attention.dispatch import GpuAttention
+    from cupyllm.ops.attention import gpu_dispatch as dispatch
+    from cupyllm.ops.attention.gpu_dispatch import GpuAttention
     if args.quick:
         args.lengths, args.formats = [4096, 65536], ["f16", "q8_0", "q4_0", "turbo3"]
     device = device_info(cp)
@@ -303,7 +303,7 @@ def _write_report(device: dict, rows: list, final: bool = False) -> None:
         "device": device["name"],
         "device_info": device,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "implementation": "cupyllm.attention.dispatch (fa_vec) vs torch SDPA flash backend, f16",
+        "implementation": "cupyllm.ops.attention.gpu_dispatch (fa_vec) vs torch SDPA flash backend, f16",
         "results": rows,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

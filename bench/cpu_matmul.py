@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from cupyllm.quant import cpu_gemm  # noqa: E402
-from cupyllm.quant.cpu_matmul import F16_TABLE, PREFETCH_BYTES, gemv_blocks  # noqa: E402
-from cupyllm.quant.simd import MACHINE_HAS_512_BIT_LANES  # noqa: E402
-from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize  # noqa: E402
+from cupyllm.ops.matmul import cpu_gemm  # noqa: E402
+from cupyllm.ops.matmul.cpu_gemv import F16_TABLE, PREFETCH_BYTES, gemv_blocks  # noqa: E402
+from cupyllm.ops.simd import MACHINE_HAS_512_BIT_LANES  # noqa: E402
+from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize  # noqa: E402
 from host_cpu import cpu_description  # noqa: E402
 from test_weights import random_rows  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Dual Chunk Attention on the GPU: the fused DCA kernels against plain attention over the same KV cache.
 
 Decode (one query, batch 1) over caches of n_keys positions, per shape and KV format: the time of plain flash
-attention (cupyllm.attention.dispatch, the kernel it picks) and of the fused DCA call
-(cupyllm.attention.gpu_dca.gpu_dca_attention: Q in three rotations, one pass over the KV with the same kernel
+attention (cupyllm.ops.attention.gpu_dispatch, the kernel it picks) and of the fused DCA call
+(cupyllm.ops.attention.gpu_dca.gpu_dca_attention: Q in three rotations, one pass over the KV with the same kernel
 family), and their ratio; the target is dca / plain <= 1.3. A few prefill rows (--prefill: 512 queries) give
 the same ratio for the MMA kernels. Timing as bench/attention_gpu.py (CUDA events around a captured CUDA graph
 of calls cycling through enough layers to exceed 2x the L2, median of the repeats).
@@ -57,7 +57,7 @@ MEMORY_FRACTION = 0.6
 def kernel_names(head_dim: int, rows: int, kernel: str, decode: bool, f16: bool) -> list[str]:
     """The instantiations one plain and one DCA call of this shape launch (compiled up front); f16: K and V
     f16 (fa_mma's f16 path)."""
-    from cupyllm.attention import gpu_kernels as fk
+    from cupyllm.ops.attention import gpu as fk
     names = []
     for dca in (False, True):
         if kernel == "vec":
@@ -69,8 +69,8 @@ def kernel_names(head_dim: int, rows: int, kernel: str, decode: bool, f16: bool)
 
 def precompile(runner, names: set[str]) -> float:
     """Compile the kernels' sets concurrently (NVRTC releases the GIL); returns the seconds it took."""
-    from cupyllm.attention import gpu_kernels as fk
-    from cupyllm.backend.gpu_kv import GROUP_SIZES
+    from cupyllm.ops.attention import gpu as fk
+    from cupyllm.ops.kv_formats.gpu import GROUP_SIZES
     names = set(names)
     for g in (0, *GROUP_SIZES):
         names |= {fk.prep_kernel_name(g, "float32", o) for o in ("float32", "float16")}
@@ -89,7 +89,7 @@ def precompile(runner, names: set[str]) -> float:
 def bench_pair(cp, runner, layers, n_head, head_dim, n_q, dca, kernel, repeats) -> dict:
     """Plain and DCA attention of n_q queries at the last positions, timed back to back."""
     from attention_gpu import time_calls
-    from cupyllm.attention.gpu_dca import gpu_dca_attention
+    from cupyllm.ops.attention.gpu_dca import gpu_dca_attention
     rng = np.random.default_rng(1)
     q3 = [cp.asarray(rng.standard_normal((n_q, n_head, head_dim)).astype(np.float32)) for _ in range(3)]
     n_keys = layers[0].n_used
@@ -131,10 +131,10 @@ def main(argv=None) -> int:
     if args.smoke:
         args.shapes, args.formats, args.lengths = ["hd64_14q2kv_qwen2.5_0.5b"], ["q8_0"], [512]
         args.chunk_size, args.repeats, args.prefill, args.budget_s = 256, 1, True, 1e9
-    from cupyllm.attention import dispatch
-    from cupyllm.attention.dca import DCAConfig
-    from cupyllm.attention.dispatch import GpuAttention
-    from cupyllm.kv.formats import get_format
+    from cupyllm.ops.attention import gpu_dispatch as dispatch
+    from cupyllm.ops.attention.dca import DCAConfig
+    from cupyllm.ops.attention.gpu_dispatch import GpuAttention
+    from cupyllm.ops.kv_formats.formats import get_format
     started = time.perf_counter()
     shapes = args.shapes or (list(SHAPES) if args.all else list(DEFAULT_SHAPES))
     lengths = args.lengths or (ALL_LENGTHS if args.all else DEFAULT_LENGTHS)
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
         "device": device["name"], "device_info": device,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "dca": {"chunk_size": dca.chunk_size, "local_size": dca.local_size, "chunk_len": dca.chunk_len},
-        "implementation": "cupyllm.attention.gpu_dca (fa_vec / fa_mma DCA instantiations) vs "
-                          "cupyllm.attention.dispatch (same kernel family)",
+        "implementation": "cupyllm.ops.attention.gpu_dca (fa_vec / fa_mma DCA instantiations) vs "
+                          "cupyllm.ops.attention.gpu_dispatch (same kernel family)",
         "compile_seconds": compile_s, "results": [],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

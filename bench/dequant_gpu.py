@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from cupyllm.cuda import device_name, gpu_count  # noqa: E402
-from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
+from cupyllm.ops.kv_formats.formats import get_format, list_formats  # noqa: E402
 
 RESULTS = Path(os.environ.get("CUPYLLM_BENCH_RESULTS") or REPO / "bench" / "results")
 HEAD_DIMS = (128, 64)
@@ -41,7 +41,7 @@ HEAD_DIMS = (128, 64)
 
 def dequant_pass(cp, registry, fmt, rows, head_dim: int, from_floats: bool, n_blocks: int):
     """A launcher of one pass over `rows` (uint8 [n_rows, row_bytes]) and the checksum array it writes."""
-    from cupyllm.attention import gpu_kernels as fk
+    from cupyllm.ops.attention import gpu as fk
     kernel = registry.function(fk.dequant_bench_kernel_name(head_dim, from_floats))
     table = cp.asarray(fk.kernel_table(fmt))
     n_table = fk.table_len(fmt)
@@ -87,7 +87,7 @@ def main() -> int:
         return 0
     if args.smoke:
         args.rows, args.repeats = 64, 1
-    from cupyllm.backend.gpu_kv import GpuKVCodec
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
     from cupyllm.cuda.registry import KernelRegistry
     registry = KernelRegistry()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)

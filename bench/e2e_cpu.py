@@ -43,7 +43,7 @@ def prompt_ids(model) -> list[int]:
 
 def preset_path(name: str) -> Path:
     """A random-weight model with a real model's shapes (written once; the text is meaningless to it)."""
-    from cupyllm.model_store import cache_dir
+    from cupyllm.files.model_store import cache_dir
     from make_tiny_models import PRESETS, write_gguf
     path = cache_dir().parent / "bench" / f"random-{name}.gguf"
     if not path.exists():

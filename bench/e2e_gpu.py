@@ -141,7 +141,7 @@ def gated_mlp_timing(ops, transformer) -> list[dict]:
 def bench_cupyllm(path: Path, ids: np.ndarray) -> tuple[dict, np.ndarray]:
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.kv.cache import KVSpec
     from cupyllm.models.build import Transformer
 
@@ -210,9 +210,9 @@ def hf_from_gguf(spec, path: Path):
     import cupy
     import torch
     from make_tiny_models import hf_config, hf_names
-    from cupyllm.backend.gpu_kernels import GpuKernels
-    from cupyllm.gguf_io import read_gguf
-    from cupyllm.weights import load_matrix, load_vector
+    from cupyllm.ops.matmul.gpu import GpuKernels
+    from cupyllm.files.gguf import read_gguf
+    from cupyllm.models.weights import load_matrix, load_vector
 
     gguf_file = read_gguf(path)
     n_vocab = gguf_file.tensors["token_embd.weight"].shape[0]
@@ -278,8 +278,8 @@ def bench_transformers(spec, path: Path, ids: np.ndarray) -> tuple[dict, np.ndar
 
 def _vocab_size(path: Path) -> int:
     """The vocabulary of a GGUF (the tiny specs take their tokenizer's)."""
-    from cupyllm.config import config_from_gguf
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.config import config_from_gguf
+    from cupyllm.files.gguf import read_gguf
     return config_from_gguf(read_gguf(path)).n_vocab
 
 

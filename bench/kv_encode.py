@@ -2,7 +2,7 @@
 
 For every KV format, head_dim 128 and 256, n_kv_heads 8: tokens/s of one layer's K+V append, on the CPU
 (the NumPy/numba encoders of cupyllm.kv) and, where a CUDA device is present, on the GPU
-(cupyllm.backend.gpu_kv, timed with CUDA events after a warm-up; median of the repeats). On the GPU each
+(cupyllm.ops.kv_formats.gpu, timed with CUDA events after a warm-up; median of the repeats). On the GPU each
 head-dim-128 row also gets its share of one prefill step of a Qwen3-8B layer over the same tokens (the
 layer's weight products through the engine's cuBLAS prefill path), the measure of the KV issue's
 "TCQ encode <= 10% of a prefill step"; the TCQ encoder is also timed at smaller trellis sizes (TRELLIS_SIZES).
@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "bench"))  # (also when loaded as a module: tests/
 
 from cupyllm.cuda import device_name, gpu_count  # noqa: E402
 from host_cpu import cpu_description  # noqa: E402
-from cupyllm.kv.formats import get_format, list_formats  # noqa: E402
+from cupyllm.ops.kv_formats.formats import get_format, list_formats  # noqa: E402
 
 RESULTS = Path(os.environ.get("CUPYLLM_BENCH_RESULTS") or REPO / "bench" / "results")
 N_KV_HEADS = 8
@@ -94,7 +94,7 @@ def time_gpu(cp, run, repeats: int) -> list[float]:
 
 def bench_gpu(fmt, head_dim: int, n_tokens: int, repeats: int, rng, registry, input_cache: dict) -> dict:
     import cupy as cp
-    from cupyllm.backend.gpu_kv import GpuKVCodec
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
 
     codec = GpuKVCodec(fmt, head_dim, N_KV_HEADS, registry=registry)
     inputs = gpu_inputs(cp, rng, n_tokens, head_dim, input_cache)
@@ -118,8 +118,8 @@ TRELLIS_SIZES = ((3, 9), (3, 8), (3, 7), (3, 6), (2, 8), (2, 7), (2, 6), (2, 5))
 def bench_gpu_trellis(k: int, L: int, n_tokens: int, repeats: int, rng, input_cache: dict) -> dict:
     """bench_gpu at head dim 128 with the TCQ encoder at step k, window L (a codebook of Gaussian quantiles: the
     search does the same work whatever the values)."""
-    from cupyllm.backend.gpu_kv import trellis_encode_kernel, trellis_registry
-    from cupyllm.kv import tcq
+    from cupyllm.ops.kv_formats.gpu import trellis_encode_kernel, trellis_registry
+    from cupyllm.ops.kv_formats import tcq
 
     fmt = tcq.trellis_format(k, L, 128, tcq.initial_codebook(L))
     row = bench_gpu(fmt, 128, n_tokens, repeats, rng, trellis_registry([trellis_encode_kernel(fmt)]), input_cache)
@@ -145,7 +145,7 @@ def bench_gpu_prefill_layer(n_tokens: int, repeats: int) -> dict:
     weights, cuBLAS GemmEx with float32 output; attention and norms left out, so the step is
     underestimated and the encode share overestimated)."""
     import cupy as cp
-    from cupyllm.backend.gpu_blas import matmul_f16_f32
+    from cupyllm.ops.matmul.gpu_blas import matmul_f16_f32
 
     L = PREFILL_LAYER
     q_out = L["n_head"] * L["head_dim"]
@@ -179,7 +179,7 @@ def bench_gpu_engine_prefill(n_tokens: int, n_layer: int, repeats: int, smoke: b
     from make_tiny_models import PRESETS, tiny_spec, write_gguf
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.kv.cache import KVSpec
     from cupyllm.models.build import Transformer
 
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
 
         gpu_name = device_name()
         registry = KernelRegistry()
-        extra = {"implementation": "kernels_cu/kv_encode.cu via cupyllm.backend.gpu_kv",
+        extra = {"implementation": "kernels_cu/kv_formats/kv_encode.cu via cupyllm.ops.kv_formats.gpu",
                  "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
                  "timing": "CUDA events, median of repeats after a warm-up"}
         prefill = bench_gpu_prefill_layer(args.gpu_tokens, args.gpu_repeats)

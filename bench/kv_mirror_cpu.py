@@ -1,7 +1,7 @@
 """The CPU cache with and without its float32 mirror (--kv-mirror / --no-kv-mirror): memory and decode speed.
 
 With the mirror (--kv-mirror) a decode step reads float32 copies of K and V; without it (the default), it
-reads the encoded rows (attention/cpu_encoded.py: each row decoded in registers, rotated formats in their
+reads the encoded rows (ops/attention/cpu.py: each row decoded in registers, rotated formats in their
 rotated domain). For each KV type: the cache's host bytes both ways, the prefill time (cache_prompt of a --prompt-tokens prompt of English
 text), the decode time per step (--steps greedy tokens from that cache; the median of --rounds runs, the two
 caches' runs alternating) and its ratio to the mirror's in the same run, and whether the

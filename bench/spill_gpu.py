@@ -1,5 +1,5 @@
 """Decode attention over a spilled KV cache (newest positions on the device, the rest in pinned host memory,
-backend/gpu_spill.py) against the same cache wholly on the device, measured in the same run.
+kv/gpu_spill.py) against the same cache wholly on the device, measured in the same run.
 
 One query token (batch 1), head dim 128 with 32 query / 8 KV heads (a Llama/Qwen-7B-style layer), contexts of
 64k and 256k positions, device windows of 100% / 50% / 25% of the context, K and V in f16, q8_0 and turbo3.
@@ -40,10 +40,10 @@ FILL_CHUNK = 8192
 def build_layer(ops, fmt: str, ctx: int, window: int, head_dim: int, n_kv: int, rng):
     """A global layer's cache of `ctx` positions with `window` of them on the device (all when window == ctx),
     filled with random keys and values through the engine's own write path."""
-    from cupyllm.backend.gpu_cache import device_layer_factory
-    from cupyllm.backend.gpu_kv import GpuKVCodec
-    from cupyllm.backend.gpu_spill import SpilledLayerKV
-    from cupyllm.kv.formats import get_format
+    from cupyllm.kv.gpu_cache import device_layer_factory
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
+    from cupyllm.kv.gpu_spill import SpilledLayerKV
+    from cupyllm.ops.kv_formats.formats import get_format
     cp = ops.cp
     make = device_layer_factory(lambda f, d, n: GpuKVCodec(f, d, n, registry=ops.registry), ops.inputs)
     kv_format = get_format(fmt, head_dim=head_dim)

@@ -3,7 +3,7 @@ kernels on the GPU). Start with `cupyllm.load()`."""
 from .api import Model, load
 from .errors import (BudgetError, ContextOverflowError, ContextPastTrainingWarning, CupyllmError, DeviceError,
                      ModelFileError)
-from .prompt_cache import PromptCache
+from .kv.prompt_cache import PromptCache
 
 __all__ = ["load", "Model", "PromptCache", "CupyllmError", "ModelFileError", "ContextOverflowError", "BudgetError",
            "DeviceError", "ContextPastTrainingWarning"]

@@ -17,22 +17,22 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .attention.dca import DCAConfig
+from .ops.attention.dca import DCAConfig
 from .backend import select_backend
-from .chat import encode_chat
-from .config import ModelConfig, config_from_gguf
+from .files.chat import encode_chat
+from .files.config import ModelConfig, config_from_gguf
 from .errors import BudgetError, ContextPastTrainingWarning, CupyllmError
 from .generate import GenerationStats, generate_stream, prefill
-from .gguf_io import GGUFFile, read_gguf
+from .files.gguf import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec, host_bytes_available
-from .kv.formats import get_format
+from .ops.kv_formats.formats import get_format
 from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, parse_bytes, plan_kv, plan_spill
-from .model_store import default_model_path
+from .files.model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
-from .prompt_cache import PromptCache
+from .kv.prompt_cache import PromptCache
 from .sampling import Sampler, SamplingParams
-from .tokenizer import Tokenizer
+from .files.tokenizer import Tokenizer
 
 DEFAULT_CTX = 4096
 
@@ -114,7 +114,7 @@ class Model:
                                  on_done=keep if keep_cache else None)
         return pieces if stream else "".join(pieces)
 
-    # --- prompt caching (prompt_cache.py) ---------------------------------------------------------
+    # --- prompt caching (kv/prompt_cache.py) ---------------------------------------------------------
     def cache_prompt(self, prompt: str | Sequence[int] | Sequence[dict], *, chat: bool = False,
                      chat_template_kwargs: dict | None = None, reuse: PromptCache | None = None,
                      progress: bool | None = None) -> PromptCache:
@@ -219,12 +219,12 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     kv_budget: bytes the KV cache may take (a number or text such as "6GiB"); with explicit types, a cache that
          would exceed it is a BudgetError before anything is allocated.
     kv_spill: (GPU) a cache over the budget keeps only its newest positions on the device and the rest in pinned
-         host memory, attention streaming over both (kv/plan.py plan_spill, backend/gpu_spill.py); with "auto"
+         host memory, attention streaming over both (kv/plan.py plan_spill, kv/gpu_spill.py); with "auto"
          types, the smallest tier spills when no tier fits whole.
     kv_mirror: (CPU) also keep a float32 copy of the decoded cache, which kv_budget and the "auto" types then
          count: 4 more bytes per value whatever the KV type, for decode steps up to 1.25x faster with the rotated
          formats and no faster with f16 or q8_0 (bench/results/kv_mirror_cpu.json). Default: no copy, the cache
-         takes its format's bytes and decode steps read the encoded rows (attention/cpu_encoded.py). The GPU keeps
+         takes its format's bytes and decode steps read the encoded rows (ops/attention/cpu.py). The GPU keeps
          no copy (True there is an error).
     threads: CPU threads for the CPU backend's matmuls, attention and BLAS (llama.cpp's -t; default: every core).
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,

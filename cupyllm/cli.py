@@ -207,7 +207,7 @@ def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
     """--prompt-cache: the cache of this prompt, from the saved one where they begin alike; saved back."""
     from pathlib import Path
 
-    from .prompt_cache import PromptCache
+    from .kv.prompt_cache import PromptCache
 
     saved = None
     if Path(path).exists():

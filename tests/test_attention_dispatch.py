@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cupyllm.attention import dispatch
-from cupyllm.attention import gpu_kernels as fk
-from cupyllm.kv.formats import get_format, list_formats
+from cupyllm.ops.attention import gpu_dispatch as dispatch
+from cupyllm.ops.attention import gpu as fk
+from cupyllm.ops.kv_formats.formats import get_format, list_formats
 
 REPO = Path(__file__).resolve().parents[1]
 SM80_SMEM_OPTIN = 166912  # A100: the smallest opt-in limit we support
@@ -77,7 +77,7 @@ def test_staged_rows_are_whole_16_byte_units_off_128():
 
 
 def test_format_ids_match_the_kernel_enum():
-    text = (REPO / "kernels_cu" / "fa_common.cuh").read_text()
+    text = (REPO / "kernels_cu" / "attention" / "fa_common.cuh").read_text()
     body = re.search(r"enum FaFormatId : int \{(.*?)\};", text, re.S).group(1)
     names = [n.strip().split("=")[0].strip() for n in body.split(",") if n.strip()]
     assert names[-1] == "kFaFormatCount" and len(names) - 1 == len(fk.FORMAT_IDS)
@@ -90,7 +90,7 @@ def test_format_ids_match_the_kernel_enum():
 
 def test_every_launchable_kernel_is_declared():
     from cupyllm.cuda.registry import KERNEL_SET_PROVIDERS, KernelRegistry
-    assert "cupyllm.attention.gpu_kernels" in KERNEL_SET_PROVIDERS
+    assert "cupyllm.ops.attention.gpu" in KERNEL_SET_PROVIDERS
     registry = KernelRegistry()
     names = [fk.mma_kernel_name(d, dec) for d in fk.HEAD_DIMS for dec in (False, True)]
     names += [fk.vec_kernel_name(d, r) for d in fk.HEAD_DIMS for r in fk.VEC_ROW_OPTIONS]

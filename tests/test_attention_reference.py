@@ -6,7 +6,7 @@ import functools
 import numpy as np
 import pytest
 
-from cupyllm.attention.reference import attend, causal_mask, merge
+from cupyllm.ops.attention.reference import attend, causal_mask, merge
 
 
 def dense(q, k, v, allowed, scale, softcap=0.0, mask=None):
@@ -83,7 +83,7 @@ def test_chunks_merge_to_the_whole():
 
 @pytest.mark.parametrize("n_head,n_kv,window,softcap", [(4, 1, 0, 0.0), (8, 2, 6, 0.0), (4, 4, 0, 20.0)])
 def test_cpu_decode_kernel_matches_reference(n_head, n_kv, window, softcap):
-    from cupyllm.attention.cpu_decode import attend_few
+    from cupyllm.ops.attention.cpu import attend_few
 
     rng = np.random.default_rng(3)
     n_k, d = 23, 64

@@ -1,4 +1,4 @@
-"""Decode attention straight from the encoded CPU cache (attention/cpu_encoded.py, the path without the float32
+"""Decode attention straight from the encoded CPU cache (ops/attention/cpu.py, the path without the float32
 mirror): its row decoder against every format's NumPy decode (bit for bit), its attention against the reference
 over the decoded cache (plain, sliding window, softcap, K normalisation, DCA), and the engine with
 kv_mirror=False against the engine with the mirror."""
@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 import cupyllm
-from cupyllm.attention.cpu_encoded import BLOCK_KEYS, attend_encoded, attend_floats
-from cupyllm.kv.rows import HALF_TABLE, decode_row, decode_row_at, decode_rows, row_codec
-from cupyllm.attention.dca import DCAConfig, attend_dca
-from cupyllm.attention.reference import attend, causal_mask
+from cupyllm.ops.attention.cpu import BLOCK_KEYS, attend_encoded, attend_floats
+from cupyllm.ops.kv_formats.cpu import HALF_TABLE, decode_row, decode_row_at, decode_rows, row_codec
+from cupyllm.ops.attention.dca import DCAConfig, attend_dca
+from cupyllm.ops.attention.reference import attend, causal_mask
 from cupyllm.errors import CupyllmError
 from cupyllm.kv.cache import LayerKV
-from cupyllm.kv.formats import get_format, is_rotated, list_formats
-from cupyllm.quant import cpu_linear
+from cupyllm.ops.kv_formats.formats import get_format, is_rotated, list_formats
+from cupyllm.ops.matmul import cpu as cpu_linear
 
 
 @pytest.mark.parametrize("head_dim", [4, 64, 128])
@@ -212,7 +212,7 @@ def test_prefill_streams_the_cache_in_chunks_to_the_whole_attention(monkeypatch,
     """CPUBackend's prefill attention (more queries than the decode path takes) decodes KEY_CHUNK slots at a time,
     attends their query rows on the threads and merges the chunks by LSE: equal to one attention over the whole
     decoded cache, plain (sliding window, softcap) and DCA."""
-    from cupyllm.attention.dca import attend_dca
+    from cupyllm.ops.attention.dca import attend_dca
     from cupyllm.backend import cpu
 
     monkeypatch.setattr(cpu, "KEY_CHUNK", 90)  # uneven chunks of a 346-slot cache

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cupyllm.backend.cpu_kernels import rms_norm_rows, rope_rows
-from cupyllm.config import RopeConfig
-from cupyllm.quant import simd
-from cupyllm.quant.activations import round_activations
-from cupyllm.quant.cpu_gemm import gemm_many
-from cupyllm.quant.cpu_linear import matmul, matmul_many
-from cupyllm.quant.cpu_matmul import F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks
-from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
-from cupyllm.rope import apply_rope, rope_tables
+from cupyllm.ops.elementwise.cpu import rms_norm_rows, rope_rows
+from cupyllm.files.config import RopeConfig
+from cupyllm.ops import simd
+from cupyllm.ops.matmul.activation_codes import round_activations
+from cupyllm.ops.matmul.cpu_gemm import gemm_many
+from cupyllm.ops.matmul.cpu import matmul, matmul_many
+from cupyllm.ops.matmul.cpu_gemv import F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks
+from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize
+from cupyllm.ops.elementwise.reference import apply_rope, rope_tables
 from test_weights import random_rows
 
 
@@ -174,7 +174,7 @@ def test_simd_wide_lanes_match_numpy():
 
 @njit
 def _row_lanes(raw, table, table16):
-    """The sixteen-lane helpers of the KV row decoder (kv/rows.py) once each, as float32 lanes."""
+    """The sixteen-lane helpers of the KV row decoder (ops/kv_formats/cpu.py) once each, as float32 lanes."""
     out = np.empty(16 * 8, np.float32)
     simd.store_f32(out, 0, simd.load_f16_16(raw, 1))
     simd.store_f32(out, 16, simd.load_bf16_16(raw, 3))
@@ -333,7 +333,8 @@ def test_first_compile_notice_names_cupyllm_kernels_once():
 def test_gated_act_is_the_activation_times_up(activation, n_rows):
     """The backend's fused act(gate) * up (row blocks on threads, in-place buffers) gives the reference
     activation's values times up, bit for bit."""
-    from cupyllm.backend.cpu import CPUBackend, gelu_tanh, silu
+    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.ops.elementwise.reference import gelu_tanh, silu
     rng = np.random.default_rng(3)
     gate = (4 * rng.standard_normal((n_rows, 1000))).astype(np.float32)
     up = rng.standard_normal((n_rows, 1000)).astype(np.float32)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
-from cupyllm.attention.reference import attend, causal_mask
-from cupyllm.backend.cpu import silu
+from cupyllm.ops.attention.reference import attend, causal_mask
+from cupyllm.ops.elementwise.reference import silu
 from cupyllm.backend.cpu_threads import RowThreads
 
 

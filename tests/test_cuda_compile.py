@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from cupyllm.cuda import nvrtc_check
-from cupyllm.cuda.registry import (KernelRegistry, KernelSet, all_kernel_sets, cuda_include_dirs,
-                                   kernel_source_dir, source_fingerprint)
+from cupyllm.cuda.registry import (KernelRegistry, KernelSet, all_kernel_sets, cuda_include_dirs, kernel_source_dir,
+                                   source_fingerprint)
 from cupyllm.errors import DeviceError
-from cupyllm.kv.formats import list_formats
+from cupyllm.ops.kv_formats.formats import list_formats
 
 REPO = Path(__file__).resolve().parents[1]
 ARCHS = nvrtc_check.DEFAULT_ARCHS
@@ -75,8 +75,8 @@ def test_the_trellis_size_encoders_compile(nvrtc, include_dirs, arch):
     spec = importlib.util.spec_from_file_location("kv_encode_bench", REPO / "bench" / "kv_encode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from cupyllm.backend.gpu_kv import trellis_encode_kernel, trellis_registry
-    from cupyllm.kv import tcq
+    from cupyllm.ops.kv_formats.gpu import trellis_encode_kernel, trellis_registry
+    from cupyllm.ops.kv_formats import tcq
     names = [trellis_encode_kernel(tcq.trellis_format(k, L, 128, tcq.initial_codebook(L)))
              for k, L in bench.TRELLIS_SIZES]
     kernel_set = trellis_registry(names).sets[0]
@@ -99,8 +99,8 @@ def test_the_sass_count_probes_compile(nvrtc, include_dirs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_headers_compile_on_their_own(nvrtc, include_dirs, arch):
     source_dir = kernel_source_dir()
-    headers = sorted(p.name for p in source_dir.glob("*.cuh"))
-    assert {"common.cuh", "kv_formats.cuh"} <= set(headers)
+    headers = sorted(p.relative_to(source_dir).as_posix() for p in source_dir.rglob("*.cuh"))
+    assert {"common/common.cuh", "kv_formats/kv_formats.cuh"} <= set(headers)
     for header in headers:
         result = nvrtc_check.compile_header(nvrtc, header, arch, source_dir, include_dirs)
         assert result.ok, f"{header} sm_{arch}:\n{result.log}"
@@ -115,9 +115,9 @@ def test_compile_failure_returns_the_nvrtc_log(nvrtc, include_dirs, tmp_path):
 
 def test_registry_declares_every_instantiation_the_kv_codec_asks_for():
     """Each format x source dtype x head_dim the engine supports maps to a declared kernel."""
-    from cupyllm.backend import gpu_kv
-    from cupyllm.kv.formats import group_values_for, is_rotated
-    from cupyllm.kv.turbo import NORM_MODES
+    from cupyllm.ops.kv_formats import gpu as gpu_kv
+    from cupyllm.ops.kv_formats.formats import group_values_for, is_rotated
+    from cupyllm.ops.kv_formats.turbo import NORM_MODES
 
     registry = KernelRegistry()  # no CuPy needed until a kernel is requested
     for name in list_formats():
@@ -135,8 +135,8 @@ def test_registry_declares_every_instantiation_the_kv_codec_asks_for():
 
 
 def test_unsupported_group_size_is_a_clear_error():
-    from cupyllm.backend import gpu_kv
-    from cupyllm.kv.formats import KVFormatError
+    from cupyllm.ops.kv_formats import gpu as gpu_kv
+    from cupyllm.ops.kv_formats.formats import KVFormatError
 
     with pytest.raises(KVFormatError, match="head_dim"):
         gpu_kv.cpp_format_type("turbo3", 32)
@@ -154,12 +154,12 @@ def test_header_edits_change_the_compiled_source(tmp_path):
 def test_import_without_cupy():
     """`import cupyllm.cuda` and the KV codec module must not need CuPy."""
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
-            "import cupyllm, cupyllm.cuda, cupyllm.backend.gpu_kv as g\n"
+            "import cupyllm, cupyllm.cuda, cupyllm.ops.kv_formats.gpu as g\n"
             "from cupyllm.cuda import gpu_count\n"
             "assert gpu_count() == 0\n"
             "assert g.kernel_sets()\n"
             "from cupyllm.errors import DeviceError\n"
-            "from cupyllm.kv.formats import get_format\n"
+            "from cupyllm.ops.kv_formats.formats import get_format\n"
             "try:\n    g.GpuKVCodec(get_format('q8_0'), 128, 8)\n    raise SystemExit('codec built without CuPy')\n"
             "except DeviceError:\n    pass\n"
             "from cupyllm.cuda import require_cupy\n"
@@ -173,7 +173,7 @@ def test_kernel_sources_ship_as_package_data():
     tomllib = pytest.importorskip("tomllib")
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert config["package-dir"]["cupyllm.kernels_cu"] == "kernels_cu"
-    assert set(config["package-data"]["cupyllm.kernels_cu"]) >= {"*.cu", "*.cuh"}
+    assert set(config["package-data"]["cupyllm.kernels_cu"]) >= {"*/*.cu", "*/*.cuh"}
     listed = set(config["packages"])
     on_disk = {"cupyllm"} | {
         "cupyllm." + ".".join(p.relative_to(REPO / "cupyllm").parts)

@@ -9,13 +9,13 @@ import pytest
 
 import cupyllm
 import make_tiny_models
-from cupyllm.attention.dca import DCAConfig, attend_dca, key_positions, query_positions
-from cupyllm.attention.dca_cpu import dca_few
-from cupyllm.attention.reference import merge
-from cupyllm.config import RopeConfig
+from cupyllm.ops.attention.dca import DCAConfig, attend_dca, key_positions, query_positions
+from cupyllm.ops.attention.cpu import dca_few
+from cupyllm.ops.attention.reference import merge
+from cupyllm.files.config import RopeConfig
 from cupyllm.errors import CupyllmError
-from cupyllm.quant import cpu_linear
-from cupyllm.rope import apply_rope, rope_tables
+from cupyllm.ops.matmul import cpu as cpu_linear
+from cupyllm.ops.elementwise.reference import apply_rope, rope_tables
 
 ROPE = RopeConfig(base=10000.0, n_rot=32, neox=True)
 
@@ -74,7 +74,7 @@ def test_chunk_zero_queries_and_empty_regimes():
     q, k, v, q3, k_roped, pos = roped_inputs(12, dca)  # all in chunk 0: successive and inter are empty
     out, lse = attend_dca(*q3, k_roped, v, pos, pos, dca, scale=0.2)
     plain_q, plain_k = rot(q, pos), rot(k, pos)
-    from cupyllm.attention.reference import attend, causal_mask
+    from cupyllm.ops.attention.reference import attend, causal_mask
 
     ref, ref_lse = attend(plain_q, plain_k, v, causal_mask(pos, pos), scale=0.2)
     np.testing.assert_allclose(out, ref, atol=1e-5)

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not _CXX_OK, reason=f"the CUDA emulator needs a 
 
 SELF_TEST_SOURCE = r"""
 #include <cuda_fp16.h>
-#include "mma.cuh"
+#include "common/mma.cuh"
 using cupyllm::u32;
 
 // out[t] for t < 32 * warps: xor/down/up/idx shuffles with widths, a ballot and a block count

@@ -10,7 +10,7 @@ import pytest
 import cupyllm
 import make_tiny_models
 from cupyllm.generate import prefill
-from cupyllm.quant import cpu_linear
+from cupyllm.ops.matmul import cpu as cpu_linear
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

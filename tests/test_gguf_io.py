@@ -7,9 +7,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 
 import make_tiny_models
-from cupyllm.config import config_from_gguf
+from cupyllm.files.config import config_from_gguf
 from cupyllm.errors import ModelFileError
-from cupyllm.gguf_io import read_gguf
+from cupyllm.files.gguf import read_gguf
 
 
 def test_reader_matches_gguf_package(tiny_model):

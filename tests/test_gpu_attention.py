@@ -1,7 +1,7 @@
-"""GPU flash attention (kernels_cu/fa_vec.cu, fa_mma.cu, fa_combine.cu) against the NumPy reference.
+"""GPU flash attention (kernels_cu/attention/fa_vec.cu, fa_mma.cu, fa_combine.cu) against the NumPy reference.
 
 Every case encodes random K/V rows with the NumPy KV formats (cupyllm/kv), runs the kernel over the encoded
-cache, and compares (O, LSE) with ``cupyllm.attention.reference.attend`` over the NumPy-decoded rows:
+cache, and compares (O, LSE) with ``cupyllm.ops.attention.reference.attend`` over the NumPy-decoded rows:
 
 * FA-VEC computes in f32 from the exact decoded values: tight tolerances;
 * MMA rounds Q (scaled, rotated for rotated K formats), K and V to f16 before the tensor cores and P to f16
@@ -34,7 +34,7 @@ MASK_CASES = ("causal", "window_ring", "softcap", "additive", "empty_rows", "unu
 
 
 def _formats():
-    from cupyllm.kv.formats import list_formats
+    from cupyllm.ops.kv_formats.formats import list_formats
     return list_formats()
 
 
@@ -50,7 +50,7 @@ CASES = [(d, k, v, MASK_CASES[i % len(MASK_CASES)]) for d in HEAD_DIMS for i, (k
 
 @pytest.fixture(scope="module")
 def runner():
-    from cupyllm.attention.dispatch import GpuAttention
+    from cupyllm.ops.attention.gpu_dispatch import GpuAttention
     return GpuAttention()
 
 
@@ -80,7 +80,7 @@ def make_layer(rng, k_name: str, v_name: str, head_dim: int, n_kv: int, n_slots:
 def reference(q, q_pos, layer: Layer, *, scale, window=0, softcap=0.0, mask=None, f16_inputs=False):
     """(O, LSE) of reference.attend over the slots [0, n_used) (with an additive mask, which attend does not
     take: a direct float64 softmax). f16_inputs: on the f16-rounded Q, K, V that fa_mma computes with."""
-    from cupyllm.attention.reference import attend, causal_mask
+    from cupyllm.ops.attention.reference import attend, causal_mask
     n = layer.n_used
     k, v, k_pos = layer.k[:n], layer.v[:n], layer.host_pos[:n]
     if f16_inputs:  # what fa_mma feeds the tensor cores
@@ -170,7 +170,7 @@ def _run_case(runner, head_dim, k_name, v_name, case, kernel, seed=0, shapes=Non
     q = rng.standard_normal((n_q, n_head, head_dim)).astype(np.float32)
     scale = head_dim ** -0.5
     if kernel == "mma" and mma_lacks_shared_memory(runner, layer, n_q, n_head, head_dim):
-        from cupyllm.attention.dispatch import AttentionArgumentError
+        from cupyllm.ops.attention.gpu_dispatch import AttentionArgumentError
         with pytest.raises(AttentionArgumentError, match="shared memory.*use kernel='vec'"):
             runner.attention_lse(cp.asarray(q), q_pos, layer, scale=scale, kernel=kernel, **opts)
         return
@@ -203,8 +203,8 @@ def test_mma_decode_matches_reference(runner, head_dim, k_name, v_name, case):
 def test_mma_f16_decode_path(runner, head_dim, case):
     """fa_mma's f16 path (K and V f16, decode: cache rows copied straight into the tiles, V read row-major)
     against the reference, for every head dim and mask case."""
-    from cupyllm.attention import gpu_kernels as fk
-    from cupyllm.kv.formats import get_format
+    from cupyllm.ops.attention import gpu as fk
+    from cupyllm.ops.kv_formats.formats import get_format
     f16 = get_format("f16", head_dim=head_dim)
     assert fk.mma_f16_direct(True, f16, f16)  # the launch below takes that path
     _run_case(runner, head_dim, "f16", "f16", case, "mma", shapes="vec")
@@ -218,8 +218,8 @@ def test_chunk_reader_is_bit_exact(runner, name, group):
     reader of fa_mma's tiles (Half8: f16 arithmetic for the symmetric block formats) gives those values
     rounded to f16, also where the result is an f16 subnormal."""
     import cupy as cp
-    from cupyllm.attention import gpu_kernels as fk
-    from cupyllm.kv.formats import is_rotated
+    from cupyllm.ops.attention import gpu as fk
+    from cupyllm.ops.kv_formats.formats import is_rotated
     rng = np.random.default_rng(3)
     fmt = get_test_format(name, group)
     n_rows, d = 8, 2 * group
@@ -253,8 +253,8 @@ def test_dequant_bench_kernel_folds_the_f16_decode(runner, name, from_floats):
     of every row as the f16 decode: each block's xor of the words of its f16 tiles equals NumPy's, with either
     reader."""
     import cupy as cp
-    from cupyllm.attention import gpu_kernels as fk
-    from cupyllm.kv.formats import is_rotated
+    from cupyllm.ops.attention import gpu as fk
+    from cupyllm.ops.kv_formats.formats import is_rotated
     rng = np.random.default_rng(8)
     d, n_rows, n_blocks = 128, 200, 3  # 4 tiles of 64 rows, the last one part-filled
     fmt = get_test_format(name, d)
@@ -304,7 +304,7 @@ def test_split_count_does_not_change_the_result(runner, kernel):
 def test_lse_merges_two_caches(runner):
     """Attention over two halves of a cache, merged with reference.merge by their LSE, is attention over all."""
     import cupy as cp
-    from cupyllm.attention.reference import merge
+    from cupyllm.ops.attention.reference import merge
     rng = np.random.default_rng(6)
     d, n_q, n_head, n_kv, n = 64, 2, 4, 2, 120
     whole = make_layer(rng, "q4_0", "q5_1", d, n_kv, n)
@@ -345,7 +345,7 @@ def test_module_functions_and_dispatch_choice(runner):
     """gpu_attention / gpu_attention_lse pick FA-VEC for float-cache decode, MMA's decode tiles for quantized
     decode and MMA for prefill, and agree with the reference."""
     import cupy as cp
-    from cupyllm.attention import dispatch
+    from cupyllm.ops.attention import gpu_dispatch as dispatch
     rng = np.random.default_rng(8)
     d = 64
     for fmt, n_q, expected in (("bf16", 1, "vec"), ("f16", 1, "mma"), ("turbo3", 1, "mma"), ("turbo3", 20, "mma")):
@@ -364,7 +364,7 @@ def test_module_functions_and_dispatch_choice(runner):
 
 def test_bad_arguments_raise(runner):
     import cupy as cp
-    from cupyllm.attention.dispatch import AttentionArgumentError
+    from cupyllm.ops.attention.gpu_dispatch import AttentionArgumentError
     rng = np.random.default_rng(9)
     layer = make_layer(rng, "f16", "q8_0", 128, 2, 40)
     q = cp.zeros((1, 4, 128), cp.float32)

@@ -1,9 +1,9 @@
 """The GPU backend (cupyllm/backend/gpu.py) against the NumPy definitions, kernel by kernel, then whole models.
 
-References: weight blocks -> cupyllm/quant/weights.py `dequantize` (bit for bit); matmuls -> float64 products of
+References: weight blocks -> cupyllm/ops/matmul/reference.py `dequantize` (bit for bit); matmuls -> float64 products of
 those values (GEMV, float32 activations) or of their f16 roundings (prefill paths); RMSNorm / activations ->
-backend/cpu.py; RoPE -> rope.py `rope_tables` + `apply_rope`; the KV cache -> kv/cache.py LayerKV (same bytes);
-attention -> attention/reference.py; whole models -> the CPU engine on the same GGUF (tiny random models) and
+backend/cpu.py; RoPE -> ops/elementwise/reference.py `rope_tables` + `apply_rope`; the KV cache -> kv/cache.py LayerKV (same bytes);
+attention -> ops/attention/reference.py; whole models -> the CPU engine on the same GGUF (tiny random models) and
 HF transformers' stored logits (the real models).
 
 Stated tolerances (float32 unless said):
@@ -47,7 +47,7 @@ def cp():
 
 
 def _weight_types():
-    from cupyllm.backend.gpu_kernels import WEIGHT_TYPES
+    from cupyllm.ops.matmul.gpu import WEIGHT_TYPES
     return list(WEIGHT_TYPES)
 
 
@@ -55,8 +55,8 @@ def make_weight(type_name: str, n_out: int, n_in: int, seed: int = 0):
     """A Weight of random valid blocks (host) and the float32 values it decodes to by the reference."""
     import gguf
     from gguf import GGMLQuantizationType as T
-    from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
-    from cupyllm.weights import Weight
+    from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize
+    from cupyllm.models.weights import Weight
 
     qtype = T[type_name]
     rng = np.random.default_rng(seed)
@@ -104,7 +104,7 @@ def test_dequantize_rows_bit_exact(backend, cp, type_name):
 @pytest.mark.parametrize("type_name", _weight_types())
 def test_gemv_every_instantiation(backend, cp, type_name):
     """Every (tokens, rows per warp) shape; rows not a multiple of a CTA's; several spans, the last partial."""
-    from cupyllm.backend.gpu_kernels import GEMV_SHAPES
+    from cupyllm.ops.matmul.gpu import GEMV_SHAPES
     weight, w = make_weight(type_name, 45, 1280, seed=1)
     on_device = backend.upload(weight)
     rng = np.random.default_rng(2)
@@ -144,7 +144,7 @@ def test_gated_gemv_equals_the_gemvs_then_gated_act(backend, cp, type_name):
     """weight_gemv_gated: act(gate . x) * (up . x), or * given up values, in one launch; bit for bit the two
     GEMVs then gated_act, for every instantiation (rows past the end of a partial last warp included), and
     gated_linear takes it for a few tokens and the separate kernels otherwise."""
-    from cupyllm.backend.gpu_kernels import GEMV_GATED_SHAPES, GEMV_MAX_TOKENS
+    from cupyllm.ops.matmul.gpu import GEMV_GATED_SHAPES, GEMV_MAX_TOKENS
     n_out, n_in = 37, 512
     gate, up = (backend.upload(make_weight(type_name, n_out, n_in, seed=11 + i)[0]) for i in range(2))
     rng = np.random.default_rng(12)
@@ -261,8 +261,8 @@ ROPE_CASES = {
 
 @pytest.mark.parametrize("case", list(ROPE_CASES))
 def test_rope_variants(backend, cp, case):
-    from cupyllm.config import RopeConfig
-    from cupyllm.rope import apply_rope, rope_tables
+    from cupyllm.files.config import RopeConfig
+    from cupyllm.ops.elementwise.reference import apply_rope, rope_tables
     rope = RopeConfig(**ROPE_CASES[case])
     rng = np.random.default_rng(9)
     positions = np.array([0, 1, 7, 4095, 32768, 131071, 999_999])
@@ -281,7 +281,7 @@ def test_rope_of_normed_q_and_k_in_one_launch(backend, cp, case, head_dim):
     """rope_qk: q and k (their own heads and positions, as DCA has them) each RMS-normed per head, then
     rotated, against the CPU backend's rms_norm and rope one after the other."""
     from cupyllm.backend.cpu import CPUBackend
-    from cupyllm.config import RopeConfig
+    from cupyllm.files.config import RopeConfig
     rope = RopeConfig(**{**ROPE_CASES[case], "n_rot": min(head_dim, ROPE_CASES[case]["n_rot"] * head_dim // 64)})
     rng = np.random.default_rng(10)
     q_pos, k_pos = np.array([0, 5, 4095, 70000]), np.array([0, 5, 3000, 3001])
@@ -302,7 +302,7 @@ def test_rope_of_normed_q_and_k_in_one_launch(backend, cp, case, head_dim):
 
 
 def test_activations_and_softcap(backend, cp):
-    from cupyllm.backend.cpu import gelu_tanh, silu
+    from cupyllm.ops.elementwise.reference import gelu_tanh, silu
     rng = np.random.default_rng(10)
     x = (rng.standard_normal((7, 300)) * 4).astype(np.float32)
     up = rng.standard_normal((7, 300)).astype(np.float32)
@@ -320,10 +320,10 @@ def test_activations_and_softcap(backend, cp):
 
 def _layer_pair(backend, kv_type: str, head_dim: int = 64, n_kv: int = 2, capacity: int = 40, ring: bool = False,
                 window: int = 0, v_type: str | None = None, v_head_dim: int | None = None):
-    from cupyllm.backend.gpu_cache import device_layer_factory
-    from cupyllm.backend.gpu_kv import GpuKVCodec
+    from cupyllm.kv.gpu_cache import device_layer_factory
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
     from cupyllm.kv.cache import LayerKV
-    from cupyllm.kv.formats import get_format
+    from cupyllm.ops.kv_formats.formats import get_format
     v_head_dim = v_head_dim or head_dim
     fmt, v_fmt = get_format(kv_type, head_dim=head_dim), get_format(v_type or kv_type, head_dim=v_head_dim)
     make = device_layer_factory(lambda f, d, n: GpuKVCodec(f, d, n, registry=backend.registry), backend.inputs)
@@ -364,8 +364,8 @@ def test_device_cache_holds_the_cpu_cache_bytes(backend, cp, kv_type, v_type, v_
 
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 20.0)])
 def test_decode_attention_matches_reference(backend, cp, window, softcap):
-    from cupyllm.attention.reference import attend, causal_mask
-    from cupyllm.backend.gpu_attention import attend_decoded
+    from cupyllm.ops.attention.reference import attend, causal_mask
+    from cupyllm.ops.attention.gpu_decoded import attend_decoded
     rng = np.random.default_rng(12)
     cpu, gpu = _layer_pair(backend, "f16", capacity=64, n_kv=2, ring=window > 0, window=window)
     positions = np.arange(0, 30)
@@ -388,7 +388,7 @@ def test_normalized_cache_attention(backend, cp, softcap):
     (K - offset) / scale. Plain softmax reads the normalised rows in the flash kernels with Q scaled; a
     soft-capped score goes to the decoding path, which undoes the normalisation. Both against the CPU's
     normalised layer and the reference attention."""
-    from cupyllm.attention.reference import attend, causal_mask
+    from cupyllm.ops.attention.reference import attend, causal_mask
     cpu, gpu = _layer_pair(backend, "q8_0", capacity=64)
     cpu.normalize_k = gpu.normalize_k = True
     rng = np.random.default_rng(13)
@@ -426,7 +426,7 @@ def _numpy_forward(ops, transformer):
 def _run(ops, path, ids, chunk: int, kv_type: str = "f16", decode_steps=(), normalize_k: bool | None = None):
     """All-position logits of `ids` prefilled in chunks of `chunk`, then the logits of one-token steps."""
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.kv.cache import KVCache, KVSpec
     from cupyllm.models.build import Transformer
     transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
@@ -451,7 +451,7 @@ def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch, monkeypatch):
     16-bit codes, and a near-tied expert choice of the MoE models can flip on that difference."""
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.backend.gpu import GPUBackend
-    from cupyllm.quant import cpu_linear
+    from cupyllm.ops.matmul import cpu as cpu_linear
     path, _, _ = tiny_model(arch)
     ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
     steps = [9, 120, 4]
@@ -472,7 +472,7 @@ def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch, monkeypatch):
 @pytest.fixture(scope="module")
 def flash_sized_models(tmp_path_factory):
     """Tiny models with head_dim 64 (Gemma 4: 64 on sliding layers, 128 on global ones), sizes the
-    flash-attention kernels (attention/dispatch.py) cover. Gemma 3's gate and up of one type (as the real
+    flash-attention kernels (ops/attention/gpu_dispatch.py) cover. Gemma 3's gate and up of one type (as the real
     models have them: the fused gated GEMV), Qwen2's of two (the GEMVs and gated_act apart)."""
     import dataclasses
 
@@ -493,7 +493,7 @@ def flash_sized_models(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3", "gemma4"])
 def test_tiny_model_with_flash_attention(flash_sized_models, arch):
     """The whole engine with the in-register flash attention against the CPU engine (same bounds)."""
-    pytest.importorskip("cupyllm.attention.dispatch")
+    pytest.importorskip("cupyllm.ops.attention.gpu_dispatch")
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.backend.gpu import GPUBackend
     path = flash_sized_models[arch]
@@ -539,11 +539,11 @@ def test_decode_graphs_replay_the_eager_steps(flash_sized_models, attention, arc
     embeddings and layers reading shared caches inside the graph)."""
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.kv.cache import KVSpec
     from cupyllm.models.build import Transformer
     if attention == "dispatch":
-        pytest.importorskip("cupyllm.attention.dispatch")
+        pytest.importorskip("cupyllm.ops.attention.gpu_dispatch")
     path = flash_sized_models[arch]
     ops = GPUBackend(attention=attention)
     transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
@@ -590,7 +590,7 @@ def test_prompt_cache_on_the_device(flash_sized_models, arch):
 
 def test_import_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
-            "import cupyllm, cupyllm.backend.gpu as g, cupyllm.backend.gpu_kernels as k\n"
+            "import cupyllm, cupyllm.backend.gpu as g, cupyllm.ops.matmul.gpu as k\n"
             "assert k.kernel_sets()\n"
             "from cupyllm.errors import DeviceError\n"
             "try:\n    g.GPUBackend()\n    raise SystemExit('GPUBackend built without CuPy')\n"

@@ -1,7 +1,7 @@
-"""Fused Dual Chunk Attention on the GPU (kernels_cu/dca_fused.cu: the DCA instantiations of the fa_vec.cuh and
-fa_mma.cuh templates, run by cupyllm/attention/gpu_dca.py) against two independent computations of the same (O, LSE):
+"""Fused Dual Chunk Attention on the GPU (kernels_cu/attention/dca_fused.cu: the DCA instantiations of the fa_vec.cuh and
+fa_mma.cuh templates, run by cupyllm/ops/attention/gpu_dca.py) against two independent computations of the same (O, LSE):
 
-* NumPy: ``cupyllm.attention.dca.attend_dca`` (three masked attentions merged by LSE) over the NumPy-decoded
+* NumPy: ``cupyllm.ops.attention.dca.attend_dca`` (three masked attentions merged by LSE) over the NumPy-decoded
   cache, the definition;
 * the three-call LSE path on the GPU: ``dispatch.gpu_attention_lse`` once per regime with an additive mask that
   keeps that regime's keys (the plain kernel instantiations), merged with ``reference.merge``.
@@ -39,7 +39,7 @@ DECODE_QUERIES = ("end", "chunk0", "boundary")
 
 
 def _formats():
-    from cupyllm.kv.formats import list_formats
+    from cupyllm.ops.kv_formats.formats import list_formats
     return list_formats()
 
 
@@ -55,12 +55,12 @@ CASES = [(d, k, v, list(CONFIGS)[i % len(CONFIGS)]) for d in HEAD_DIMS for i, (k
 
 @pytest.fixture(scope="module")
 def runner():
-    from cupyllm.attention.dispatch import GpuAttention
+    from cupyllm.ops.attention.gpu_dispatch import GpuAttention
     return GpuAttention()
 
 
 def _dca(config: str):
-    from cupyllm.attention.dca import DCAConfig
+    from cupyllm.ops.attention.dca import DCAConfig
     return DCAConfig(*CONFIGS[config])
 
 
@@ -98,7 +98,7 @@ def query_positions(kind: str, n_q: int, n_used: int, chunk_len: int, rng) -> np
 
 def numpy_reference(q3, q_pos, layer, dca, *, scale, softcap=0.0, f16_inputs=False):
     """attend_dca over the cache's decoded slots [0, n_used); f16_inputs: on what fa_mma multiplies."""
-    from cupyllm.attention.dca import attend_dca
+    from cupyllm.ops.attention.dca import attend_dca
     n = layer.n_used
     k, v, k_pos = layer.k[:n], layer.v[:n], layer.host_pos[:n]
     if f16_inputs:
@@ -111,8 +111,8 @@ def numpy_reference(q3, q_pos, layer, dca, *, scale, softcap=0.0, f16_inputs=Fal
 def three_call_path(runner, q3, q_pos, layer, dca, *, scale, softcap, kernel):
     """One plain GPU attention per regime (additive mask: 0 on that regime's keys, -inf elsewhere), merged by LSE."""
     import cupy as cp
-    from cupyllm.attention.dca import regimes
-    from cupyllm.attention.reference import merge
+    from cupyllm.ops.attention.dca import regimes
+    from cupyllm.ops.attention.reference import merge
     regime = regimes(q_pos, layer.host_pos, dca)
     out = lse = None
     for which, q in enumerate(q3):
@@ -152,7 +152,7 @@ def _n_slots(kernel: str) -> int:
 def run_case(runner, head_dim, k_name, v_name, config, kernel, queries, *, shape=None, seed=0, softcap=0.0,
              n_split=None, three_call=True):
     import cupy as cp
-    from cupyllm.attention.gpu_dca import gpu_dca_attention_lse
+    from cupyllm.ops.attention.gpu_dca import gpu_dca_attention_lse
     rng = np.random.default_rng(seed)
     dca = _dca(config)
     n_q, n_head, n_kv = shape or (PREFILL_SHAPE if queries == "spread" else DECODE_SHAPE)
@@ -163,7 +163,7 @@ def run_case(runner, head_dim, k_name, v_name, config, kernel, queries, *, shape
     q3 = [rng.standard_normal((n_q, n_head, head_dim)).astype(np.float32) for _ in range(3)]
     scale = head_dim ** -0.5
     if kernel == "mma" and mma_lacks_shared_memory(runner, layer, n_q, n_head, head_dim):
-        from cupyllm.attention.dispatch import AttentionArgumentError
+        from cupyllm.ops.attention.gpu_dispatch import AttentionArgumentError
         with pytest.raises(AttentionArgumentError, match="shared memory.*use kernel='vec'"):
             gpu_dca_attention_lse(*(cp.asarray(q) for q in q3), q_pos, layer, dca, scale=scale, kernel=kernel,
                                   runner=runner)
@@ -199,8 +199,8 @@ def test_mma_decode_matches_references(runner, head_dim, k_name, v_name, config)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_mma_f16_decode_path_matches_references(runner, head_dim, config):
     """fa_mma's f16 path (K and V f16, decode) with DCA: Q reloaded per regime, mixed tiles recomputed."""
-    from cupyllm.attention import gpu_kernels as fk
-    from cupyllm.kv.formats import get_format
+    from cupyllm.ops.attention import gpu as fk
+    from cupyllm.ops.kv_formats.formats import get_format
     f16 = get_format("f16", head_dim=head_dim)
     assert fk.mma_f16_direct(True, f16, f16)
     for queries in DECODE_QUERIES:
@@ -224,7 +224,7 @@ def test_split_count_does_not_change_the_result(runner, kernel):
 
 def test_float16_queries_and_softcap(runner):
     import cupy as cp
-    from cupyllm.attention.gpu_dca import gpu_dca_attention_lse
+    from cupyllm.ops.attention.gpu_dca import gpu_dca_attention_lse
     rng = np.random.default_rng(4)
     dca = _dca("L32")
     layer = make_layer(rng, "f16", "q4_0", 256, 1, 90)
@@ -243,7 +243,7 @@ def test_float16_queries_and_softcap(runner):
 def test_rows_without_keys_give_zero_and_minus_infinity(runner):
     """Every slot empty, or no query position: O = 0, LSE = -inf, no NaN, on both kernels and with splits."""
     import cupy as cp
-    from cupyllm.attention.gpu_dca import gpu_dca_attention_lse
+    from cupyllm.ops.attention.gpu_dca import gpu_dca_attention_lse
     rng = np.random.default_rng(5)
     dca = _dca("L56")
     layer = make_layer(rng, "q8_0", "turbo3", 128, 2, 70)
@@ -261,8 +261,8 @@ def test_rows_without_keys_give_zero_and_minus_infinity(runner):
 
 def test_bad_arguments_raise(runner):
     import cupy as cp
-    from cupyllm.attention.dispatch import AttentionArgumentError
-    from cupyllm.attention.gpu_dca import gpu_dca_attention
+    from cupyllm.ops.attention.gpu_dispatch import AttentionArgumentError
+    from cupyllm.ops.attention.gpu_dca import gpu_dca_attention
     rng = np.random.default_rng(6)
     layer = make_layer(rng, "f16", "f16", 64, 2, 40)
     q = cp.zeros((1, 4, 64), cp.float32)
@@ -277,8 +277,8 @@ def test_bad_arguments_raise(runner):
 def test_decoding_fallback_matches_numpy():
     """attend_dca_decoded (the backend's path for caches without flash kernels) against attend_dca."""
     import cupy as cp
-    from cupyllm.attention.dca import DCAConfig, attend_dca
-    from cupyllm.attention.gpu_dca import attend_dca_decoded
+    from cupyllm.ops.attention.dca import DCAConfig, attend_dca
+    from cupyllm.ops.attention.gpu_dca import attend_dca_decoded
     rng = np.random.default_rng(7)
     dca = DCAConfig(20, 4)
     n, n_kv, d = 50, 2, 32
@@ -313,11 +313,11 @@ def tiny_qwen64(tmp_path_factory):
 def test_engine_dca_matches_the_cpu_engine(tiny_qwen64, attention):
     """A tiny model with DCA (chunks of 10 positions over 40): prefill in chunks then decode steps, the GPU backend's
     dca_attention (fused kernels, or the decoding fallback) against the CPU backend's."""
-    from cupyllm.attention.dca import DCAConfig
+    from cupyllm.ops.attention.dca import DCAConfig
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.kv.cache import KVCache, KVSpec
     from cupyllm.models.build import Transformer
     from cupyllm.models.layers import dca_attention

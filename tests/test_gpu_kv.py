@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupyllm.kv import turbo
+from cupyllm.ops.kv_formats import turbo
 from gpu_helpers import GPU_TEST_MARKS, get_test_format
 
 pytestmark = GPU_TEST_MARKS
@@ -22,7 +22,7 @@ SOURCE_DTYPES = ("float32", "float16")
 
 
 def _formats():
-    from cupyllm.kv.formats import list_formats
+    from cupyllm.ops.kv_formats.formats import list_formats
     return list_formats()
 
 
@@ -56,7 +56,7 @@ def _encode_case(registry, name: str, head_dim: int, src_dtype: str, seed: int =
                  n_heads: int = N_KV_HEADS):
     """Encode 37 tokens into 53 slots (one skipped, one out of range) with the format `name` (or `fmt`)."""
     import cupy as cp
-    from cupyllm.backend.gpu_kv import GpuKVCodec
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
 
     rng = np.random.default_rng(seed)
     fmt = fmt if fmt is not None else get_test_format(name, head_dim)
@@ -94,7 +94,7 @@ def _assert_rows_equal(got: np.ndarray, ref: np.ndarray):
 def test_tcq_ties_break_as_the_reference(registry, name):
     """A codebook rounded to halves (most of its 2^L entries shared by many states) makes equal path costs
     everywhere: the predecessor and final-state tie rules decide, and the GPU must take the reference's path."""
-    from cupyllm.kv import tcq
+    from cupyllm.ops.kv_formats import tcq
 
     base = get_test_format(name, 128)
     coarse = tcq.trellis_format(base.k, base.L, 128, np.round(base.codebook * 2) / 2, name=name)
@@ -109,8 +109,8 @@ def test_other_trellis_sizes_encode_like_the_reference(k, L, n_heads):
     L - k = 5, fewer than its stream bytes at k = 3; below that several groups share a warp's CTA, with skipped
     slots among them (their groups compute beside the others and store nothing) and (one head: 37 groups) a
     last CTA that runs past the end."""
-    from cupyllm.backend.gpu_kv import trellis_encode_kernel, trellis_registry
-    from cupyllm.kv import tcq
+    from cupyllm.ops.kv_formats.gpu import trellis_encode_kernel, trellis_registry
+    from cupyllm.ops.kv_formats import tcq
 
     head_dim = 128
     fmt = tcq.trellis_format(k, L, head_dim, tcq.initial_codebook(L, seed=1))
@@ -133,7 +133,7 @@ def _assert_within_one_f16_ulp(got16: np.ndarray, ref32: np.ndarray, what: str):
 @pytest.mark.parametrize("name", _formats())
 def test_decode_within_one_f16_ulp(registry, name, head_dim):
     import cupy as cp
-    from cupyllm.kv.formats import is_rotated
+    from cupyllm.ops.kv_formats.formats import is_rotated
 
     fmt, codec, cache, _, _, _ = _encode_case(registry, name, head_dim, "float32", seed=1)
     host = cp.asnumpy(cache)
@@ -150,8 +150,8 @@ def test_decode_within_one_f16_ulp(registry, name, head_dim):
 
 def test_encode_overwrites_a_slot_and_bad_arguments_raise(registry):
     import cupy as cp
-    from cupyllm.backend.gpu_kv import GpuKVCodec
-    from cupyllm.kv.formats import KVFormatError, get_format
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
+    from cupyllm.ops.kv_formats.formats import KVFormatError, get_format
 
     fmt = get_format("q4_0")
     codec = GpuKVCodec(fmt, 128, N_KV_HEADS, registry=registry)
@@ -185,7 +185,7 @@ def test_registry_turns_compile_errors_into_device_errors(tmp_path):
 
 
 def test_registry_compiles_each_set_once():
-    from cupyllm.backend.gpu_kv import decode_kernel_name
+    from cupyllm.ops.kv_formats.gpu import decode_kernel_name
     from cupyllm.cuda.registry import KernelRegistry
 
     registry = KernelRegistry()

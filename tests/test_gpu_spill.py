@@ -1,4 +1,4 @@
-"""A spilled KV cache on the GPU (backend/gpu_spill.py): the newest positions on the device, the older ones in
+"""A spilled KV cache on the GPU (kv/gpu_spill.py): the newest positions on the device, the older ones in
 pinned host memory, attention over both merged by LSE, against the same model with the whole cache on the
 device and against the CPU engine. Runs on a GPU, or on the CUDA emulator (CUPYLLM_EMULATE=1)."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def flash_models(tmp_path_factory):
 def _run(ops, path, spec, n_prefill: int, dca=None):
     """Logits of IDS: the first n_prefill in chunks of spec.max_chunk, then one-token steps."""
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.models.build import Transformer
     from cupyllm.models.layers import dca_attention
     transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
@@ -56,7 +56,7 @@ def _run(ops, path, spec, n_prefill: int, dca=None):
 def test_spilled_cache_matches_the_whole_cache(flash_models, arch, kv_type):
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.backend.gpu import GPUBackend
-    from cupyllm.backend.gpu_spill import SpilledLayerKV
+    from cupyllm.kv.gpu_spill import SpilledLayerKV
     from cupyllm.kv.cache import KVSpec
     whole = KVSpec(ctx=64, kv_type_k=kv_type, kv_type_v=kv_type, max_chunk=4)
     spilled = dataclasses.replace(whole, device_window=6)
@@ -77,7 +77,7 @@ def test_spilled_cache_matches_the_whole_cache(flash_models, arch, kv_type):
 def test_spilled_cache_with_dual_chunk_attention(flash_models):
     """The fused DCA kernels over the device ring and the host rows (chunks of 6 positions: the 18 tokens
     cross two chunk boundaries), against DCA over the whole device cache."""
-    from cupyllm.attention.dca import DCAConfig
+    from cupyllm.ops.attention.dca import DCAConfig
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.kv.cache import KVSpec
     dca = DCAConfig.for_model(256, chunk_size=8, local_size=2)
@@ -118,7 +118,7 @@ def test_prompt_cache_of_a_spilled_cache(flash_models, tmp_path):
     tokens."""
     import cupyllm
     from cupyllm.kv.cache import KVSpec, kv_bytes
-    from cupyllm.prompt_cache import PromptCache
+    from cupyllm.kv.prompt_cache import PromptCache
     path = flash_models["qwen2"]
     probe = cupyllm.load(path, device="gpu", ctx=96, max_chunk=4, progress=False)
     budget = kv_bytes(probe.cfg, KVSpec(ctx=96, max_chunk=4, device_window=10))

@@ -11,8 +11,8 @@ import pytest
 import cupyllm
 from cupyllm.generate import prefill
 from cupyllm.kv.cache import KVCache, KVSpec, LayerKV
-from cupyllm.kv.formats import get_format
-from cupyllm.quant import cpu_linear
+from cupyllm.ops.kv_formats.formats import get_format
+from cupyllm.ops.matmul import cpu as cpu_linear
 
 N_KV, D = 2, 64
 LOUD = np.arange(0, D, 16)  # a few channels with large offsets and spreads

@@ -12,14 +12,8 @@ from gguf import GGMLQuantizationType as GT
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from cupyllm.kv import (
-    KVFormatError,
-    bits_per_value_for,
-    get_format,
-    group_format,
-    list_formats,
-)
-from cupyllm.kv import lloyd_max, tcq, turbo
+from cupyllm.kv import KVFormatError, bits_per_value_for, get_format, group_format, list_formats
+from cupyllm.ops.kv_formats import lloyd_max, tcq, turbo
 
 F32 = np.float32
 ROTATED = ["turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq"]
@@ -423,7 +417,7 @@ def test_training_step_lowers_distortion():
 def test_training_a_trellis_no_format_has():
     """train(trellis=(k, L)) (tools/tcq_trellis_sizes.py): a 32-state, 2-bit trellis trained briefly on Gaussian
     groups beats the scalar 2-bit Lloyd-Max quantizer on held-out groups, as TCQ must."""
-    from cupyllm.kv import lloyd_max
+    from cupyllm.ops.kv_formats import lloyd_max
 
     mod = _trainer()
     z_train = [mod.to_unit_z(mod.gaussian_groups(512, 64, seed=1))]

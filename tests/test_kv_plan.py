@@ -10,11 +10,11 @@ import pytest
 
 import cupyllm
 from cupyllm.cli import main as cli_main
-from cupyllm.config import config_from_gguf
+from cupyllm.files.config import config_from_gguf
 from cupyllm.errors import BudgetError, CupyllmError
-from cupyllm.gguf_io import read_gguf
+from cupyllm.files.gguf import read_gguf
 from cupyllm.kv.cache import KVCache, KVSpec, kv_bytes
-from cupyllm.kv.formats import get_format
+from cupyllm.ops.kv_formats.formats import get_format
 from cupyllm.kv.plan import TIERS, format_bytes, parse_bytes, plan_kv
 
 QUALITY = Path(__file__).resolve().parents[1] / "bench" / "results" / "kv_quality.json"

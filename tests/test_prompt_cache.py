@@ -1,4 +1,4 @@
-"""Prompt caching (cupyllm/prompt_cache.py): a prompt that begins like a cached one prefills only the rest, and
+"""Prompt caching (cupyllm/kv/prompt_cache.py): a prompt that begins like a cached one prefills only the rest, and
 gives what a fresh run gives; the cache survives a file round trip; stale or broken caches are clear errors (API)
 or are made again (CLI --prompt-cache)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 import cupyllm
 from cupyllm.errors import CupyllmError
-from cupyllm.prompt_cache import PromptCache
+from cupyllm.kv.prompt_cache import PromptCache
 from test_generate import run_cli
 
 PREFIX = list(range(5, 90))  # past the tiny Gemma's 6-token window and several 16-token chunks

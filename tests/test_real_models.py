@@ -53,7 +53,7 @@ def test_f16_cache_stays_close(loaded):
 def test_decode_equals_recompute(loaded):
     """Prefill + one-token decode steps give the logits a from-scratch run computes for the same positions, and
     HF's. (Both multiply the weights by the activations rounded to 16-bit codes per 32 values,
-    quant/activations.py, the GEMV and the GEMM summing in other orders, over other prefill chunks: measured,
+    ops/matmul/activation_codes.py, the GEMV and the GEMM summing in other orders, over other prefill chunks: measured,
     the two differ by up to 6e-3 on Gemma's logits, 1.4e-3 on Qwen's.)"""
     name, model, ref = loaded
     ids = ref["ids_1"].tolist()[:40]

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from cupyllm.config import RopeConfig
-from cupyllm.rope import apply_rope, inverse_frequencies, rope_tables
+from cupyllm.files.config import RopeConfig
+from cupyllm.ops.elementwise.reference import apply_rope, inverse_frequencies, rope_tables
 
 
 def rotate_pairs(x, positions, inv_freq, mscale, neox):

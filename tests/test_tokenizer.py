@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cupyllm.chat import encode_chat, needs_bos, render_chat
+from cupyllm.files.chat import encode_chat, needs_bos, render_chat
 from cupyllm.errors import CupyllmError, ModelFileError
-from cupyllm.gguf_io import read_gguf
-from cupyllm.tokenizer import Tokenizer
+from cupyllm.files.gguf import read_gguf
+from cupyllm.files.tokenizer import Tokenizer
 
 try:  # tests/ may or may not be a package
     from .models import gemma_path, qwen_path
@@ -134,7 +134,7 @@ def _byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
     """One token per byte: SPM's <0xXX> tokens, or byte-level BPE's single mapped characters."""
     if tok.model == "llama":
         return [tok.token_to_id(f"<0x{b:02X}>") for b in data]
-    from cupyllm.tokenizer import _BYTE_TO_CHAR
+    from cupyllm.files.tokenizer import _BYTE_TO_CHAR
     return [tok.token_to_id(_BYTE_TO_CHAR[b]) for b in data]
 
 

@@ -1,6 +1,6 @@
 """Weight block formats: our NumPy dequantization against the `gguf` package's independent one, and the numba
 matmul kernels (streamed GEMV, integer GEMM and BLAS tiles) against the NumPy reference; the activation codes the quantized
-matmuls multiply (quant/activations.py) against their definition."""
+matmuls multiply (ops/matmul/activation_codes.py) against their definition."""
 from __future__ import annotations
 
 import gguf
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from cupyllm.quant.activations import ACTIVATION_LEVELS, dequantize_activations, quantize_activations
-from cupyllm.quant import cpu_gemm, cpu_linear
-from cupyllm.quant.cpu_linear import matmul
-from cupyllm.quant.cpu_matmul import F16_TABLE, FLOAT_TYPES, dequantize_numba, quantize_activation_row
-from cupyllm.quant.weights import WEIGHT_FORMATS, dequantize
+from cupyllm.ops.matmul.activation_codes import ACTIVATION_LEVELS, dequantize_activations, quantize_activations
+from cupyllm.ops.matmul import cpu_gemm, cpu as cpu_linear
+from cupyllm.ops.matmul.cpu import matmul
+from cupyllm.ops.matmul.cpu_gemv import F16_TABLE, FLOAT_TYPES, dequantize_numba, quantize_activation_row
+from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize
 
 QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # gguf.quants can quantize these
 K_QUANTS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # fp16 scale offsets inside each block

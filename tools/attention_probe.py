@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     cp = bench.real_cupy("attention_probe")
     if cp is None:
         return 0
-    from cupyllm.attention import dispatch
+    from cupyllm.ops.attention import gpu_dispatch as dispatch
     runner = dispatch.GpuAttention()
     device = bench.device_info(cp)
     rng = np.random.default_rng(0)

@@ -44,7 +44,7 @@ def count_step(name: str, prompt_tokens: int) -> dict:
     from make_tiny_models import PRESETS, write_gguf
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.kv.cache import KVSpec
     from cupyllm.models.build import Transformer
 

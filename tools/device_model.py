@@ -58,7 +58,7 @@ def stash(carry_dir: Path, parts_dir: Path) -> list[str]:
 
 def join(parts_dir: Path, target: Path) -> Path:
     from cupyllm.errors import ModelFileError
-    from cupyllm.model_store import assemble_chunks
+    from cupyllm.files.model_store import assemble_chunks
 
     manifest = json.loads((parts_dir / f"{target.name}.manifest.json").read_text())
     missing = [p for p in manifest["parts"] if not (parts_dir / p).exists()]

@@ -38,13 +38,13 @@ def measured_vec_formats(results: list[dict]) -> dict[int, tuple[str, ...]]:
 def main() -> int:
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else BENCH_JSON
     sys.path.insert(0, str(REPO))
-    from cupyllm.attention.dispatch import VEC_DECODE_FORMATS
+    from cupyllm.ops.attention.gpu_dispatch import VEC_DECODE_FORMATS
     report = json.loads(path.read_text())
     measured = measured_vec_formats(report["results"])
     print(f"{path} ({report.get('device', '?')}, {report.get('created', '?')}):")
     print(f"VEC_DECODE_FORMATS = {measured}")
     same = measured == VEC_DECODE_FORMATS
-    print("cupyllm/attention/dispatch.py has it" if same else f"dispatch.py has {VEC_DECODE_FORMATS}: update it")
+    print("cupyllm/ops/attention/gpu_dispatch.py has it" if same else f"dispatch.py has {VEC_DECODE_FORMATS}: update it")
     return 0 if same else 1
 
 

@@ -3,7 +3,7 @@
 Runs a model on the CPU over a text (chunked prefill into an f32 cache, so the trajectory is the exact
 float model) and captures every ``LayerKV.write`` call: K after RoPE (what the cache stores) and V. Each
 head's row is cut into groups of ``G = min(128, head_dim)`` values, WHT-rotated with
-``cupyllm.kv.turbo.rotate`` and normalised with ``turbo.group_norm_and_z`` exactly as the turbo / TCQ
+``cupyllm.ops.kv_formats.turbo.rotate`` and normalised with ``turbo.group_norm_and_z`` exactly as the turbo / TCQ
 encoders do, and saved as unit vectors (``z / sqrt(G)``) in float32 ``[n, G]``:
 
     OUT/PREFIX_k.npy, OUT/PREFIX_v.npy   rows ordered layer by layer, then position, then KV head, then group
@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import cupyllm  # noqa: E402
 from cupyllm.generate import prefill  # noqa: E402
-from cupyllm.kv import group_values_for, turbo  # noqa: E402
+from cupyllm.kv import group_values_for
+from cupyllm.ops.kv_formats import turbo  # noqa: E402
 
 
 @dataclass

@@ -50,7 +50,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import cupyllm  # noqa: E402
 from cupyllm.generate import prefill  # noqa: E402
-from cupyllm.kv import get_format, is_rotated, list_formats, lloyd_max, tcq, turbo  # noqa: E402
+from cupyllm.kv import get_format, is_rotated, list_formats
+from cupyllm.ops.kv_formats import lloyd_max, tcq, turbo  # noqa: E402
 from cupyllm.kv.cache import KVCache, KVSpec, key_normalization  # noqa: E402
 
 BASELINE = "f16"

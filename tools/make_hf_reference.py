@@ -38,8 +38,8 @@ def reference(model_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cupyllm.gguf_io import read_gguf
-    from cupyllm.tokenizer import Tokenizer
+    from cupyllm.files.gguf import read_gguf
+    from cupyllm.files.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_metadata(read_gguf(model_path).metadata)
     hf = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32).eval()

@@ -153,8 +153,8 @@ def _previous_rows(args) -> list[dict]:
 
 
 def _write(args, path: Path, rows: list[dict]) -> None:
-    from cupyllm.config import config_from_gguf
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.config import config_from_gguf
+    from cupyllm.files.gguf import read_gguf
 
     cfg = config_from_gguf(read_gguf(path))
     chunk = args.dca_chunk_size or cfg.ctx_train

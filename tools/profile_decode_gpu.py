@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from make_tiny_models import PRESETS, write_gguf
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill
-    from cupyllm.gguf_io import read_gguf
+    from cupyllm.files.gguf import read_gguf
     from cupyllm.kv.cache import KVSpec
     from cupyllm.models.build import Transformer
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from cupyllm.cuda.nvrtc_check import load_nvrtc  # noqa: E402
 from cupyllm.cuda.registry import cuda_include_dirs, kernel_source_dir  # noqa: E402
 
-# kv_formats.cuh types at group size 128, in cupyllm.kv.formats.list_formats() order
+# kv_formats.cuh types at group size 128, in cupyllm.ops.kv_formats.formats.list_formats() order
 FORMATS = {
     "f32": "FmtF32", "f16": "FmtF16", "bf16": "FmtBF16", "q8_0": "FmtQ8_0", "q6_0": "FmtQ6_0", "q5_1": "FmtQ5_1",
     "q5_0": "FmtQ5_0", "q4_1": "FmtQ4_1", "q4_0": "FmtQ4_0", "turbo4": "FmtTurbo4<128>", "turbo3": "FmtTurbo3<128>",
@@ -50,7 +50,7 @@ READERS = ("Half8FromFloats", "Half8")
 ROW_STRIDE = 272  # bytes between the probe threads' rows: one hd128 row of any format fits
 
 PROBE_HEAD = r"""
-#include "fa_common.cuh"
+#include "attention/fa_common.cuh"
 using namespace cupyllm;
 extern __shared__ __align__(16) u8 probe_rows[];
 // Each thread reads chunk c of its own row of dynamic shared memory, the format's table in shared memory
@@ -157,7 +157,7 @@ ENCODE_CASE = {"tokens": 8192, "n_kv_heads": 8, "head_dim": 128}  # bench/kv_enc
 
 
 def tcq_encode_source() -> str:
-    lines = ['#include "kv_encode.cu"']
+    lines = ['#include "kv_formats/kv_encode.cu"']
     for k, L in TCQ_TRELLISES:
         lines.append(f"template __global__ void kv_encode<cupyllm::FmtTcq<{k}, {L}, 128>, float, 1>(const float*, "
                      f"const float*, const int*, cupyllm::u8*, cupyllm::u8*, int*, int, int, int, int, int, int, int, "

@@ -1,4 +1,4 @@
-"""What the integer Viterbi search (cupyllm.kv.tcq, TrellisMetric) costs against a float32 one.
+"""What the integer Viterbi search (cupyllm.ops.kv_formats.tcq, TrellisMetric) costs against a float32 one.
 
 The encoders search in exact int32 arithmetic (z and the centroids rounded to the metric's fixed point), which
 makes the NumPy, numba and CUDA encoders agree bit for bit. This tool measures the price: the squared error per
@@ -21,7 +21,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cupyllm.kv import tcq, turbo  # noqa: E402
+from cupyllm.ops.kv_formats import tcq, turbo  # noqa: E402
 
 
 def float_viterbi(z: np.ndarray, codebook: np.ndarray, k: int, L: int) -> np.ndarray:

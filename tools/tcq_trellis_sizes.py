@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from cupyllm.kv import lloyd_max, tcq  # noqa: E402
+from cupyllm.ops.kv_formats import lloyd_max, tcq  # noqa: E402
 import train_tcq_codebook as trainer  # noqa: E402
 
 SIZES = [(3, 9), (3, 8), (3, 7), (3, 6), (2, 8), (2, 7), (2, 6), (2, 5)]

@@ -1,7 +1,7 @@
 """Learn the codebooks of the TCQ KV formats (turbo3_tcq, turbo2_tcq).
 
 Lloyd / k-means style alternation on a training set of rotated, unit-normalised groups, scaled by sqrt(G)
-so every coordinate is about N(0, 1) (the codebook's units, see cupyllm/kv/tcq.py):
+so every coordinate is about N(0, 1) (the codebook's units, see cupyllm/ops/kv_formats/tcq.py):
 
 1. Viterbi-encode every training group with the current codebook (the exact encoder of the format);
 2. move each codebook entry towards the mean of the coordinates whose trellis state it was:
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupyllm.kv import lloyd_max, tcq, turbo  # noqa: E402
+from cupyllm.ops.kv_formats import lloyd_max, tcq, turbo  # noqa: E402
 
 LLOYD_MAX_BITS_FOR = {"turbo3_tcq": 3, "turbo2_tcq": 2}
 

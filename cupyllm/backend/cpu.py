@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..attention.cpu_decode import MAX_QUERIES, attend_few
-from ..attention.cpu_encoded import attend_encoded
-from ..attention.dca import attend_dca
-from ..attention.dca_cpu import dca_few
-from ..attention.reference import attend, causal_mask, merge
+from ..ops.attention.cpu import MAX_QUERIES, attend_encoded, attend_few, dca_few
+from ..ops.attention.dca import attend_dca
+from ..ops.attention.reference import attend, causal_mask, merge
 from ..kv.cache import KVCache, LayerKV, host_bytes_available
 from . import compile_notice
 from .cpu_memory import keep_freed_memory
-from .cpu_kernels import rms_norm_rows, rope_rows
+from ..ops.elementwise.cpu import gelu_tanh_times, rms_norm_rows, rope_rows, silu_times
 from .cpu_threads import RowThreads
 from ..errors import CupyllmError
-from ..quant.cpu_linear import matmul, matmul_many
-from ..quant.cpu_matmul import dequantize_ids
-from ..rope import apply_rope, rope_tables
-from ..weights import Weight
+from ..ops.matmul.cpu import matmul, matmul_many
+from ..ops.matmul.cpu_gemv import dequantize_ids
+from ..ops.elementwise.reference import apply_rope, rope_tables
+from ..models.weights import Weight
 
 KEY_CHUNK = 4096  # cache slots decoded and scored at a time
 
@@ -53,7 +51,7 @@ class CPUBackend:
 
     @staticmethod
     def new_cache(cfg, spec) -> KVCache:
-        """A host cache of the KV format's bytes: decode steps read the encoded rows (attention/cpu_encoded.py) and
+        """A host cache of the KV format's bytes: decode steps read the encoded rows (ops/attention/cpu.py) and
         prefill decodes them chunk by chunk; with spec.float_mirror, also a float32 copy of them."""
         if spec.spilled:
             raise CupyllmError("spilling the KV cache to host memory is for the GPU backend; on the CPU the whole "
@@ -197,41 +195,3 @@ def _nothing_seen(n_q: int, n_head: int, dv: int) -> tuple[np.ndarray, np.ndarra
     """(O, LSE) of queries that see no key of a block: zeros and -inf (they merge as nothing)."""
     return np.zeros((n_q, n_head, dv), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
 
-
-def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x), float32 (the definition the GPU kernels are tested against)."""
-    return x / (np.float32(1.0) + np.exp(-x))
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU, tanh approximation, float32."""
-    c = np.float32(np.sqrt(2.0 / np.pi))
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
-
-
-def silu_times(x: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(x) * up with silu's operations in its order (the same values), in one buffer: a prefill's
-    temporaries are megabytes, past L2, so each fresh one is another trip through memory (128 x 12288 values:
-    1.9 -> 1.2 ms single-threaded, measured)."""
-    t = np.negative(x)
-    np.exp(t, out=t)
-    t += np.float32(1.0)
-    np.divide(x, t, out=t)
-    t *= up
-    return t
-
-
-def gelu_tanh_times(x: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gelu_tanh(x) * up, its operations in gelu_tanh's order (the same values), in two buffers (128 x 12288
-    values: 1.7 -> 1.5 ms single-threaded)."""
-    t = np.float32(0.044715) * x
-    t *= x
-    t *= x
-    t += x
-    t *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(t, out=t)
-    t += np.float32(1.0)
-    out = np.float32(0.5) * x
-    out *= t
-    out *= up
-    return out

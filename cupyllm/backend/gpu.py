@@ -10,11 +10,11 @@ Same operations and semantics as backend/cpu.py, so the model code (models/*.py)
 - embed: the token rows dequantized from their blocks (weight_dequant.cu with row ids).
 - rms_norm, silu, gelu_tanh, rope, softcap: elementwise.cu (RoPE angles from rope.inverse_frequencies,
   computed in float64 on the device exactly like rope.rope_tables on the host).
-- attention: cupyllm.attention.dispatch.gpu_attention (FA-VEC / FA-MMA reading the quantized cache in-register);
+- attention: cupyllm.ops.attention.gpu_dispatch.gpu_attention (FA-VEC / FA-MMA reading the quantized cache in-register);
   for caches it has no kernels for (e.g. head dims outside its list), or with attention="decode",
-  backend/gpu_attention.py (decode the cache to f16, CuPy matmuls). dca_attention (Dual Chunk Attention):
-  cupyllm.attention.gpu_dca (the same kernels' DCA instantiations), with the same kind of fallback.
-- the KV cache: new_cache() -> KVCache of DeviceLayerKV (backend/gpu_cache.py), written by kv_encode.cu.
+  ops/attention/gpu_decoded.py (decode the cache to f16, CuPy matmuls). dca_attention (Dual Chunk Attention):
+  cupyllm.ops.attention.gpu_dca (the same kernels' DCA instantiations), with the same kind of fallback.
+- the KV cache: new_cache() -> KVCache of DeviceLayerKV (kv/gpu_cache.py), written by kv_encode.cu.
 
 Importing this module does not import CuPy; building a GPUBackend does (DeviceError without it).
 """
@@ -27,14 +27,14 @@ import numpy as np
 from ..cuda.registry import KernelRegistry, require_cupy
 from ..errors import CupyllmError, DeviceError
 from ..kv.cache import KVCache, KVSpec
-from ..quant.weights import WEIGHT_FORMATS, dequantize
-from ..rope import inverse_frequencies
-from ..weights import Weight
-from .gpu_attention import attend_decoded
-from .gpu_blas import matmul_f16_f32
-from .gpu_cache import device_layer_factory
+from ..ops.matmul.reference import WEIGHT_FORMATS, dequantize
+from ..ops.elementwise.reference import inverse_frequencies
+from ..models.weights import Weight
+from ..ops.attention.gpu_decoded import attend_decoded
+from ..ops.matmul.gpu_blas import matmul_f16_f32
+from ..kv.gpu_cache import device_layer_factory
 from .gpu_inputs import DeviceInputs
-from .gpu_kernels import GEMV_GROUP, GEMV_MAX_TOKENS, GpuKernels, kernel_format_fits, mma_fits
+from ..ops.matmul.gpu import GEMV_GROUP, GEMV_MAX_TOKENS, GpuKernels, kernel_format_fits, mma_fits
 
 PREFILL_PATHS = ("auto", "cublas", "mma")
 DEFAULT_PREFILL = "auto"
@@ -53,10 +53,10 @@ def prefill_path(prefill: str, n_out: int, n_in: int) -> str:
 
 
 def _dispatch_attention():
-    """The in-register flash attention (attention/dispatch.py) and the error it raises for shapes it has no
+    """The in-register flash attention (ops/attention/gpu_dispatch.py) and the error it raises for shapes it has no
     kernels for, or (None, None) when that module is absent."""
     try:
-        from ..attention.dispatch import AttentionArgumentError, gpu_attention
+        from ..ops.attention.gpu_dispatch import AttentionArgumentError, gpu_attention
     except ImportError:
         return None, None
     return gpu_attention, AttentionArgumentError
@@ -87,7 +87,7 @@ class GPUBackend:
         self._gpu_attention, self._dispatch_refusal = (None, None) if attention == "decode" else _dispatch_attention()
         self._no_dispatch: dict[tuple, str] = {}  # cache shapes the flash kernels refused, with the reason
         if attention == "dispatch" and self._gpu_attention is None:
-            raise DeviceError("attention='dispatch' needs cupyllm.attention.dispatch.gpu_attention, which is not installed")
+            raise DeviceError("attention='dispatch' needs cupyllm.ops.attention.gpu_dispatch.gpu_attention, which is not installed")
         self._rope_tables: dict = {}
         self._uploads: dict[int, tuple] = {}  # id(host blocks) -> (host blocks, device Weight)
 
@@ -121,14 +121,14 @@ class GPUBackend:
 
     def new_cache(self, cfg, spec: KVSpec) -> KVCache:
         """A KV cache whose layers live on this device (encoded with kv_encode.cu)."""
-        from .gpu_kv import GpuKVCodec
+        from ..ops.kv_formats.gpu import GpuKVCodec
 
         def codec(fmt, head_dim, n_kv):
             return GpuKVCodec(fmt, head_dim, n_kv, registry=self.registry)
 
         cache = KVCache.for_model(cfg, spec, mirror=False, make_layer=device_layer_factory(codec, self.inputs))
         if spec.spilled:  # global layers: the device ring of the window, older positions on the host
-            from .gpu_spill import SpilledLayerKV
+            from ..kv.gpu_spill import SpilledLayerKV
             spilled: dict[int, SpilledLayerKV] = {}
             for il, layer in enumerate(cache.layers):
                 if not cfg.is_sliding(il):
@@ -235,7 +235,7 @@ class GPUBackend:
         """(rope(rms_norm(q)), rope(rms_norm(k))) in one launch: each norm only where its weight is given, k
         may be None (q alone), k_positions default to q's."""
         table = self._rope_tables.get(rope_cfg)
-        if table is None:  # rope.py's inverse frequencies, once per configuration
+        if table is None:  # ops/elementwise/reference.py's inverse frequencies, once per configuration
             inv_freq, mscale = inverse_frequencies(rope_cfg)
             table = self._rope_tables[rope_cfg] = (self.cp.asarray(np.asarray(inv_freq, np.float64)), float(mscale))
         inv_freq, mscale = table
@@ -252,13 +252,13 @@ class GPUBackend:
     def dca_attention(self, q_intra, q_successive, q_inter, q_pos, layer_kv, dca, *, scale: float,
                       softcap: float = 0.0):
         """Dual Chunk Attention over the layer's cache (K cached at its in-chunk rope positions): the flash
-        kernels' fused DCA instantiations (attention/gpu_dca.py)."""
+        kernels' fused DCA instantiations (ops/attention/gpu_dca.py)."""
         return self._attend(q_intra, q_pos, layer_kv, scale=scale, softcap=softcap, dca=dca,
                             dca_queries=(q_successive, q_inter))
 
     def _attend(self, q, q_pos, layer_kv, **options):
         """The in-register flash kernels, or, for caches they have no kernels for (e.g. head dims outside their
-        list) or with attention="decode", the decoding fallback (backend/gpu_attention.py)."""
+        list) or with attention="decode", the decoding fallback (ops/attention/gpu_decoded.py)."""
         shape = (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name)
         # Normalised K (gpu_cache.py): the flash kernels read (K - offset) / scale, so Q is scaled by `scale`; their
         # plain softmax does not see the offset, a soft-capped or DCA score would: those take the decoding path,
@@ -278,13 +278,13 @@ class GPUBackend:
         return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, **options)
 
     def _attend_spilled(self, q, q_pos, layer_kv, normalized: bool, offset_matters: bool, **options):
-        """Device window and host rows through the flash kernels, merged by LSE (backend/gpu_spill.py)."""
+        """Device window and host rows through the flash kernels, merged by LSE (kv/gpu_spill.py)."""
         if self._gpu_attention is None or offset_matters:
             why = ("the flash kernels are not available" if self._gpu_attention is None else
                    "normalised K with a soft-capped or DCA score needs the decoding path")
             raise CupyllmError(f"a spilled KV cache is read by the flash kernels only, and here {why}; drop "
                                "--kv-spill (kv_spill=) or pass --no-cache-normalize-k")
-        from ..attention.dispatch import gpu_attention_lse
+        from ..ops.attention.gpu_dispatch import gpu_attention_lse
         q_read = q * layer_kv.query_scale(q.shape[1]) if normalized else q
         return layer_kv.attention_lse(gpu_attention_lse, q_read, q_pos, **options)[0]
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DeviceError
-from .registry import (KernelSet, all_kernel_sets, compile_options, cuda_include_dirs,
-                       kernel_source_dir, read_kernel_source)
+from .registry import (KernelSet, all_kernel_sets, compile_options, cuda_include_dirs, kernel_source_dir,
+                       read_kernel_source)
 
 # sm_80 (A100, the oldest we support: bf16 and cp.async) and sm_90 (H100/H200).
 DEFAULT_ARCHS = (80, 90)
@@ -124,8 +124,9 @@ def compile_header(nvrtc, header: str, arch: int, source_dir: Path,
 def units_to_check(source_dir: Path, sets: list[KernelSet]) -> list[KernelSet]:
     """Every declared kernel set, plus every .cu file nobody declared (compiled without templates)."""
     declared = {s.filename for s in sets}
-    extra = [KernelSet(p.name, (), label="no declared kernels")
-             for p in sorted(source_dir.glob("*.cu")) if p.name not in declared]
+    extra = [KernelSet(name, (), label="no declared kernels")
+             for name in sorted(p.relative_to(source_dir).as_posix() for p in source_dir.rglob("*.cu"))
+             if name not in declared]
     return list(sets) + extra
 
 
@@ -136,7 +137,7 @@ def check_all(archs=DEFAULT_ARCHS, progress=None) -> list[CompileResult]:
     if not include_dirs:
         raise DeviceError("cuda_fp16.h not found: pip install nvidia-cuda-runtime-cu12")
     units = units_to_check(source_dir, all_kernel_sets())
-    headers = sorted(p.name for p in source_dir.glob("*.cuh"))
+    headers = sorted(p.relative_to(source_dir).as_posix() for p in source_dir.rglob("*.cuh"))
     results = []
     for arch in archs:
         for header in headers:

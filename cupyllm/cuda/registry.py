@@ -1,4 +1,4 @@
-"""Find, compile and cache our CUDA kernels (`kernels_cu/*.cu`) through CuPy's RawModule.
+"""Find, compile and cache our CUDA kernels (`kernels_cu/<family>/*.cu`) through CuPy's RawModule.
 
 Every kernel the engine launches is a template instantiation declared up front in a `KernelSet`
 (file + C++ name expressions). The same declarations drive the driverless NVRTC check
@@ -30,9 +30,9 @@ BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 # Modules that declare kernel sets through a `kernel_sets()` function. Importing them must not import
 # CuPy. A new kernel file gets its sets declared in its wrapper module, listed here.
 KERNEL_SET_PROVIDERS: tuple[str, ...] = (
-    "cupyllm.backend.gpu_kv",
-    "cupyllm.backend.gpu_kernels",
-    "cupyllm.attention.gpu_kernels",
+    "cupyllm.ops.kv_formats.gpu",
+    "cupyllm.ops.matmul.gpu",
+    "cupyllm.ops.attention.gpu",
 )
 
 
@@ -74,7 +74,7 @@ def kernel_source_dir() -> Path:
     candidates = [Path(override)] if override else []
     candidates += [_package_kernel_dir(), _checkout_kernel_dir()]
     for path in candidates:
-        if path.is_dir() and any(path.glob("*.cu*")):
+        if path.is_dir() and any(path.glob("*/*.cu")):
             return path
     raise DeviceError(
         "CUDA kernel sources not found (looked in "
@@ -124,8 +124,8 @@ def source_fingerprint(source_dir: Path) -> str:
     into the compiled source so that editing a .cuh file recompiles its users.
     """
     digest = hashlib.sha256()
-    for header in sorted(source_dir.glob("*.cuh")):
-        digest.update(header.name.encode())
+    for header in sorted(source_dir.rglob("*.cuh")):
+        digest.update(header.relative_to(source_dir).as_posix().encode())
         digest.update(header.read_bytes())
     return digest.hexdigest()[:16]
 

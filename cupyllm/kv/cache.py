@@ -12,10 +12,10 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..files.config import ModelConfig
 from ..errors import BudgetError, ContextOverflowError
-from .formats import KVFormat, get_format, is_float
-from .rows import decode_rows
+from ..ops.kv_formats.formats import KVFormat, get_format, is_float
+from ..ops.kv_formats.cpu import decode_rows
 
 EMPTY = -1
 
@@ -30,7 +30,7 @@ class KVSpec:
     max_chunk: int = 512  # largest prefill chunk written at once (sizes the sliding-window rings)
     normalize_k: bool | None = None  # K channel normalisation (LayerKV); None: on for quantized K formats
     # Spilled (GPU backend, kv/plan.py plan_spill): global layers keep only the newest `device_window` positions
-    # on the device, in a ring; older ones move to pinned host memory (backend/gpu_spill.py). 0: all on the device.
+    # on the device, in a ring; older ones move to pinned host memory (kv/gpu_spill.py). 0: all on the device.
     device_window: int = 0
     # CPU backend: keep a float32 copy of the decoded cache beside the encoded rows, so decode attention reads
     # floats instead of decoding every step (4 more bytes per value whatever the format). None / False: none
@@ -142,7 +142,7 @@ class LayerKV:
         self.k_offset = None
         self.k_scale = None
 
-    # --- prompt caching (cupyllm/prompt_cache.py): the state after a prompt, kept on the host, put back ---------
+    # --- prompt caching (cupyllm/kv/prompt_cache.py): the state after a prompt, kept on the host, put back ---------
     @property
     def xp(self):
         return np
@@ -245,7 +245,7 @@ class KVCache:
     def for_model(cls, cfg: ModelConfig, spec: KVSpec, mirror: bool = False,
                   make_layer: Callable[..., LayerKV] = LayerKV) -> "KVCache":
         """The cache of `cfg` for `spec`. `make_layer` builds each layer from LayerKV's arguments; a backend
-        whose cache lives on its device passes its own (backend/gpu_cache.py: arrays in GPU memory)."""
+        whose cache lives on its device passes its own (kv/gpu_cache.py: arrays in GPU memory)."""
         formats = {d: (get_format(spec.kv_type_k, head_dim=d), get_format(spec.kv_type_v, head_dim=d))
                    for d in cfg.head_dims()}
         need = kv_bytes(cfg, spec, mirror=mirror)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from ..config import ModelConfig
+from ..files.config import ModelConfig
 from ..errors import BudgetError, CupyllmError
 from .cache import KVSpec, kv_bytes
-from .formats import get_format
+from ..ops.kv_formats.formats import get_format
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = 
 @dataclass(frozen=True)
 class SpillPlan:
     """A cache too large for the device: global layers keep the newest `device_window` positions there, the
-    rest in pinned host memory (backend/gpu_spill.py); sliding-window layers stay whole on the device."""
+    rest in pinned host memory (kv/gpu_spill.py); sliding-window layers stay whole on the device."""
 
     spec: KVSpec  # with device_window set
     device_bytes: int

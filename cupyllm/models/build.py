@@ -13,10 +13,10 @@ from typing import Callable
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..config import ModelConfig, config_from_gguf
-from ..gguf_io import GGUFFile
+from ..files.config import ModelConfig, config_from_gguf
+from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache
-from ..weights import Weight, load_matrix, load_vector
+from .weights import Weight, load_matrix, load_vector
 from .gemma import gemma_block, per_layer_inputs
 from .layers import LayerWeights
 from .qwen import qwen_block

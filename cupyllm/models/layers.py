@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..gguf_io import GGUFFile
+from ..files.config import ModelConfig
+from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache
-from ..weights import Weight, load_matrix, load_vector
+from .weights import Weight, load_matrix, load_vector
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def default_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, q, k, 
 def dca_attention(dca):
     """Attention with Dual Chunk Attention on global layers (sliding-window layers keep plain attention):
     K is roped and cached at its in-chunk position, Q roped three times (intra, successive, inter)."""
-    from ..attention.dca import key_positions, query_positions
+    from ..ops.attention.dca import key_positions, query_positions
 
     def attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, q, k, v, positions: np.ndarray,
                   cache: KVCache):

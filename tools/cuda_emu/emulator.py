@@ -314,9 +314,10 @@ def build(code: str, name_expressions: Sequence[str], options: Sequence[str] = (
     include_args = []
     for k, directory in enumerate(include_dirs_from_options(options)):
         include_args.append(f"-Iinc{k}")
-        for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        for path in sorted(directory.rglob("*")) if directory.is_dir() else []:  # kernels_cu/<family>/ too
             if path.suffix in SOURCE_SUFFIXES and path.is_file():
-                stage_files[f"inc{k}/{path.name}"] = rewrite_source(path.read_text(encoding="utf-8"))
+                relative = path.relative_to(directory).as_posix()
+                stage_files[f"inc{k}/{relative}"] = rewrite_source(path.read_text(encoding="utf-8"))
     n = len(name_expressions)
     n_units = min(n, max(os.cpu_count() or 1, -(-n // KERNELS_PER_UNIT)))
     per_unit = -(-n // n_units)

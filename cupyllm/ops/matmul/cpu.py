@@ -1,0 +1,73 @@
+"""y = x @ W.T on the CPU, W a GGUF weight kept in its blocks: which kernel multiplies.
+
+- up to TOKENS_PER_GEMV tokens (decode): the GEMV (`cpu_matmul.gemv_blocks`) streams each quantized row once
+  per token against x's 16-bit codes;
+- more tokens (prefill) with a block-quantized weight: the integer GEMM (`cpu_gemm.gemm_blocks`), the same
+  products for 32 tokens at a time;
+- F32 weights: BLAS on the mapped array; F16 / BF16 weights: BLAS on f32 tiles of them (or the GEMV, which
+  multiplies x itself for float weights).
+Both integer kernels multiply x_hat (`ops/matmul/activation_codes.py`), so prefill and decode compute the same
+products; `ACTIVATION_CODES = False` sends every quantized weight through f32 tiles and BLAS instead
+(x itself: the GPU-parity test compares against that).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from .cpu_gemm import GEMM_CODES, gemm_many
+from .cpu_gemv import F16_TABLE, dequantize_rows, gemv_many
+from .reference import WeightFormat
+
+# up to this many tokens stream the quantized rows once per token; more go through the GEMM, which pads them to
+# 32 (measured, a prefill of n tokens on Qwen2.5-0.5B / Gemma 3 270M: the GEMV is faster up to 6-8 tokens)
+TOKENS_PER_GEMV = 7
+ACTIVATION_CODES = True  # quantized weights multiply x's 16-bit codes (False: x itself, through BLAS tiles)
+ROW_TILE = 2048  # weight rows per f32 tile of the BLAS path
+
+
+def _kernel(n_tok: int, fmts: list[WeightFormat]) -> str:
+    if all(fmt.qtype == T.F32 for fmt in fmts):
+        return "blas"
+    if not ACTIVATION_CODES:
+        return "tiles"
+    if n_tok <= TOKENS_PER_GEMV and all(fmt.qtype != T.F32 for fmt in fmts):
+        return "gemv"
+    if n_tok > TOKENS_PER_GEMV and all(fmt.code in GEMM_CODES for fmt in fmts):
+        return "gemm"
+    return "tiles"
+
+
+def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int) -> list[np.ndarray]:
+    """[x @ W.T for W in weights]: a decode step's weights that read the same x go through one parallel GEMV
+    (one thread wake-up for q/k/v or gate/up) when their arrays share a numba type; a prefill's GEMMs share the
+    packing of x; else weight by weight."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    kernel = _kernel(x.shape[0], [fmt for _, fmt in weights])
+    one_type = len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d, _ in weights}) == 1
+    if kernel == "gemv" and one_type:
+        return gemv_many(x, weights)
+    if kernel == "gemm":
+        return gemm_many(x, weights)
+    return [matmul(x, data, fmt, n_in) for data, fmt in weights]
+
+
+def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:
+    """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    kernel = _kernel(x.shape[0], [fmt])
+    if kernel == "blas":
+        return x @ data.view(np.float32).T
+    if kernel == "gemv":
+        return gemv_many(x, [(data, fmt)])[0]
+    if kernel == "gemm":
+        return gemm_many(x, [(data, fmt)])[0]
+    n_out = data.shape[0]
+    out = np.empty((x.shape[0], n_out), np.float32)
+    tile = np.empty((min(ROW_TILE, n_out), n_in), np.float32)
+    for start in range(0, n_out, ROW_TILE):
+        stop = min(start + ROW_TILE, n_out)
+        rows = tile[:stop - start]
+        dequantize_rows(fmt.code, data, start, stop, rows, F16_TABLE)  # (serial: BLAS's threads need the cores)
+        out[:, start:stop] = x @ rows.T  # (matmul into a strided `out=` would skip BLAS)
+    return out

@@ -1,0 +1,628 @@
+"""CPU block kernels for GGUF weights (numba, multithreaded, f32 accumulation): the decode GEMV and the row
+dequantization (`ops/matmul/cpu.py` picks between them and the prefill GEMM of `ops/matmul/cpu_gemm.py`).
+
+- `gemv_blocks` (few tokens, decode) walks each weight row once, unpacking block by block in registers and
+  multiplying the weight's integer codes with x rounded to 16-bit codes per 32 values (x_hat,
+  `ops/matmul/activation_codes.py`; 16 products an instruction), so a decode step reads the quantized bytes with few
+  instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser);
+- `dequantize_rows` / `gather_rows` expand rows to f32 (embedding lookups; float-weight tiles for BLAS).
+Both are written with the explicit vectors of `ops/simd.py`. The row decoders reproduce the NumPy
+definitions of `ops/matmul/reference.py` bit for bit, the activation codes those of `ops/matmul/activation_codes.py`; the
+products are summed in another order than a float64 reference would.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .activation_codes import ACTIVATION_BLOCK, ACTIVATION_LEVELS, SMALLEST_SCALE
+from ..simd import (MACHINE_HAS_512_BIT_LANES, bit_lanes, bit_words, bit_words_32, f32_from_bits, fabs, fadd, fma,
+                    fmax, fmin, fmul, fround, fsub, halves, hmax, hsum, iand, ior, ishl, ishr, isub, izeros,
+                    izeros_16, join_32, lane_pair_splat_16, lane_splat, lane_splat_16, load_f32, load_i8, load_i8w,
+                    load_i8w_32, load_i16, load_i16_32, load_u8, load_u8w, load_u8w_32, madd, pair_lanes, prefetch,
+                    splat, splat_16, store_f32, store_i16, to_f32, zeros, zeros_16)
+from .reference import WEIGHT_FORMATS, WeightFormat
+from gguf import GGMLQuantizationType as T
+
+# fp16 -> f32 by table: a 256 KiB array that stays in L2, cheaper than bit twiddling per scale
+F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+_C = {qtype: fmt.code for qtype, fmt in WEIGHT_FORMATS.items()}
+C_F32, C_F16, C_BF16, C_Q8_0 = _C[T.F32], _C[T.F16], _C[T.BF16], _C[T.Q8_0]
+C_Q4_0, C_Q4_1, C_Q5_0, C_Q5_1 = _C[T.Q4_0], _C[T.Q4_1], _C[T.Q5_0], _C[T.Q5_1]
+C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
+
+# The GEMV asks for the bytes this far ahead of the block it multiplies (its row's later blocks, then the next
+# row's): a row streams from DRAM with its compute between the loads, and the hardware prefetcher alone keeps too
+# few lines in flight. bench/cpu_matmul.py (gemv_from_dram) measures it against none (2-core Zen 5, 2026-12-03:
+# Q6_K 41 -> 50 GB/s, Q4_K 33 -> 38); in a sweep on Gemma 4 E2B's own rows that day, 2 KiB gained about half
+# of what 4 KiB did, 1 KiB and less nothing.
+PREFETCH_BYTES = 4096
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
+
+
+@njit(inline="always")
+def _half(row, off, f16):
+    return f16[np.int32(row[off]) | (np.int32(row[off + 1]) << 8)]
+
+
+@njit(inline="always")
+def _u32_at(row, off):
+    return (np.uint32(row[off]) | (np.uint32(row[off + 1]) << 8) | (np.uint32(row[off + 2]) << 16)
+            | (np.uint32(row[off + 3]) << 24))
+
+
+@njit(inline="always")
+def _i8(byte):
+    v = np.int32(byte)
+    return np.float32(v - ((v >> 7) << 8))
+
+
+@njit(inline="always")
+def _k_scale_mins(row, o):
+    """The 6-bit (sc, m) pairs of the 8 sub-blocks of the Q4_K / Q5_K super-block at row[o], as int32 lanes
+    j = 0..7, from its 12 scale bytes at row[o + 4] (llama.cpp's get_scale_min_k4, eight at once): j < 4: the
+    low 6 bits of bytes j and j + 4; j >= 4: the nibbles of byte j + 4 under the top bits of bytes j - 4 and j."""
+    a = load_u8(row, o + 4)  # lane j: scale byte j
+    b = load_u8(row, o + 8)  # lane j: scale byte j + 4
+    c = load_u8(row, o)  # lane j >= 4: scale byte j - 4
+    sc = halves(iand(a, 63), ior(iand(b, 15), ishl(ishr(c, 6), 4)))
+    m = halves(iand(b, 63), ior(ishr(b, 4), ishl(ishr(a, 6), 4)))
+    return sc, m
+
+
+# --- dequantization of whole rows (prefill tiles, embedding lookups) ---------------------------------
+# Same float32 operations, in the same order, as the NumPy definitions: bit-identical values.
+
+@njit(inline="always")
+def _store_scaled(dst, i, q, d):
+    """dst[i:i+8] = float(q) * d"""
+    store_f32(dst, i, fmul(to_f32(q), splat(d)))
+
+
+@njit(inline="always")
+def _store_affine(dst, i, q, d, m):
+    """dst[i:i+8] = float(q) * d + m"""
+    store_f32(dst, i, fadd(fmul(to_f32(q), splat(d)), splat(m)))
+
+
+@njit(inline="always")
+def _store_k(dst, i, q, d_sub, m_sub):
+    """dst[i:i+8] = d_sub * float(q) - m_sub (K-quant sub-block; d_sub, m_sub: the value in every lane)"""
+    store_f32(dst, i, fsub(fmul(d_sub, to_f32(q)), m_sub))
+
+
+@njit(inline="always")
+def _deq_row(code, row, dst, f16):
+    n = dst.shape[0]
+    if code == C_Q8_0:
+        for b in range(n // 32):
+            o = b * 34
+            d = _half(row, o, f16)
+            for g in range(4):
+                _store_scaled(dst, b * 32 + 8 * g, load_i8(row, o + 2 + 8 * g), d)
+    elif code == C_Q4_0 or code == C_Q4_1:
+        size, qs = (18, 2) if code == C_Q4_0 else (20, 4)
+        for b in range(n // 32):
+            o = b * size
+            d = _half(row, o, f16)
+            for g in range(2):
+                q = load_u8(row, o + qs + 8 * g)
+                if code == C_Q4_0:
+                    _store_scaled(dst, b * 32 + 8 * g, isub(iand(q, 15), 8), d)
+                    _store_scaled(dst, b * 32 + 16 + 8 * g, isub(ishr(q, 4), 8), d)
+                else:
+                    m = _half(row, o + 2, f16)
+                    _store_affine(dst, b * 32 + 8 * g, iand(q, 15), d, m)
+                    _store_affine(dst, b * 32 + 16 + 8 * g, ishr(q, 4), d, m)
+    elif code == C_Q5_0 or code == C_Q5_1:
+        size, qh_at = (22, 2) if code == C_Q5_0 else (24, 4)
+        for b in range(n // 32):
+            o = b * size
+            d = _half(row, o, f16)
+            h = _u32_at(row, o + qh_at)
+            for g in range(2):
+                q = load_u8(row, o + qh_at + 4 + 8 * g)
+                lo = ior(iand(q, 15), bit_lanes(h, 8 * g, 16))
+                hi = ior(ishr(q, 4), bit_lanes(h, 16 + 8 * g, 16))
+                if code == C_Q5_0:
+                    _store_scaled(dst, b * 32 + 8 * g, isub(lo, 16), d)
+                    _store_scaled(dst, b * 32 + 16 + 8 * g, isub(hi, 16), d)
+                else:
+                    m = _half(row, o + 2, f16)
+                    _store_affine(dst, b * 32 + 8 * g, lo, d, m)
+                    _store_affine(dst, b * 32 + 16 + 8 * g, hi, d, m)
+    elif code == C_Q4_K or code == C_Q5_K:
+        size, qs0 = (144, 16) if code == C_Q4_K else (176, 48)
+        for b in range(n // 256):
+            o = b * size
+            sc, m = _k_scale_mins(row, o)
+            scales = fmul(splat(_half(row, o, f16)), to_f32(sc))  # d * sc_j, dmin * m_j as in the reference
+            mins = fmul(splat(_half(row, o + 2, f16)), to_f32(m))
+            for pair in range(4):
+                base = b * 256 + pair * 64
+                for g in range(4):
+                    q = load_u8(row, o + qs0 + pair * 32 + 8 * g)
+                    lo = iand(q, 15)
+                    hi = ishr(q, 4)
+                    if code == C_Q5_K:
+                        h = load_u8(row, o + 16 + 8 * g)
+                        lo = ior(lo, ishl(iand(ishr(h, 2 * pair), 1), 4))
+                        hi = ior(hi, ishl(iand(ishr(h, 2 * pair + 1), 1), 4))
+                    _store_k(dst, base + 8 * g, lo, lane_splat(scales, 2 * pair), lane_splat(mins, 2 * pair))
+                    _store_k(dst, base + 32 + 8 * g, hi, lane_splat(scales, 2 * pair + 1),
+                             lane_splat(mins, 2 * pair + 1))
+    elif code == C_Q6_K:
+        for b in range(n // 256):
+            o = b * 210
+            d = _half(row, o + 208, f16)
+            for half in range(2):
+                ql = o + half * 64
+                qh = o + 128 + half * 32
+                sc = o + 192 + half * 8
+                base = b * 256 + half * 128
+                for g in range(4):  # lanes l = 8g..8g+7 of the four 32-value groups; scale per 16 lanes
+                    l = 8 * g
+                    s = g // 2
+                    h = load_u8(row, qh + l)
+                    a = load_u8(row, ql + l)
+                    c = load_u8(row, ql + 32 + l)
+                    _store_scaled(dst, base + l, isub(ior(iand(a, 15), ishl(iand(h, 3), 4)), 32),
+                                  d * _i8(row[sc + s]))
+                    _store_scaled(dst, base + 32 + l, isub(ior(iand(c, 15), ishl(iand(h, 12), 2)), 32),
+                                  d * _i8(row[sc + s + 2]))
+                    _store_scaled(dst, base + 64 + l, isub(ior(ishr(a, 4), iand(h, 48)), 32),
+                                  d * _i8(row[sc + s + 4]))
+                    _store_scaled(dst, base + 96 + l, isub(ior(ishr(c, 4), iand(ishr(h, 2), 48)), 32),
+                                  d * _i8(row[sc + s + 6]))
+    else:
+        for k in range(n):
+            dst[k] = _plain_value(code, row, k, f16)
+
+
+@njit(inline="always")
+def _plain_value(code, row, k, f16):
+    """Value k of an F16 / BF16 / F32 row."""
+    if code == C_F16:
+        return _half(row, 2 * k, f16)
+    if code == C_BF16:
+        return f32_from_bits((np.uint32(row[2 * k]) | (np.uint32(row[2 * k + 1]) << 8)) << 16)
+    return f32_from_bits(_u32_at(row, 4 * k))
+
+
+@njit(cache=True, nogil=True)  # serial: the prefill tiles it fills go to BLAS, whose threads need the cores
+def dequantize_rows(code, data, row_start, row_end, out, f16):
+    """out[r - row_start, :] = row r of the weight, for r in [row_start, row_end)."""
+    for r in range(row_end - row_start):
+        _deq_row(code, data[row_start + r], out[r], f16)
+
+
+@njit(cache=True, nogil=True)
+def gather_rows(code, data, ids, out, f16):
+    """out[i, :] = row ids[i] of the weight (embedding lookup), on the calling thread."""
+    for i in range(ids.shape[0]):
+        _deq_row(code, data[ids[i]], out[i], f16)
+
+
+# --- fused dequant-dot of one weight row with one activation row of 16-bit codes ---------------------
+# The activation arrives as int16 codes `xq` with a float32 scale `xd` per 32 values and `xsum`, the sum of
+# x_hat over those 32 (ops/matmul/activation_codes.py). A weight block's integer codes are unpacked into int16 lanes and
+# multiplied with the codes by `madd` (16 products, pairs summed into int32 lanes, exact); the weight's block
+# scale times the activation's is applied once per 32 values (16 for Q6_K) to the lanes converted to float32.
+# Constant offsets (Q4_0's -8, Q5_0's -16, Q6_K's -32) are taken off the codes in the lanes; the K-quant mins
+# and Q4_1 / Q5_1's m multiply `xsum`. So every result is sum_k W[n, k] * x_hat[k] up to float32 summation
+# order: exactly the dequantized weight times the rounded activation.
+
+
+@njit(inline="always")
+def _prefetch_ahead(row, o, block_bytes):
+    """Prefetch the cache lines of row[o:o + block_bytes], o = a block's offset + `ahead` (one line for blocks
+    shorter than a line: consecutive blocks then name every line). ahead = 0 names the block itself, already
+    read: no prefetch, in effect (bench/cpu_matmul.py compares the two)."""
+    for line in range(0, block_bytes, 64):
+        prefetch(row, o + line)
+
+
+@njit(inline="always")
+def _codes16(xq, k):
+    """The activation codes k .. k+15."""
+    return load_i16(xq, k)
+
+
+@njit(inline="always")
+def _dot_q8_0(row, xq, xd, xsum, f16, ahead):
+    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
+    for b in range(xq.shape[0] // 32):
+        o = b * 34
+        _prefetch_ahead(row, o + ahead, 34)
+        s = madd(madd(izeros(), load_i8w(row, o + 2), _codes16(xq, 32 * b)), load_i8w(row, o + 18),
+                 _codes16(xq, 32 * b + 16))
+        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+    return hsum(fadd(acc, acc_next))
+
+
+# --- a block's weight codes as int16 lanes: what the GEMV multiplies here and the GEMM (cpu_gemm.py) stores ----
+
+@njit(inline="always")
+def _codes32(row, qs, h, offset):
+    """The 32 codes of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as int16 lanes (values 0..15, values 16..31): the nibbles
+    at row[qs] (low, then high), the 5th bits from the u32 `h` (0 for the 4-bit formats), less `offset`."""
+    v = load_u8w(row, qs)
+    return isub(ior(iand(v, 15), bit_words(h, 0, 16)), offset), isub(ior(ishr(v, 4), bit_words(h, 16, 16)), offset)
+
+
+@njit(inline="always")
+def _k_codes(row, o, pair, five_bit):
+    """Sub-blocks 2*pair (lanes lo0 | lo1) and 2*pair + 1 (hi0 | hi1) of the Q4_K / Q5_K (five_bit) super-block
+    at row[o]: 32 bytes whose low nibbles are the first sub-block, high nibbles the second; Q5_K's 5th bits are
+    bits 2*pair and 2*pair + 1 of its qh bytes."""
+    if not five_bit:
+        q0 = load_u8w(row, o + 16 + pair * 32)
+        q1 = load_u8w(row, o + 32 + pair * 32)
+        return iand(q0, 15), iand(q1, 15), ishr(q0, 4), ishr(q1, 4)
+    h0 = load_u8w(row, o + 16)
+    h1 = load_u8w(row, o + 32)
+    q0 = load_u8w(row, o + 48 + pair * 32)
+    q1 = load_u8w(row, o + 64 + pair * 32)
+    return (ior(iand(q0, 15), ishl(iand(ishr(h0, 2 * pair), 1), 4)),
+            ior(iand(q1, 15), ishl(iand(ishr(h1, 2 * pair), 1), 4)),
+            ior(ishr(q0, 4), ishl(iand(ishr(h0, 2 * pair + 1), 1), 4)),
+            ior(ishr(q1, 4), ishl(iand(ishr(h1, 2 * pair + 1), 1), 4)))
+
+
+@njit(inline="always")
+def _q6_codes(row, ql, qh, l):
+    """Q6_K codes less 32 at positions l, 32 + l, 64 + l, 96 + l (16 each) of the 128-value half whose low bits
+    start at row[ql] and high bits at row[qh]."""
+    return _q6_from_bits(load_u8w(row, ql + l), load_u8w(row, ql + 32 + l), load_u8w(row, qh + l))
+
+
+@njit(inline="always")
+def _q6_from_bits(a, c, h):
+    """Q6_K's four code vectors (less 32) from its low-bit bytes a = ql[l], c = ql[32 + l] and high-bit bytes
+    h = qh[l] (int16 lanes of either width)."""
+    return (isub(ior(iand(a, 15), ishl(iand(h, 3), 4)), 32), isub(ior(iand(c, 15), ishl(iand(h, 12), 2)), 32),
+            isub(ior(ishr(a, 4), iand(h, 48)), 32), isub(ior(ishr(c, 4), iand(ishr(h, 2), 48)), 32))
+
+
+@njit(inline="always")
+def _q6_scales(row, o, d, xd, half, xb):
+    """Lane sub + 2i: (d * sc[sub + 2i]) * xd of the half's 32-value block i (xd is padded for the read)."""
+    return fmul(fmul(splat(d), to_f32(load_i8(row, o + 192 + half * 8))), pair_lanes(load_f32(xd, xb // 32)))
+
+
+@njit(inline="always")
+def _block_sum(row, qs, h, offset, xq, k):
+    """Integer sum of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block's codes (_codes32) times the activation codes k .. k+31."""
+    lo, hi = _codes32(row, qs, h, offset)
+    return madd(madd(izeros(), lo, _codes16(xq, k)), hi, _codes16(xq, k + 16))
+
+
+@njit(inline="always")
+def _small_layout(affine, five_bit):
+    """(block bytes, offset of the nibbles, code offset) of Q4_0 / Q4_1 / Q5_0 / Q5_1."""
+    if five_bit:
+        return (24, 8, 0) if affine else (22, 6, 16)
+    return (20, 4, 0) if affine else (18, 2, 8)
+
+
+@njit(inline="always")
+def _dot_small(row, xq, xd, xsum, f16, ahead, affine, five_bit):
+    """Q4_0, Q4_1 (affine), Q5_0 (five_bit) or Q5_1 (both): 32 values a block, d first; an affine block's m
+    (the half after d) multiplies xsum; a five-bit block's 5th bits are the u32 before its nibbles."""
+    block_bytes, qs, offset = _small_layout(affine, five_bit)
+    acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
+    mins, mins_next = np.float32(0.0), np.float32(0.0)
+    for b in range(xq.shape[0] // 32):
+        o = b * block_bytes
+        _prefetch_ahead(row, o + ahead, block_bytes)
+        s = _block_sum(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset, xq, 32 * b)
+        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+        if affine:
+            mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
+    return hsum(fadd(acc, acc_next)) + (mins + mins_next)
+
+
+@njit(inline="always")
+def _k_pair(lo0, lo1, hi0, hi1, xq, k):
+    """Integer sums of K-quant sub-blocks k (codes lo0 | lo1) and k + 1 (hi0 | hi1), 32 values each."""
+    lo = madd(madd(izeros(), lo0, _codes16(xq, 32 * k)), lo1, _codes16(xq, 32 * k + 16))
+    hi = madd(madd(izeros(), hi0, _codes16(xq, 32 * k + 32)), hi1, _codes16(xq, 32 * k + 48))
+    return lo, hi
+
+
+@njit(inline="always")
+def _k_scales(row, o, d, dmin, xd, xsum, k):
+    """A Q4_K / Q5_K super-block's 8 sub-block scales times their activation scales, (d * sc_j) * xd[k + j], and
+    its mins terms (dmin * m_j) * xsum[k + j], as lanes j."""
+    sc, m = _k_scale_mins(row, o)
+    scales = fmul(fmul(splat(d), to_f32(sc)), load_f32(xd, k))
+    return scales, fmul(fmul(splat(dmin), to_f32(m)), load_f32(xsum, k))
+
+
+@njit(inline="always")
+def _dot_k(row, xq, xd, xsum, f16, ahead, five_bit):
+    """Q4_K, or Q5_K (five_bit)."""
+    acc_lo, acc_hi, next_lo, next_hi = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
+    mins = zeros()
+    size = 176 if five_bit else 144
+    for b in range(xq.shape[0] // 256):
+        o = b * size
+        _prefetch_ahead(row, o + ahead, size)
+        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        mins = fadd(mins, block_mins)
+        for pair in range(4):
+            lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
+            lo, hi = _k_pair(lo0, lo1, hi0, hi1, xq, b * 8 + 2 * pair)
+            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi, fma(to_f32(lo), lane_splat(scales, 2 * pair), acc_lo),
+                                                fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc_hi))
+    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
+
+
+@njit(inline="always")
+def _k_codes_wide(row, o, pair, five_bit):
+    """_k_codes in two registers: sub-block 2*pair's 32 codes, then sub-block 2*pair + 1's (int16 x 32)."""
+    q = load_u8w_32(row, o + (48 if five_bit else 16) + pair * 32)
+    if not five_bit:
+        return iand(q, 15), ishr(q, 4)
+    h = load_u8w_32(row, o + 16)
+    return (ior(iand(q, 15), ishl(iand(ishr(h, 2 * pair), 1), 4)),
+            ior(ishr(q, 4), ishl(iand(ishr(h, 2 * pair + 1), 1), 4)))
+
+
+@njit(inline="always")
+def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
+    """_dot_k in 512-bit registers (MACHINE_HAS_512_BIT_LANES): a sub-block's 32 products in one madd, half the
+    instructions; the same products and integer sums, the float sums in another order."""
+    acc_lo, acc_hi, next_lo, next_hi = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains)
+    mins = zeros()
+    size = 176 if five_bit else 144
+    for b in range(xq.shape[0] // 256):
+        o = b * size
+        _prefetch_ahead(row, o + ahead, size)
+        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        mins = fadd(mins, block_mins)
+        for pair in range(4):
+            lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
+            k = b * 256 + pair * 64
+            lo = madd(izeros_16(), lo_codes, load_i16_32(xq, k))
+            hi = madd(izeros_16(), hi_codes, load_i16_32(xq, k + 32))
+            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi,
+                                                fma(to_f32(lo), lane_splat_16(scales, 2 * pair), acc_lo),
+                                                fma(to_f32(hi), lane_splat_16(scales, 2 * pair + 1), acc_hi))
+    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
+
+
+@njit(inline="always")
+def _q6_part(v, xq, k, scale, acc):
+    """acc + v . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
+    return fma(to_f32(madd(izeros(), v, _codes16(xq, k))), scale, acc)
+
+
+@njit(inline="always")
+def _dot_q6_k(row, xq, xd, xsum, f16, ahead):
+    acc0, acc1, acc2, acc3 = zeros(), zeros(), zeros(), zeros()  # (four FMA chains, not one)
+    for b in range(xq.shape[0] // 256):
+        o = b * 210
+        _prefetch_ahead(row, o + ahead, 210)
+        d = _half(row, o + 208, f16)
+        for half in range(2):
+            ql = o + half * 64
+            qh = o + 128 + half * 32
+            xb = b * 256 + half * 128
+            scales = _q6_scales(row, o, d, xd, half, xb)
+            for sub in range(2):  # lanes l = 16*sub .. 16*sub+15 of each of the four 32-value groups share a scale
+                l = 16 * sub
+                v0, v1, v2, v3 = _q6_codes(row, ql, qh, l)
+                acc0 = _q6_part(v0, xq, xb + l, lane_splat(scales, sub), acc0)
+                acc1 = _q6_part(v1, xq, xb + 32 + l, lane_splat(scales, sub + 2), acc1)
+                acc2 = _q6_part(v2, xq, xb + 64 + l, lane_splat(scales, sub + 4), acc2)
+                acc3 = _q6_part(v3, xq, xb + 96 + l, lane_splat(scales, sub + 6), acc3)
+    return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
+
+
+# --- the same dot products in 512-bit registers (MACHINE_HAS_512_BIT_LANES): 32 products a madd, not 16 ----------
+# Each lane's integer sum is one of the narrow kernel's (a pair of products, or the narrow lane's two pairs), times
+# the same float scale; only the order in which the float lanes are summed differs.
+
+@njit(inline="always")
+def _dot_q8_0_wide(row, xq, xd, xsum, f16, ahead):
+    acc, acc_next = zeros_16(), zeros_16()  # (two chains: the next block's FMA need not wait for this one's)
+    for b in range(xq.shape[0] // 32):
+        o = b * 34
+        _prefetch_ahead(row, o + ahead, 34)
+        s = madd(izeros_16(), load_i8w_32(row, o + 2), load_i16_32(xq, 32 * b))
+        acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
+    return hsum(fadd(acc, acc_next))
+
+
+@njit(inline="always")
+def _q5_codes_wide(row, qs, h, offset):
+    """_codes32 of a Q5_0 / Q5_1 block in one register: its 32 codes in order (the low nibbles, then the high
+    ones, each with its 5th bit from h), less `offset`. (The 5th bits as one 32-bit mask, bit_words_32: the wide
+    Q5_0 row measured x1.24-1.39 the narrow one, where testing each lane's bit gave x1.05-1.11.)"""
+    v = load_u8w(row, qs)
+    return isub(ior(join_32(iand(v, 15), ishr(v, 4)), bit_words_32(h, 16)), offset)
+
+
+@njit(inline="always")
+def _dot_q5_wide(row, xq, xd, xsum, f16, ahead, affine):
+    """Q5_0, or Q5_1 (`affine`: its m, the half after d, times xsum). (Q4_0 / Q4_1 stay narrow: measured no
+    faster wide, bench/cpu_matmul.py; their blocks cost more in scales than in products.)"""
+    block_bytes, qs, offset = _small_layout(affine, True)
+    acc, acc_next = zeros_16(), zeros_16()  # (two chains: the next block's FMA need not wait for this one's)
+    mins, mins_next = np.float32(0.0), np.float32(0.0)
+    for b in range(xq.shape[0] // 32):
+        o = b * block_bytes
+        _prefetch_ahead(row, o + ahead, block_bytes)
+        codes = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset)
+        s = madd(izeros_16(), codes, load_i16_32(xq, 32 * b))
+        acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
+        if affine:
+            mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
+    return hsum(fadd(acc, acc_next)) + (mins + mins_next)
+
+
+@njit(inline="always")
+def _q6_codes_wide(row, ql, qh):
+    """_q6_codes for all 32 positions l at once: codes less 32 of values 0-31, 32-63, 64-95, 96-127 of the half."""
+    return _q6_from_bits(load_u8w_32(row, ql), load_u8w_32(row, ql + 32), load_u8w_32(row, qh))
+
+
+@njit(inline="always")
+def _q6_part_wide(v, xq, k, scales, group, acc):
+    """acc + v . codes k .. k+31, lanes 0-7 times scale lane 2*group, lanes 8-15 times lane 2*group + 1."""
+    return fma(to_f32(madd(izeros_16(), v, load_i16_32(xq, k))), lane_pair_splat_16(scales, 2 * group), acc)
+
+
+@njit(inline="always")
+def _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead):
+    acc0, acc1, acc2, acc3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains, not one)
+    for b in range(xq.shape[0] // 256):
+        o = b * 210
+        _prefetch_ahead(row, o + ahead, 210)
+        d = _half(row, o + 208, f16)
+        for half in range(2):
+            ql = o + half * 64
+            xb = b * 256 + half * 128
+            scales = _q6_scales(row, o, d, xd, half, xb)
+            v0, v1, v2, v3 = _q6_codes_wide(row, ql, o + 128 + half * 32)
+            acc0 = _q6_part_wide(v0, xq, xb, scales, 0, acc0)
+            acc1 = _q6_part_wide(v1, xq, xb + 32, scales, 1, acc1)
+            acc2 = _q6_part_wide(v2, xq, xb + 64, scales, 2, acc2)
+            acc3 = _q6_part_wide(v3, xq, xb + 96, scales, 3, acc3)
+    return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
+
+
+@njit(inline="always")
+def _dot_plain(code, row, x, f16):
+    """F16 / BF16 / F32 rows, value by value (`matmul` sends F32 to BLAS; no model we run has the others)."""
+    acc = np.float32(0.0)
+    for k in range(x.shape[0]):
+        acc += _plain_value(code, row, k, f16) * x[k]
+    return acc
+
+
+@njit(inline="always")
+def _dot_row(code, row, x, xq, xd, xsum, f16, ahead, wide):
+    """One row's dot product; `wide`: Q8_0, Q5_0 / Q5_1 and the K-quants in 512-bit registers; `ahead`: how many
+    bytes past each block to prefetch. (Each kernel takes its format's flags as constants, so that its loop is
+    compiled for that layout alone.)"""
+    if code == C_Q8_0:
+        if wide:
+            return _dot_q8_0_wide(row, xq, xd, xsum, f16, ahead)
+        return _dot_q8_0(row, xq, xd, xsum, f16, ahead)
+    if code == C_Q5_0:
+        if wide:
+            return _dot_q5_wide(row, xq, xd, xsum, f16, ahead, False)
+        return _dot_small(row, xq, xd, xsum, f16, ahead, False, True)
+    if code == C_Q4_K:
+        if wide:
+            return _dot_k_wide(row, xq, xd, xsum, f16, ahead, False)
+        return _dot_k(row, xq, xd, xsum, f16, ahead, False)
+    if code == C_Q6_K:
+        if wide:
+            return _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead)
+        return _dot_q6_k(row, xq, xd, xsum, f16, ahead)
+    if code == C_Q5_K:
+        if wide:
+            return _dot_k_wide(row, xq, xd, xsum, f16, ahead, True)
+        return _dot_k(row, xq, xd, xsum, f16, ahead, True)
+    if code == C_Q5_1:
+        if wide:
+            return _dot_q5_wide(row, xq, xd, xsum, f16, ahead, True)
+        return _dot_small(row, xq, xd, xsum, f16, ahead, True, True)
+    if code == C_Q4_0:
+        return _dot_small(row, xq, xd, xsum, f16, ahead, False, False)
+    if code == C_Q4_1:
+        return _dot_small(row, xq, xd, xsum, f16, ahead, True, False)
+    return _dot_plain(code, row, x, f16)
+
+
+# --- activation rounding (ops/matmul/activation_codes.py's definition, the same float32 operations) -------------
+
+@njit(inline="always")
+def _block_scale(x, k):
+    """scale and 1 / scale of the 32 activation values x[k:k+32] (0 where the scale is not normal)."""
+    amax = hmax(fmax(fmax(fabs(load_f32(x, k)), fabs(load_f32(x, k + 8))),
+                     fmax(fabs(load_f32(x, k + 16)), fabs(load_f32(x, k + 24)))))
+    scale = amax / np.float32(ACTIVATION_LEVELS)
+    return scale, (np.float32(1.0) / scale if scale >= SMALLEST_SCALE else np.float32(0.0))
+
+
+@njit(inline="always")
+def _codes8(x, i, inv):
+    """The codes of x[i:i+8] as float32 integers in [-32767, 32767]: rint(x * inv), clamped."""
+    q = fround(fmul(load_f32(x, i), splat(inv)))
+    return fmin(fmax(q, splat(-ACTIVATION_LEVELS)), splat(ACTIVATION_LEVELS))
+
+
+@njit(cache=True, nogil=True)
+def quantize_activation_row(x, xq, xd, xsum):
+    """xq, xd: quantize_activations(x); xsum[b]: the sum of x_hat over block b (x: one row, whole blocks)."""
+    for b in range(x.shape[0] // ACTIVATION_BLOCK):
+        k = b * ACTIVATION_BLOCK
+        scale, inv = _block_scale(x, k)
+        total = zeros()
+        for i in range(k, k + ACTIVATION_BLOCK, 8):
+            q = _codes8(x, i, inv)
+            total = fadd(total, q)  # (integers below 2**20: exact in any order)
+            store_i16(xq, i, q)
+        total = hsum(total)
+        xd[b] = scale
+        xsum[b] = total * scale
+
+
+@njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
+def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahead=PREFETCH_BYTES):
+    """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
+    that reads the one activation vector x (x_hat: x rounded to 16-bit codes per 32 values; float weights
+    take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
+    decode step one thread wake-up per group, not one per weight. `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in
+    512-bit lanes (the machine's default; the narrow kernels give the same values up to float32 summation order);
+    `ahead`: the bytes past each block to prefetch (0: none)."""
+    n_in = x.shape[0]
+    xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
+    xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
+    xsum = np.empty_like(xd)
+    if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
+        quantize_activation_row(x, xq, xd, xsum)
+    n_weights = len(datas)
+    chunk_start = np.empty(n_weights + 1, np.int64)  # row chunks of weight i: [chunk_start[i], chunk_start[i+1])
+    chunk_start[0] = 0
+    for i in range(n_weights):
+        chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 256)
+    for c in prange(chunk_start[n_weights]):
+        i = 0
+        while c >= chunk_start[i + 1]:
+            i += 1
+        data, out, code = datas[i], outs[i], codes[i]
+        n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
+        for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
+            out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, ahead, wide)
+
+
+def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
+    """[x_hat @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous;
+    the weights' arrays all of one type)."""
+    datas = tuple(data for data, _ in weights)
+    codes = np.array([fmt.code for _, fmt in weights], np.int64)
+    outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas]
+    for t in range(x.shape[0]):
+        gemv_blocks(codes, datas, x[t], tuple(out[t] for out in outs), F16_TABLE)
+    return outs
+
+
+def dequantize_numba(data: np.ndarray, fmt: WeightFormat, n_in: int, rows: slice | None = None) -> np.ndarray:
+    start, stop = (0, data.shape[0]) if rows is None else (rows.start or 0, rows.stop)
+    out = np.empty((stop - start, n_in), np.float32)
+    dequantize_rows(fmt.code, data, start, stop, out, F16_TABLE)
+    return out
+
+
+def dequantize_ids(data: np.ndarray, fmt: WeightFormat, n_in: int, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of the weight as f32 [len(ids), n_in] (embedding lookup); ids must be in range."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = np.empty((len(ids), n_in), np.float32)
+    gather_rows(fmt.code, data, ids, out, F16_TABLE)
+    return out
