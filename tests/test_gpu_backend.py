@@ -235,7 +235,7 @@ def test_rms_norm_and_fused_residuals(backend, cp):
         added = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6)  # r + norm(x)
         np.testing.assert_allclose(cp.asnumpy(added), r + want, rtol=2e-6, atol=2e-6)
         w2 = (1 + 0.1 * rng.standard_normal(shape[-1])).astype(np.float32)
-        h, h_normed = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6, next_norm=cp.asarray(w2))
+        h, h_normed = backend.add_rms_norm_and_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6, cp.asarray(w2))
         np.testing.assert_array_equal(cp.asnumpy(h), cp.asnumpy(added))  # the fused pass: the two kernels' bits
         np.testing.assert_array_equal(cp.asnumpy(h_normed), cp.asnumpy(backend.rms_norm(h, cp.asarray(w2), 1e-6)))
         np.testing.assert_allclose(cp.asnumpy(h_normed), CPUBackend.rms_norm(cp.asnumpy(h), w2, 1e-6),
@@ -243,8 +243,8 @@ def test_rms_norm_and_fused_residuals(backend, cp):
         scale = cp.asarray(np.array([0.3125 + shape[-1] * 1e-4], np.float32))  # Gemma 4's layer output scale
         scaled = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6, out_scale=scale)
         np.testing.assert_array_equal(cp.asnumpy(scaled), cp.asnumpy(added * scale))  # the sum, then the scale
-        hs, hs_normed = backend.add_rms_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6,
-                                             next_norm=cp.asarray(w2), out_scale=scale)
+        hs, hs_normed = backend.add_rms_norm_and_norm(cp.asarray(r), cp.asarray(x), cp.asarray(w), 1e-6,
+                                                      cp.asarray(w2), out_scale=scale)
         np.testing.assert_array_equal(cp.asnumpy(hs), cp.asnumpy(scaled))
         np.testing.assert_array_equal(cp.asnumpy(hs_normed), cp.asnumpy(backend.rms_norm(hs, cp.asarray(w2), 1e-6)))
 

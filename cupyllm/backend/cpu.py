@@ -16,7 +16,7 @@ from .cpu_threads import RowThreads
 from ..errors import CupyllmError
 from ..ops.matmul.cpu import matmul, matmul_many
 from ..ops.matmul.cpu_gemv import dequantize_ids
-from ..ops.elementwise.reference import apply_rope, rope_tables
+from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
 from ..models.weights import Weight
 
 KEY_CHUNK = 4096  # cache slots decoded and scored at a time
@@ -101,15 +101,17 @@ class CPUBackend:
         total = x + residual
         return total, self.rms_norm(total, weight, eps)
 
-    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float, next_norm=None,
-                     out_scale: np.ndarray | None = None):
-        """residual + rms_norm(x): a sandwich block's post-norm and residual add, times out_scale when given
-        (Gemma 4's layer output scale); with next_norm, (that sum h, rms_norm(h, next_norm)), the next
-        sublayer's input too."""
+    def add_rms_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float,
+                     out_scale: np.ndarray | None = None) -> np.ndarray:
+        """(residual + rms_norm(x)) * out_scale (when given): a sandwich block's post-norm and residual add."""
         total = residual + self.rms_norm(x, weight, eps)
-        if out_scale is not None:
-            total = total * out_scale
-        return total if next_norm is None else (total, self.rms_norm(total, next_norm, eps))
+        return total if out_scale is None else total * out_scale
+
+    def add_rms_norm_and_norm(self, residual: np.ndarray, x: np.ndarray, weight: np.ndarray, eps: float,
+                              next_weight: np.ndarray, out_scale: np.ndarray | None = None):
+        """(h, rms_norm(h, next_weight)) with h = add_rms_norm(residual, x, weight, eps, out_scale)."""
+        total = self.add_rms_norm(residual, x, weight, eps, out_scale)
+        return total, self.rms_norm(total, next_weight, eps)
 
     def gated_act(self, gate: np.ndarray, up: np.ndarray, activation: str) -> np.ndarray:
         """act(gate) * up (activation: silu | gelu_tanh), row blocks on the threads."""
@@ -120,6 +122,11 @@ class CPUBackend:
         """act(x @ w_gate.T) * (x @ w_up.T), or * up: a gated MLP's hidden values."""
         gate, up = self.linear_many(x, (w_gate, w_up)) if w_up is not None else (self.linear(x, w_gate), up)
         return self.gated_act(gate, up, activation)
+
+    @staticmethod
+    def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+        """cap * tanh(x / cap)."""
+        return softcap(x, cap)
 
     def rope(self, x: np.ndarray, rope_cfg, positions: np.ndarray) -> np.ndarray:
         key = (rope_cfg, np.asarray(positions).tobytes())

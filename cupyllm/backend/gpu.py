@@ -196,10 +196,13 @@ class GPUBackend:
         """(x + residual, rms_norm(x + residual)) in one pass."""
         return self.kernels.rms_norm(x, weight, eps, residual=residual)
 
-    def add_rms_norm(self, residual, x, weight, eps: float, next_norm=None, out_scale=None):
-        """(residual + rms_norm(x)) * out_scale (when given) in one pass; with next_norm, (that sum h,
-        rms_norm(h, next_norm))."""
-        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_norm,
+    def add_rms_norm(self, residual, x, weight, eps: float, out_scale=None):
+        """(residual + rms_norm(x)) * out_scale (when given), in one pass."""
+        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, out_scale=out_scale)
+
+    def add_rms_norm_and_norm(self, residual, x, weight, eps: float, next_weight, out_scale=None):
+        """(h, rms_norm(h, next_weight)) with h = add_rms_norm(residual, x, weight, eps, out_scale), in one pass."""
+        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_weight,
                                      out_scale=out_scale)
 
     def silu(self, x):
@@ -263,9 +266,9 @@ class GPUBackend:
         # Normalised K (gpu_cache.py): the flash kernels read (K - offset) / scale, so Q is scaled by `scale`; their
         # plain softmax does not see the offset, a soft-capped or DCA score would: those take the decoding path,
         # which undoes the normalisation.
-        normalized = getattr(layer_kv, "k_scale", None) is not None
+        normalized = layer_kv.k_scale is not None
         offset_matters = normalized and (options.get("softcap", 0.0) > 0.0 or options.get("dca") is not None)
-        if getattr(layer_kv, "spilled", False):
+        if layer_kv.spilled:
             return self._attend_spilled(q, q_pos, layer_kv, normalized, offset_matters, **options)
         if self._gpu_attention is not None and shape not in self._no_dispatch and not offset_matters:
             try:

@@ -8,7 +8,7 @@ Attention masks by the slot positions (empty slots hold -1), so both layouts rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 
@@ -55,6 +55,7 @@ class LayerKV:
     v_head_dim: int
     capacity: int
     ring: bool  # slot = position % capacity (sliding window) instead of slot = position
+    spilled: ClassVar[bool] = False  # a SpilledLayerKV (kv/gpu_spill.py) keeps older rows on the host
     window: int = 0
     mirror: bool = False  # also keep decode(encode(k, v)) as float32, so attention on the CPU skips decoding
     # K channel normalisation: the first write sets k_offset and k_scale [n_kv, head_dim] from its keys and

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..backend.base import Backend
 from ..files.config import ModelConfig, config_from_gguf
 from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache
@@ -20,6 +21,7 @@ from .weights import Weight, load_matrix, load_vector
 from .gemma import gemma_block, per_layer_inputs
 from .layers import LayerWeights
 from .qwen import qwen_block
+from .residual import ResidualStream
 
 BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "qwen3moe": qwen_block,
                                "gemma3": gemma_block, "gemma4": gemma_block}
@@ -28,7 +30,7 @@ BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "qwen3m
 @dataclass
 class Transformer:
     cfg: ModelConfig
-    ops: object  # a backend (backend/cpu.py, backend/gpu.py)
+    ops: Backend  # backend/base.py: the operations the blocks call
     token_embd: Weight
     output_norm: np.ndarray
     output: Weight
@@ -60,16 +62,12 @@ class Transformer:
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
         per_layer = per_layer_inputs(ops, cfg, *self.per_layer, tokens, x) if self.per_layer else None
-        normed = None  # RMSNorm of x with the next norm's weight, when the block before made it in its last pass
+        stream = ResidualStream(ops, x, cfg.norm_eps)
         for layer, weights in enumerate(self.layers):
             extra = {} if per_layer is None else {"per_layer_input": per_layer[:, layer]}
-            next_norm = self.layers[layer + 1].attn_norm if layer + 1 < len(self.layers) else self.output_norm
-            x, normed = block(ops, cfg, weights, layer, x, positions, cache, self.attention, x_normed=normed,
-                              next_norm=next_norm, **extra)
-        if normed is None:
-            normed = ops.rms_norm(x if all_logits else x[-1:], self.output_norm, cfg.norm_eps)
+            block(ops, cfg, weights, layer, stream, positions, cache, self.attention, **extra)
+        normed = stream.norm(self.output_norm)
         logits = ops.linear(normed if all_logits else normed[-1:], self.output)
         if cfg.final_logit_softcap > 0.0:
-            cap = np.float32(cfg.final_logit_softcap)
-            logits = cap * ops.xp.tanh(logits / cap)
+            logits = ops.softcap(logits, cfg.final_logit_softcap)
         return logits

@@ -19,31 +19,26 @@ from __future__ import annotations
 import numpy as np
 
 from .layers import gated_mlp, moe_mlp, self_attention
+from .residual import ResidualStream
 
 
-def gemma_block(ops, cfg, w, layer, x, positions, cache, attention=None, per_layer_input=None, x_normed=None,
-                next_norm=None):
-    """(y, RMSNorm(y) with `next_norm`'s weight, or None), as qwen_block: the block's last residual add (scaled
-    by Gemma 4's layer output scale) and the next block's input norm are one pass."""
-    normed = x_normed if x_normed is not None else ops.rms_norm(x, w.attn_norm, cfg.norm_eps)
-    attn = self_attention(ops, cfg, w, layer, normed, positions, cache, attention)
-    # h = x + PostNorm_attn(attn) and PreNorm_ffn(h), one pass
-    h, h_normed = ops.add_rms_norm(x, attn, w.post_attn_norm, cfg.norm_eps, next_norm=w.ffn_norm)
-    mlp = gated_mlp(ops, w, h_normed, cfg.activation)
+def gemma_block(ops, cfg, w, layer, x: ResidualStream, positions, cache, attention=None, per_layer_input=None):
+    """One block on the residual stream x: h, then y (Gemma 4: with its MoE, per-layer input and output scale)."""
+    eps = cfg.norm_eps
+    x.add(self_attention(ops, cfg, w, layer, x.norm(w.attn_norm), positions, cache, attention),
+          post_norm=w.post_attn_norm)
+    mlp = gated_mlp(ops, w, x.norm(w.ffn_norm), cfg.activation)
     if w.moe is not None:
-        experts = moe_mlp(ops, cfg, w.moe, ops.rms_norm(h, w.experts_norm, cfg.norm_eps),
-                          router_input=ops.rms_norm(h, w.router_norm, cfg.norm_eps))
-        mlp = (ops.rms_norm(mlp, w.post_dense_norm, cfg.norm_eps)
-               + ops.rms_norm(experts, w.post_experts_norm, cfg.norm_eps))
-    # the block's last add, times Gemma 4's layer output scale, and the next block's input norm: one pass
-    last = dict(next_norm=next_norm, out_scale=w.out_scale)
+        h = x.value
+        experts = moe_mlp(ops, cfg, w.moe, ops.rms_norm(h, w.experts_norm, eps),
+                          router_input=ops.rms_norm(h, w.router_norm, eps))
+        mlp = ops.rms_norm(mlp, w.post_dense_norm, eps) + ops.rms_norm(experts, w.post_experts_norm, eps)
     if per_layer_input is None:
-        y = ops.add_rms_norm(h, mlp, w.post_ffn_norm, cfg.norm_eps, **last)
-    else:
-        y = ops.add_rms_norm(h, mlp, w.post_ffn_norm, cfg.norm_eps)
-        gated = ops.gated_linear(y, w.ple_gate, cfg.activation, up=per_layer_input)
-        y = ops.add_rms_norm(y, ops.linear(gated, w.ple_proj), w.ple_post_norm, cfg.norm_eps, **last)
-    return y if next_norm is not None else (y, None)
+        x.add(mlp, post_norm=w.post_ffn_norm, scale=w.out_scale)
+        return
+    x.add(mlp, post_norm=w.post_ffn_norm)
+    gated = ops.gated_linear(x.value, w.ple_gate, cfg.activation, up=per_layer_input)
+    x.add(ops.linear(gated, w.ple_proj), post_norm=w.ple_post_norm, scale=w.out_scale)
 
 
 def per_layer_inputs(ops, cfg, token_embd_per_layer, model_proj, proj_norm, tokens, x):

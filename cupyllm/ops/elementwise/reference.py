@@ -90,3 +90,8 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     c = np.float32(np.sqrt(2.0 / np.pi))
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
 
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap), float32: Gemma's final-logit (and Gemma 2's attention-score) soft cap."""
+    cap = np.float32(cap)
+    return cap * np.tanh(x / cap)
