@@ -127,7 +127,7 @@ def gated_mlp_timing(ops, transformer) -> list[dict]:
 
             def apart(_):
                 g, u = ops.kernels.gemv_many([gate, up], x) if up is not None else (ops.kernels.gemv(gate, x), given)
-                return ops.kernels.gated_act(g, u, act)
+                return ops.elementwise.gated_act(g, u, act)
 
             fused_s, how = time_calls(cupy, lambda _: ops.kernels.gemv_gated(gate, x, act, up=up, up_given=given),
                                       n_calls=GEMV_REPEATS, repeats=5)
@@ -210,7 +210,7 @@ def hf_from_gguf(spec, path: Path):
     import cupy
     import torch
     from make_tiny_models import hf_config, hf_names
-    from cupyllm.ops.matmul.gpu import GpuKernels
+    from cupyllm.ops.matmul.gpu import WeightKernels
     from cupyllm.files.gguf import read_gguf
     from cupyllm.models.weights import load_matrix, load_vector
 
@@ -225,7 +225,7 @@ def hf_from_gguf(spec, path: Path):
     finally:
         torch.set_default_dtype(default)
     names, norm_offset = hf_names(spec)
-    kernels = GpuKernels()
+    kernels = WeightKernels()
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # Gemma 4's layer_scalar: a buffer
     with torch.no_grad():
         for name, info in gguf_file.tensors.items():

@@ -34,7 +34,8 @@ from ..ops.attention.gpu_decoded import attend_decoded
 from ..ops.matmul.gpu_blas import matmul_f16_f32
 from ..kv.gpu_cache import device_layer_factory
 from .gpu_inputs import DeviceInputs
-from ..ops.matmul.gpu import GEMV_GROUP, GEMV_MAX_TOKENS, GpuKernels, kernel_format_fits, mma_fits
+from ..ops.elementwise.gpu import ElementwiseKernels
+from ..ops.matmul.gpu import GEMV_GROUP, GEMV_MAX_TOKENS, WeightKernels, kernel_format_fits, mma_fits
 
 PREFILL_PATHS = ("auto", "cublas", "mma")
 DEFAULT_PREFILL = "auto"
@@ -80,7 +81,8 @@ class GPUBackend:
         self.cp = require_cupy()
         self.xp = self.cp
         self.registry = registry if registry is not None else KernelRegistry()
-        self.kernels = GpuKernels(self.registry)
+        self.kernels = WeightKernels(self.registry)
+        self.elementwise = ElementwiseKernels(self.registry)
         self.inputs = DeviceInputs(self.cp)
         self.prefill = prefill
         self._attention_mode = attention
@@ -190,30 +192,30 @@ class GPUBackend:
 
     # --- elementwise ------------------------------------------------------------------------------
     def rms_norm(self, x, weight, eps: float):
-        return self.kernels.rms_norm(x, weight, eps)
+        return self.elementwise.rms_norm(x, weight, eps)
 
     def rms_norm_residual(self, x, residual, weight, eps: float):
         """(x + residual, rms_norm(x + residual)) in one pass."""
-        return self.kernels.rms_norm(x, weight, eps, residual=residual)
+        return self.elementwise.rms_norm(x, weight, eps, residual=residual)
 
     def add_rms_norm(self, residual, x, weight, eps: float, out_scale=None):
         """(residual + rms_norm(x)) * out_scale (when given), in one pass."""
-        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, out_scale=out_scale)
+        return self.elementwise.rms_norm(x, weight, eps, residual=residual, add_after=True, out_scale=out_scale)
 
     def add_rms_norm_and_norm(self, residual, x, weight, eps: float, next_weight, out_scale=None):
         """(h, rms_norm(h, next_weight)) with h = add_rms_norm(residual, x, weight, eps, out_scale), in one pass."""
-        return self.kernels.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_weight,
+        return self.elementwise.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_weight,
                                      out_scale=out_scale)
 
     def silu(self, x):
-        return self.kernels.act(x, "silu")
+        return self.elementwise.act(x, "silu")
 
     def gelu_tanh(self, x):
-        return self.kernels.act(x, "gelu_tanh")
+        return self.elementwise.act(x, "gelu_tanh")
 
     def gated_act(self, gate, up, activation: str):
         """act(gate) * up in one pass (activation: silu | gelu_tanh)."""
-        return self.kernels.gated_act(gate, up, activation)
+        return self.elementwise.gated_act(gate, up, activation)
 
     def gated_linear(self, x, w_gate: Weight, activation: str, w_up: Weight | None = None, up=None):
         """act(x @ w_gate.T) * (x @ w_up.T), or * up: a gated MLP's hidden values; for a few tokens one GEMV
@@ -229,7 +231,7 @@ class GPUBackend:
         return self.gated_act(gate, up, activation)
 
     def softcap(self, x, cap: float):
-        return self.kernels.softcap(x, cap)
+        return self.elementwise.softcap(x, cap)
 
     def rope(self, x, rope_cfg, positions):
         return self.rope_qk(x, None, rope_cfg, positions)[0]
@@ -244,7 +246,7 @@ class GPUBackend:
         inv_freq, mscale = table
         q_pos = self.inputs.int32(q_positions)
         k_pos = q_pos if k_positions is None else self.inputs.int32(k_positions)
-        return self.kernels.rope(q, k, q_pos, k_pos, inv_freq, mscale, rope_cfg.neox, rope_cfg.n_rot,
+        return self.elementwise.rope(q, k, q_pos, k_pos, inv_freq, mscale, rope_cfg.neox, rope_cfg.n_rot,
                                  q_norm=q_norm, k_norm=k_norm, eps=eps)
 
     # --- attention --------------------------------------------------------------------------------

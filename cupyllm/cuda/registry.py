@@ -31,6 +31,7 @@ BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
 # CuPy. A new kernel file gets its sets declared in its wrapper module, listed here.
 KERNEL_SET_PROVIDERS: tuple[str, ...] = (
     "cupyllm.ops.kv_formats.gpu",
+    "cupyllm.ops.elementwise.gpu",
     "cupyllm.ops.matmul.gpu",
     "cupyllm.ops.attention.gpu",
 )
