@@ -1,6 +1,6 @@
 """End-to-end CPU speed: prefill (128-token prompt) and decode (64 tokens, greedy) on the two real models,
 beside llama.cpp (llama-cpp-python, n_threads=2) and HF transformers (float32) in the same run; and on a
-random-weight Gemma 4 E2B (tools/make_tiny_models.py preset `gemma4-e2b`, Q4_K blocks with the real shapes,
+random-weight Gemma 4 E2B (tests/support/make_tiny_models.py preset `gemma4-e2b`, Q4_K blocks with the real shapes,
 written to ~/.cache/cupyllm/bench once: no Gemma 4 GGUF ships on PyPI) beside llama.cpp.
 
     python bench/e2e_cpu.py [--models gemma qwen gemma4-e2b] [--skip-transformers] [--rounds 3]
@@ -25,7 +25,7 @@ from host_cpu import cpu_description
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 
 PROMPT_TOKENS, DECODE_TOKENS, THREADS = 128, 64, 2
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "

@@ -1,5 +1,5 @@
 """End-to-end GPU speed on random-weight models with the real shapes and Q4_K_M-like types of Gemma 3 270M,
-Qwen2.5-0.5B, Gemma 4 E2B and Qwen2.5-7B (tools/make_tiny_models.py PRESETS, written on the device: real GGUFs
+Qwen2.5-0.5B, Gemma 4 E2B and Qwen2.5-7B (tests/support/make_tiny_models.py PRESETS, written on the device: real GGUFs
 are too big to carry), beside HF transformers (torch, float16) on the very same weights in the same run.
 
     python bench/e2e_gpu.py [--models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b] [--skip-transformers]
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 
 from cupyllm.cuda import device_name  # noqa: E402
 

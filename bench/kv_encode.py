@@ -7,7 +7,7 @@ head-dim-128 row also gets its share of one prefill step of a Qwen3-8B layer ove
 layer's weight products through the engine's cuBLAS prefill path), the measure of the KV issue's
 "TCQ encode <= 10% of a prefill step"; the TCQ encoder is also timed at smaller trellis sizes (TRELLIS_SIZES).
 That denominator leaves out attention, norms and rope, so it understates a step. The engine's own prefill step
-is timed too (`engine_prefill`): a random-weight Qwen3-8B (tools/make_tiny_models.py preset, Q4_K_M types,
+is timed too (`engine_prefill`): a random-weight Qwen3-8B (tests/support/make_tiny_models.py preset, Q4_K_M types,
 --engine-layers of its 36 layers, a small vocabulary) prefills --engine-tokens tokens in the engine's chunks of
 512 with K and V in f16, turbo3, turbo3_tcq and turbo2_tcq; each TCQ row gets the encode's share of that step
 (the encode timed above over the same tokens / the prefill seconds per layer) and the step's own difference
@@ -175,7 +175,7 @@ def bench_gpu_engine_prefill(n_tokens: int, n_layer: int, repeats: int, smoke: b
     tiny test Qwen3 at head dim 128), per KV format of ENGINE_FORMATS (K and V alike); best of `repeats` after a warm-up."""
     import tempfile
     import cupy as cp
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))  # make_tiny_models
     from make_tiny_models import PRESETS, tiny_spec, write_gguf
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.generate import prefill

@@ -8,7 +8,7 @@ next-token logits agree (argmax equal, within 1% of their scale; the largest dif
     python bench/prompt_cache.py [--device cpu] [--doc-tokens 2048] [--out bench/results/prompt_cache_cpu.json]
     python bench/prompt_cache.py --device gpu --preset gemma3-270m --doc-tokens 8192 --out ...   # (gpu_check.sh)
 
---preset: a random-weight model with a real model's shapes (tools/make_tiny_models.py; the device machine has
+--preset: a random-weight model with a real model's shapes (tests/support/make_tiny_models.py; the device machine has
 no real GGUF), whose document and questions are random token ids (the answers mean nothing; they must still
 be identical).
 """
@@ -34,7 +34,7 @@ QUESTIONS = ["\n\nQuestion: What did the survey record?\nAnswer:", "\n\nQuestion
 
 def _preset_model(name: str) -> Path:
     import tempfile
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
     from make_tiny_models import PRESETS, write_gguf
     path = Path(tempfile.mkdtemp(prefix="cupyllm-prompt-cache-")) / f"random-{name}.gguf"
     write_gguf(PRESETS[name], path)
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF path (default: the default model)")
-    parser.add_argument("--preset", help="a random-weight model of these shapes instead (tools/make_tiny_models.py)")
+    parser.add_argument("--preset", help="a random-weight model of these shapes instead (tests/support/make_tiny_models.py)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--doc-tokens", type=int, default=2048)
     parser.add_argument("--answer-tokens", type=int, default=8)

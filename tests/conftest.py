@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random-weight GGUF models written by tools/make_tiny_models.py (with their HF twins)."""
+"""Shared fixtures: tiny random-weight GGUF models written by tests/support/make_tiny_models.py (with their HF twins)."""
 from __future__ import annotations
 
 import os
@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools"))  # the tools some tests check (kv_quality, niah, device_model, ...)
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 sys.path.insert(0, str(ROOT / "tests"))
 
-# CUPYLLM_EMULATE=1 runs the GPU tests on the CPU emulator (tools/cuda_emu/README.md): its NumPy-backed
+# CUPYLLM_EMULATE=1 runs the GPU tests on the CPU emulator (tests/support/cuda_emu/README.md): its NumPy-backed
 # `cupy` must shadow a real CuPy before any test module imports one. Never active otherwise.
 if os.environ.get("CUPYLLM_EMULATE") == "1":
     if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "__cupyllm_emulated__", False):
         raise RuntimeError("CUPYLLM_EMULATE=1 but the real cupy was imported before tests/conftest.py")
-    sys.path.insert(0, str(ROOT / "tools" / "cuda_emu" / "fakecupy"))
+    sys.path.insert(0, str(ROOT / "tests" / "support" / "cuda_emu" / "fakecupy"))
 
 import make_tiny_models  # noqa: E402
 

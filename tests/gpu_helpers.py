@@ -19,7 +19,7 @@ MMA_TOL_LSE = 2e-4
 
 
 def emulated() -> bool:
-    """True when `cupy` is tools/cuda_emu's fake (CUPYLLM_EMULATE=1): smaller shapes, no stream capture."""
+    """True when `cupy` is tests/support/cuda_emu's fake (CUPYLLM_EMULATE=1): smaller shapes, no stream capture."""
     import cupy
     return bool(getattr(cupy, "__cupyllm_emulated__", False))
 

@@ -1,4 +1,4 @@
-"""CI without a GPU: our CUDA kernels run on the CPU emulator (tools/cuda_emu).
+"""CI without a GPU: our CUDA kernels run on the CPU emulator (tests/support/cuda_emu).
 
 * The emulator itself: warp collectives, barriers, dynamic and static shared memory, cp.async groups and
   mma.sync (checked against NumPy with the PTX fragment layout), and the errors it must raise (deadlock,
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "cuda_emu"))
+sys.path.insert(0, str(REPO / "tests" / "support" / "cuda_emu"))
 
 import emulator  # noqa: E402
 

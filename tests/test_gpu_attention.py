@@ -13,7 +13,7 @@ and once as V (same-format, asymmetric and rotated pairs), and the mask cases (c
 ring, softcap, additive mask, empty/fully-masked rows, unused slots) rotate through the pairs. Split-KV is
 checked by comparing different splits and by merging two half-caches with reference.merge.
 
-Skipped without a CUDA device; ``CUPYLLM_EMULATE=1`` runs it on the CPU emulator (tools/cuda_emu), where
+Skipped without a CUDA device; ``CUPYLLM_EMULATE=1`` runs it on the CPU emulator (tests/support/cuda_emu), where
 tests/test_emulated_kernels.py runs a subset in CI.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ Stated tolerances (float32 unless said):
   paths within 0.1 and the same argmax at >= 95% of positions (the CPU engine with the same f16 roundings gives
   0.013 .. 0.033 and every argmax on the four stored texts of each model).
 
-Marked `gpu`; skipped without a CUDA device. CUPYLLM_EMULATE=1 runs them on the CPU emulator (tools/cuda_emu).
+Marked `gpu`; skipped without a CUDA device. CUPYLLM_EMULATE=1 runs them on the CPU emulator (tests/support/cuda_emu).
 """
 from __future__ import annotations
 

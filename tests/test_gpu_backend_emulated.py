@@ -1,4 +1,4 @@
-"""CI without a GPU: a subset of tests/test_gpu_backend.py on the CPU emulator (tools/cuda_emu), in a subprocess
+"""CI without a GPU: a subset of tests/test_gpu_backend.py on the CPU emulator (tests/support/cuda_emu), in a subprocess
 with CUPYLLM_EMULATE=1 (the NumPy-backed `cupy` must be imported before anything imports a real one).
 
 The subset runs every dense-model kernel file once: dequantization (Q6_K), every GEMV instantiation (Q4_K),
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "cuda_emu"))
+sys.path.insert(0, str(REPO / "tests" / "support" / "cuda_emu"))
 
 import emulator  # noqa: E402
 
@@ -47,6 +47,6 @@ def test_spilled_cache_passes_on_the_emulator():
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert re.search(r"\b8 passed", result.stdout), result.stdout[-2000:]
     bench = subprocess.run([sys.executable, "bench/spill_gpu.py", "--smoke", "--formats", "f16"], cwd=REPO,
-                           env={**env, "PYTHONPATH": str(REPO / "tools" / "cuda_emu" / "fakecupy")},
+                           env={**env, "PYTHONPATH": str(REPO / "tests" / "support" / "cuda_emu" / "fakecupy")},
                            capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0 and "of whole-device" in bench.stdout, bench.stdout[-2000:] + bench.stderr[-2000:]

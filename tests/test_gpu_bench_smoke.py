@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "cuda_emu"))
+sys.path.insert(0, str(REPO / "tests" / "support" / "cuda_emu"))
 
 import emulator  # noqa: E402
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not _CXX_OK, reason=f"the CUDA emulator needs a 
 
 def _run(args: list[str], results: Path) -> str:
     env = {**os.environ, "CUPYLLM_EMULATE": "1", "CUPYLLM_BENCH_RESULTS": str(results),
-           "PYTHONPATH": str(REPO / "tools" / "cuda_emu" / "fakecupy")}
+           "PYTHONPATH": str(REPO / "tests" / "support" / "cuda_emu" / "fakecupy")}
     env.pop("OUT", None)
     result = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"{' '.join(args)}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
@@ -73,7 +73,7 @@ def test_end_to_end_and_prompt_cache_benchmarks(tmp_path):
     gated = results["tiny-gemma4"]["cupyllm"]["gated_mlp"]  # (the other tiny models' gate and up differ in type)
     assert gated and all(x["fused_us"] > 0 and x["apart_us"] > 0 for x in gated), gated
     assert {x["up"] for x in gated} >= {"given"}  # its per-layer gate
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))  # make_tiny_models
     from make_tiny_models import tiny_spec, write_gguf
     model = tmp_path / "tiny-gemma3.gguf"
     write_gguf(tiny_spec("gemma3"), model)
@@ -87,7 +87,7 @@ def test_niah_on_the_device_path(tmp_path):
     """tools/gpu_niah.sh's runs (tools/niah.py --device gpu, DCA and plain, every task) on a tiny model. Its
     small vocabulary spends more tokens on needles and questions than Gemma's: fit_sample cuts the haystack to
     fit the context (Gemma's samples fit as they are and stay make_sample's own)."""
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))  # make_tiny_models
     from make_tiny_models import tiny_spec, write_gguf
     model = tmp_path / "tiny-gemma3.gguf"
     write_gguf(tiny_spec("gemma3"), model)

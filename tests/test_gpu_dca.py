@@ -15,7 +15,7 @@ chunk boundaries, spread over every chunk with a row that sees no key (prefill).
 tests/test_gpu_attention.py: FA-VEC computes in f32 on the exact decoded values; MMA is compared with the
 references on the f16-rounded Q (scaled, rotated for rotated K formats), K and V it multiplies.
 
-Skipped without a CUDA device; ``CUPYLLM_EMULATE=1`` runs it on the CPU emulator (tools/cuda_emu), where
+Skipped without a CUDA device; ``CUPYLLM_EMULATE=1`` runs it on the CPU emulator (tests/support/cuda_emu), where
 tests/test_emulated_kernels.py runs a subset in CI.
 """
 from __future__ import annotations

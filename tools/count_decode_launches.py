@@ -1,9 +1,9 @@
 """How many device launches one decode step makes, counted on the CUDA emulator (no GPU needed).
 
-A random-weight model with a preset's layer structure (tools/make_tiny_models.py PRESETS: its layers, heads,
+A random-weight model with a preset's layer structure (tests/support/make_tiny_models.py PRESETS: its layers, heads,
 head dims, sliding pattern and weight types) but narrow (d_model, MLP width and vocabulary cut down, which
 changes no launch), a prompt of --prompt-tokens, then one eager decode step, the one the GPU backend captures
-as a CUDA graph, counted by the emulated CuPy's `launches` (tools/cuda_emu/fakecupy: our kernels by name,
+as a CUDA graph, counted by the emulated CuPy's `launches` (tests/support/cuda_emu/fakecupy: our kernels by name,
 CuPy's elementwise, reduction, copy and fill kernels). The H200 profile of the same step
 (tools/profile_decode_gpu.py) counted 473 kernels for gemma3-270m at 512 prompt tokens.
 
@@ -30,10 +30,11 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools"))  # make_tiny_models in a --baseline tree from before it moved
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 if "cupy" in sys.modules:
     raise SystemExit("count_decode_launches: run it in a fresh process (the emulated cupy must load first)")
-sys.path.insert(0, str(ROOT / "tools" / "cuda_emu" / "fakecupy"))
+sys.path.insert(0, str(ROOT / "tests" / "support" / "cuda_emu" / "fakecupy"))
 
 NARROW = dict(d_model=256, ffn_dim=512, n_vocab=4096)  # multiples of the K-quant super-block (256)
 
@@ -72,8 +73,8 @@ def count_at(rev: str, models: list[str], prompt_tokens: int) -> dict:
     tree = work / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
     try:
-        fakecupy = Path("tools/cuda_emu/fakecupy/cupy/__init__.py")
-        shutil.copy(ROOT / fakecupy, tree / fakecupy)
+        emulator = Path("tests/support/cuda_emu")  # the counting emulator, also into trees from before it moved there
+        shutil.copytree(ROOT / emulator, tree / emulator, dirs_exist_ok=True)
         shutil.copy(Path(__file__), tree / "tools" / Path(__file__).name)
         out = work / "baseline.json"
         subprocess.run([sys.executable, str(tree / "tools" / Path(__file__).name), "--models", *models,
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
               f"({row['launches_per_step'] / row['n_layer']:.1f} per layer)")
         for kernel, calls in row["launches"].items():
             print(f"  {calls:5d}  {kernel}")
-    report = {"tool": "count_decode_launches", "device": "CUDA emulator (tools/cuda_emu), sm_90 limits",
+    report = {"tool": "count_decode_launches", "device": "CUDA emulator (tests/support/cuda_emu), sm_90 limits",
               "narrowed": NARROW, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
     if baseline is not None:
         report["baseline"] = baseline

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU test suite on the CUDA emulator (tools/cuda_emu), three ways: blocks and threads in order, in
+# The whole GPU test suite on the CUDA emulator (tests/support/cuda_emu), three ways: blocks and threads in order, in
 # reverse (EMU_ORDER=reverse: a missing barrier shows in one of the two), and with an A100's limits
 # (CUPYLLM_EMULATE_ARCH=80: 163 KB of shared memory a block, 108 SMs). About 2 minutes each on 2 cores once the
 # emulator libraries are built. CI runs a subset of the first two (tests/test_emulated_kernels.py); run this

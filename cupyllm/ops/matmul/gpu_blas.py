@@ -1,7 +1,7 @@
 """y = x @ w.T with f16 inputs and float32 output and accumulation, through cuBLAS GemmEx.
 
 cupy.matmul on f16 arrays would round the result to f16; GemmEx writes the float32 sums directly. On the CPU
-emulator's stand-in for CuPy (tools/cuda_emu) the same product is a float32 matmul of the f16 values
+emulator's stand-in for CuPy (tests/support/cuda_emu) the same product is a float32 matmul of the f16 values
 (f16 x f16 products are exact in float32).
 """
 from __future__ import annotations

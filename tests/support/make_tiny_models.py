@@ -1,8 +1,8 @@
 """Write tiny random-weight Qwen2, Qwen3 (dense and MoE), Gemma 3 and Gemma 4 models as GGUF (with the `gguf` package's writer), and
 build the matching HF `transformers` models from the very same tensors, for exact parity tests.
 
-    python tools/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, ..., tiny-gemma4-moe.gguf
-    python tools/make_tiny_models.py OUT_DIR --preset qwen2.5-7b   # random weights with a real model's shapes
+    python tests/support/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, ..., tiny-gemma4-moe.gguf
+    python tests/support/make_tiny_models.py OUT_DIR --preset qwen2.5-7b   # random weights with a real model's shapes
 
 Presets (PRESETS) give the shapes, vocabulary sizes and Q4_K_M-like tensor types of real models, for speed
 benchmarks; their quantized matrices are random valid blocks written straight from random bytes (no float

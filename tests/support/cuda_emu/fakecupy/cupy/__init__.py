@@ -2,7 +2,7 @@
 
 Device arrays are NumPy arrays of a subclass (`cupy.ndarray`) whose memory is mapped with a guard page
 right after it (an overrun of more than the 256-byte rounding faults instead of reading garbage);
-RawModule kernels run on the CPU emulator (tools/cuda_emu). For checking GPU code without a GPU only:
+RawModule kernels run on the CPU emulator (tests/support/cuda_emu). For checking GPU code without a GPU only:
 it is never on sys.path unless asked for (CUPYLLM_EMULATE=1 in tests/conftest.py, or an explicit
 sys.path insertion), and `cupy.__cupyllm_emulated__` is True.
 
@@ -34,7 +34,7 @@ from numpy import (bool_, float16, float32, float64, int8, int16, int32, int64, 
 __version__ = "14.0.0+cupyllm.emulator"
 __cupyllm_emulated__ = True
 
-_TOOLS = Path(__file__).resolve().parents[2]  # tools/cuda_emu
+_TOOLS = Path(__file__).resolve().parents[2]  # tests/support/cuda_emu
 if str(_TOOLS) not in sys.path:
     sys.path.insert(0, str(_TOOLS))
 import emulator as _emulator  # noqa: E402
