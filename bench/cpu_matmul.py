@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "ops"))  # test_matmul.random_rows
 
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
@@ -39,7 +39,7 @@ from cupyllm.ops.matmul.cpu_gemv import F16_TABLE, PREFETCH_BYTES, gemv_blocks  
 from cupyllm.ops.simd import MACHINE_HAS_512_BIT_LANES  # noqa: E402
 from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize  # noqa: E402
 from host_cpu import cpu_description  # noqa: E402
-from test_weights import random_rows  # noqa: E402
+from test_matmul import random_rows  # noqa: E402
 
 SHAPES = {  # (n_out, n_in) of a model's weights
     "qwen2.5-0.5b q/o": (896, 896),

@@ -1,4 +1,5 @@
-"""Helpers shared by the GPU test files (test_gpu_kv, test_gpu_attention, test_gpu_dca, test_gpu_backend)."""
+"""Helpers shared by the GPU test files (tests/ops/test_kv_formats_gpu, test_attention_gpu, test_attention_dca_gpu;
+tests/test_gpu_backend)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ GPU_TEST_MARKS = [
     pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA device (cupy.cuda.runtime.getDeviceCount() is 0 or fails)"),
 ]
 
-# flash-attention tolerances (test_gpu_attention, test_gpu_dca)
+# flash-attention tolerances (test_attention_gpu, test_attention_dca_gpu)
 VEC_TOL = 2e-5     # |dO| / max|V| for FA-VEC (f32 arithmetic on the exact decoded values); |dLSE| <= 10x
 MMA_TOL_O = 2e-3   # |dO| / max|V| for MMA against the f16-rounded reference (P is rounded to f16)
 MMA_TOL_LSE = 2e-4

@@ -9,7 +9,7 @@
   flash-attention chunk readers of every format (f32 and f16 readers), the dequantizing-pass benchmark kernel,
   FA-VEC, MMA and MMA's decode layout at head dim 128 for every K and V format once, split-KV, argument
   errors, prompt caching with the cache in device memory; the same for the fused Dual Chunk Attention kernels
-  (tests/test_gpu_dca.py). Each subset runs twice: blocks and threads in order, then in reverse (EMU_ORDER).
+  (tests/ops/test_attention_dca_gpu.py). Each subset runs twice: blocks and threads in order, then in reverse (EMU_ORDER).
   The full matrix: `CUPYLLM_EMULATE=1 python -m pytest -m gpu tests/` (and again with EMU_ORDER=reverse).
 
 Skipped when g++ (or $CUPYLLM_EMU_CXX) cannot compile C++20. Builds are cached under
@@ -323,9 +323,9 @@ def test_thread_order_exposes_a_missing_barrier(lib, monkeypatch):
 # ---- a subset of the GPU test files, under the fake cupy ---------------------------------------------------
 
 GPU_SUBSET = (
-    "(test_gpu_kv and (test_decode_within_one_f16_ulp and [q4_0-128] or test_encode_is_bit_exact and "
+    "(test_kv_formats_gpu and (test_decode_within_one_f16_ulp and [q4_0-128] or test_encode_is_bit_exact and "
     "([q4_0-128-float32] or [turbo3_tcq-128-float32]) or test_other_trellis_sizes)) "
-    "or (test_gpu_attention and (test_chunk_reader_is_bit_exact and 128] or test_vec_matches_reference and [128- "
+    "or (test_attention_gpu and (test_chunk_reader_is_bit_exact and 128] or test_vec_matches_reference and [128- "
     "or test_mma_matches_reference and [128- or test_mma_decode_matches_reference and [128- "
     "or test_split_count or test_bad_arguments or test_dequant_bench_kernel)) or test_prompt_cache_on_the_device"
 )
@@ -345,11 +345,11 @@ def _run_emulated(files: list[str], subset: str, min_passed: int, order: str) ->
 
 @pytest.mark.parametrize("order", ("forward", "reverse"))
 def test_gpu_tests_pass_on_the_emulator(order):
-    _run_emulated(["tests/test_gpu_kv.py", "tests/test_gpu_attention.py", "tests/test_gpu_backend.py"], GPU_SUBSET,
+    _run_emulated(["tests/ops/test_kv_formats_gpu.py", "tests/ops/test_attention_gpu.py", "tests/test_gpu_backend.py"], GPU_SUBSET,
                   70, order)
 
 
-# Fused Dual Chunk Attention (tests/test_gpu_dca.py): FA-VEC, MMA decode and MMA prefill at head dim 128 for
+# Fused Dual Chunk Attention (tests/ops/test_attention_dca_gpu.py): FA-VEC, MMA decode and MMA prefill at head dim 128 for
 # every K and V format once, against NumPy and the three-call LSE path; splits, empty rows, the fallback.
 # About 45 s cold, 25 s warm on 2 cores (each order).
 DCA_SUBSET = ("(test_vec_decode or test_mma_decode or test_mma_prefill) and [128- or test_split_count "
@@ -358,4 +358,4 @@ DCA_SUBSET = ("(test_vec_decode or test_mma_decode or test_mma_prefill) and [128
 
 @pytest.mark.parametrize("order", ("forward", "reverse"))
 def test_gpu_dca_tests_pass_on_the_emulator(order):
-    _run_emulated(["tests/test_gpu_dca.py"], DCA_SUBSET, 47, order)
+    _run_emulated(["tests/ops/test_attention_dca_gpu.py"], DCA_SUBSET, 47, order)

@@ -3,7 +3,7 @@
 A block or rotated KV format (K and V alike) decodes on FA-VEC at a head dim when FA-VEC's time was below
 FA-MMA's at every context length measured for every shape of that head dim; everything else decodes on FA-MMA
 (f16 on its f16 path; f32 and bf16 stay on FA-VEC for their range, by dispatch.VEC_FORMATS, not by timing).
-tests/test_attention_dispatch.py checks that dispatch.py holds what the committed JSON measured, so after a new
+tests/ops/test_attention_gpu_dispatch.py checks that dispatch.py holds what the committed JSON measured, so after a new
 GPU run:
 
     python tools/dispatch_from_bench.py [bench/results/attention_gpu.json]   # the dict, and whether it changed

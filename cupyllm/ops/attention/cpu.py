@@ -20,7 +20,7 @@ The same kernel reads float32 rows in place (`attend_floats`:
 the CPU cache's float32 mirror: attend_few, dca_few). Semantics: `reference.attend` over
 `LayerKV.decode` (causal and sliding-window masks from slot positions, softcap, (O, LSE)); for DCA the query
 rotation of each key's regime, as `dca.attend_dca`. Tested against the reference and the dense DCA reference
-(tests/test_cpu_encoded_attention.py, tests/test_attention_reference.py, tests/test_dca.py).
+(tests/ops/test_attention_cpu.py, tests/ops/test_attention.py, tests/ops/test_attention_dca.py).
 """
 from __future__ import annotations
 

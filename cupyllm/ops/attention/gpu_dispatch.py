@@ -49,7 +49,7 @@ VEC_FORMATS = ("f32", "bf16")  # decode of these stays on fa_vec (see choose_ker
 # (bench/results/attention_gpu.json: 0.73-0.95x fa_mma's time at head dim 128, 0.67-0.97x for q5_1 at 256);
 # the rest decode faster on fa_mma. A K / V pair takes fa_vec when both are listed for its head dim. The kernels
 # have changed since that run (fa_mma's f16 dequantizing and ldmatrix): `python tools/dispatch_from_bench.py`
-# after the next one gives this dict anew (tests/test_attention_dispatch.py holds it to the committed JSON).
+# after the next one gives this dict anew (tests/ops/test_attention_gpu_dispatch.py holds it to the committed JSON).
 VEC_DECODE_FORMATS = {128: ("q5_0", "q5_1", "turbo3", "turbo3_tcq"), 256: ("q5_1",)}
 # Decode blocks stream long key ranges through a cp.async pipeline: one wave of about two blocks per SM was
 # fastest on an H200 for every shape swept (tools/attention_probe.py; 4k-64k keys, 1-8 KV heads); a second,

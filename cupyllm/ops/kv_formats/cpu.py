@@ -1,7 +1,7 @@
 """Encoded KV rows decoded in numba, one row at a time (what the CPU's decode attention reads inside its loop,
 ops/attention/cpu.py: `decode_in_place`) or many in parallel (`decode_rows`: LayerKV.decode, prefill).
 
-Bit for bit what each format's NumPy `decode` gives (tests/test_cpu_encoded_attention.py): the same float32
+Bit for bit what each format's NumPy `decode` gives (tests/ops/test_attention_cpu.py): the same float32
 operations in the same order, no FMA (no fastmath here), sixteen values at a time (ops/simd.py: fp16 halves
 converted in registers, block codes unpacked, rotated indices looked up by a permute or a gather). `decode_row`
 leaves a rotated format's values rotated (`decode_rotated`); `decode_rows` unrotates them with the butterflies

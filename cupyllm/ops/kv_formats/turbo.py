@@ -31,7 +31,7 @@ Encoding a rotated group ``y[0..G-1]`` (``encode_rotated``; ``encode(x) == encod
   ``ll = tree_sum(L[i]*L[i])``, ``zl = tree_sum(z[i]*L[i])``: ``n = fp16(r * fl32(zl / ll))`` (``n = 0`` when
   ``ll == 0``). This is the least-squares norm: the one that minimises the group's squared error for the
   chosen codes. Measured against the alternatives on N(0, 1) data (G = 128, per-value MSE,
-  tests/test_kv_formats.py::test_turbo_norm_modes checks the ordering):
+  tests/ops/test_kv_formats.py::test_turbo_norm_modes checks the ordering):
 
   =========== ========= ========= =============================================================
   format      lsq       raw       corrected (``r * SQRT_G / sqrt(ll)``: decoded norm == r)

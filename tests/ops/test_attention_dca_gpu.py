@@ -12,7 +12,7 @@ Chunk lengths L = S - W of 56 (key tiles of 32 / 64 straddle chunk boundaries: t
 passes), 32 (tiles aligned with the chunks) and 88 with YaRN's logit scale; cache lengths that are not a
 multiple of L; queries at the end of the cache (decode), in chunk 0 (successive and inter regimes empty), on
 chunk boundaries, spread over every chunk with a row that sees no key (prefill). Tolerances as in
-tests/test_gpu_attention.py: FA-VEC computes in f32 on the exact decoded values; MMA is compared with the
+tests/ops/test_attention_gpu.py: FA-VEC computes in f32 on the exact decoded values; MMA is compared with the
 references on the f16-rounded Q (scaled, rotated for rotated K formats), K and V it multiplies.
 
 Skipped without a CUDA device; ``CUPYLLM_EMULATE=1`` runs it on the CPU emulator (tests/support/cuda_emu), where

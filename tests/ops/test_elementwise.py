@@ -1,5 +1,6 @@
-"""RoPE against independent definitions: HF transformers' rope initialisers (default, linear, YaRN) for the
-frequencies, and a per-pair rotation written out for NEOX / normal ordering and partial rotary dims."""
+"""The elementwise family (cupyllm/ops/elementwise/): RoPE against independent definitions (HF transformers'
+rope initialisers for the frequencies, a per-pair rotation written out for NEOX / normal ordering and partial
+rotary dims), and the CPU kernels (RMSNorm, RoPE rows, the gated activations) against reference.py."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from cupyllm.files.config import RopeConfig
+from cupyllm.ops.elementwise.cpu import rms_norm_rows, rope_rows
 from cupyllm.ops.elementwise.reference import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -63,3 +65,45 @@ def test_yarn_matches_transformers():
     theirs, factor = _hf_rope("yarn", factor=4.0, original_max_position_embeddings=32768, truncate=True)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
     assert mscale == pytest.approx(factor, rel=1e-6)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("n_rot", [64, 48])  # full and partial rotary
+def test_rope_rows_equals_apply_rope(neox, n_rot):
+    cfg = RopeConfig(base=10000.0, n_rot=n_rot, neox=neox)
+    positions = np.array([0, 5, 1000])
+    cos, sin = rope_tables(cfg, positions)
+    x = np.random.default_rng(1).standard_normal((3, 4, 64)).astype(np.float32)
+    out = np.empty_like(x)
+    rope_rows(x, cos, sin, neox, out)
+    np.testing.assert_array_equal(out, apply_rope(x, cos, sin, neox))
+
+
+@pytest.mark.parametrize("n_rows", [1, 67])
+def test_rms_norm_rows(n_rows):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n_rows, 640)).astype(np.float32)
+    w = rng.standard_normal(640).astype(np.float32)
+    out = np.empty_like(x)
+    rms_norm_rows(x, w, np.float32(1e-6), out)
+    x64 = x.astype(np.float64)
+    reference = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("n_rows", [1, 100])
+def test_gated_act_is_the_activation_times_up(activation, n_rows):
+    """The backend's fused act(gate) * up (row blocks on threads, in-place buffers) gives the reference
+    activation's values times up, bit for bit."""
+    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.ops.elementwise.reference import gelu_tanh, silu
+    rng = np.random.default_rng(3)
+    gate = (4 * rng.standard_normal((n_rows, 1000))).astype(np.float32)
+    up = rng.standard_normal((n_rows, 1000)).astype(np.float32)
+    reference = (silu if activation == "silu" else gelu_tanh)(gate) * up
+    gate_before, up_before = gate.copy(), up.copy()
+    got = CPUBackend().gated_act(gate, up, activation)
+    np.testing.assert_array_equal(got, reference)
+    np.testing.assert_array_equal(gate, gate_before)  # the inputs are left as they were
+    np.testing.assert_array_equal(up, up_before)

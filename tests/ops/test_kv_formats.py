@@ -397,7 +397,7 @@ def _trainer():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "train_tcq_codebook.py"
+    path = Path(__file__).resolve().parents[2] / "tools" / "train_tcq_codebook.py"
     spec = importlib.util.spec_from_file_location("train_tcq_codebook", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

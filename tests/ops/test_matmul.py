@@ -1,6 +1,7 @@
 """Weight block formats: our NumPy dequantization against the `gguf` package's independent one, and the numba
 matmul kernels (streamed GEMV, integer GEMM and BLAS tiles) against the NumPy reference; the activation codes the quantized
-matmuls multiply (ops/matmul/activation_codes.py) against their definition."""
+matmuls multiply (ops/matmul/activation_codes.py) against their definition.
+The CPU kernels (fused GEMV, prefill GEMM, row dequantization) of every weight format against the NumPy reference."""
 from __future__ import annotations
 
 import gguf
@@ -8,13 +9,20 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from cupyllm.ops.matmul.activation_codes import ACTIVATION_LEVELS, dequantize_activations, quantize_activations
-from cupyllm.ops.matmul import cpu_gemm, cpu as cpu_linear
-from cupyllm.ops.matmul.cpu import matmul
-from cupyllm.ops.matmul.cpu_gemv import F16_TABLE, FLOAT_TYPES, dequantize_numba, quantize_activation_row
+from cupyllm.ops import simd
+from cupyllm.ops.matmul import cpu as cpu_linear, cpu_gemm
+from cupyllm.ops.matmul.activation_codes import (ACTIVATION_LEVELS, dequantize_activations, quantize_activations,
+                                                 round_activations)
+from cupyllm.ops.matmul.cpu import matmul, matmul_many
+from cupyllm.ops.matmul.cpu_gemm import gemm_many
+from cupyllm.ops.matmul.cpu_gemv import (F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks,
+                                         quantize_activation_row)
 from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize
 
+
 QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # gguf.quants can quantize these
+
+
 K_QUANTS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # fp16 scale offsets inside each block
 
 
@@ -128,3 +136,53 @@ def test_numba_activation_codes_equal_reference():
         np.testing.assert_array_equal(xd, scales[r])
         np.testing.assert_allclose(xsum, (codes[r].reshape(-1, 32).astype(np.float64) * scales[r, :, None]).sum(-1),
                                    rtol=1e-6)
+
+
+@pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
+@pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
+def test_gemv_and_gemm_match_reference(qtype, n_in):
+    """The decode GEMV (one token; narrow and wide) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 20
+    tokens; 37 rows: a padded row quad) against float64 products of the dequantized weight and x_hat, each result within
+    2e-6 of the sum of its products' magnitudes."""
+    fmt = WEIGHT_FORMATS[qtype]
+    if n_in % fmt.block_values:
+        pytest.skip("row length not a whole number of blocks")
+    n_out = 37
+    rows = random_rows(qtype, n_out, n_in, seed=n_in)
+    # activations with a large common offset: the folded block offsets/mins must not lose precision
+    x = (np.random.default_rng(5).standard_normal((35, n_in)) + 3.0).astype(np.float32)
+    x[7, :64] = 0  # all-zero blocks: zero codes and scale
+    x_hat = x if qtype in FLOAT_TYPES else round_activations(x)  # block formats multiply the 16-bit codes
+    weight = dequantize(rows, qtype, n_in).astype(np.float64)
+    reference = x_hat.astype(np.float64) @ weight.T
+    scale = np.abs(x_hat).astype(np.float64) @ np.abs(weight).T
+    for wide in (False, True):  # (the 512-bit GEMV; on a machine without AVX-512 LLVM splits it)
+        out = np.empty(n_out, np.float32)
+        gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE, wide)
+        np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)
+    if qtype not in FLOAT_TYPES:  # (float weights go to BLAS)
+        for n_tok in (35, 20):  # a last tile of 3 tokens (the half-width kernel), one tile of 20 (full width)
+            got = gemm_many(x[:n_tok], [(rows, fmt)])[0]
+            assert got.shape == (n_tok, n_out)
+            np.testing.assert_array_less(np.abs(got - reference[:n_tok]), 2e-6 * scale[:n_tok] + 1e-30)
+
+
+@pytest.mark.parametrize("n_tok", [1, 2, 9])  # one parallel GEMV for all weights; two tokens; the GEMMs
+def test_matmul_many_equals_one_matmul_per_weight(n_tok):
+    """q/k/v and gate/up share one call: mixed formats and row counts give the very values of separate calls."""
+    from gguf import GGMLQuantizationType as T
+    shapes = [(T.Q5_0, 70), (T.Q8_0, 9), (T.Q4_K, 130), (T.Q6_K, 1)]
+    weights = [(random_rows(qtype, n_out, 512, seed=n_out), WEIGHT_FORMATS[qtype]) for qtype, n_out in shapes]
+    x = np.random.default_rng(7).standard_normal((n_tok, 512)).astype(np.float32)
+    for got, (rows, fmt) in zip(matmul_many(x, weights, 512), weights):
+        np.testing.assert_array_equal(got, matmul(x, rows, fmt, 512))
+
+
+@pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
+def test_row_dequantization_is_bit_exact(qtype):
+    """Prefill tiles and embedding lookups: the very float32 values of the NumPy definition."""
+    rows = random_rows(qtype, 9, 512, seed=4)
+    reference = dequantize(rows, qtype, 512)
+    fmt = WEIGHT_FORMATS[qtype]
+    np.testing.assert_array_equal(dequantize_numba(rows, fmt, 512, slice(2, 7)), reference[2:7])
+    np.testing.assert_array_equal(dequantize_ids(rows, fmt, 512, np.array([8, 0, 8, 3])), reference[[8, 0, 8, 3]])

@@ -1,21 +1,11 @@
-"""CPU numba kernels against their NumPy definitions: the SIMD lane helpers, the fused GEMV, the prefill GEMM and
-the row dequantization of every weight format, RoPE, RMSNorm."""
+"""The numba SIMD intrinsics (cupyllm/ops/simd.py) against NumPy: lane loads and stores, bit fields, reductions,
+half-float conversion, the polynomial exp and the gathers."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from numba import njit
 
-from cupyllm.ops.elementwise.cpu import rms_norm_rows, rope_rows
-from cupyllm.files.config import RopeConfig
 from cupyllm.ops import simd
-from cupyllm.ops.matmul.activation_codes import round_activations
-from cupyllm.ops.matmul.cpu_gemm import gemm_many
-from cupyllm.ops.matmul.cpu import matmul, matmul_many
-from cupyllm.ops.matmul.cpu_gemv import F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks
-from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize
-from cupyllm.ops.elementwise.reference import apply_rope, rope_tables
-from test_weights import random_rows
 
 
 @njit
@@ -220,130 +210,6 @@ def test_every_half_converts_as_numpy():
 def _halves(raw, out):
     for i in range(0, out.size, 16):
         simd.store_f32(out, i, simd.load_f16_16(raw, 2 * i))
-
-
-@pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
-@pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
-def test_gemv_and_gemm_match_reference(qtype, n_in):
-    """The decode GEMV (one token; narrow and wide) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 20
-    tokens; 37 rows: a padded row quad) against float64 products of the dequantized weight and x_hat, each result within
-    2e-6 of the sum of its products' magnitudes."""
-    fmt = WEIGHT_FORMATS[qtype]
-    if n_in % fmt.block_values:
-        pytest.skip("row length not a whole number of blocks")
-    n_out = 37
-    rows = random_rows(qtype, n_out, n_in, seed=n_in)
-    # activations with a large common offset: the folded block offsets/mins must not lose precision
-    x = (np.random.default_rng(5).standard_normal((35, n_in)) + 3.0).astype(np.float32)
-    x[7, :64] = 0  # all-zero blocks: zero codes and scale
-    x_hat = x if qtype in FLOAT_TYPES else round_activations(x)  # block formats multiply the 16-bit codes
-    weight = dequantize(rows, qtype, n_in).astype(np.float64)
-    reference = x_hat.astype(np.float64) @ weight.T
-    scale = np.abs(x_hat).astype(np.float64) @ np.abs(weight).T
-    for wide in (False, True):  # (the 512-bit GEMV; on a machine without AVX-512 LLVM splits it)
-        out = np.empty(n_out, np.float32)
-        gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE, wide)
-        np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)
-    if qtype not in FLOAT_TYPES:  # (float weights go to BLAS)
-        for n_tok in (35, 20):  # a last tile of 3 tokens (the half-width kernel), one tile of 20 (full width)
-            got = gemm_many(x[:n_tok], [(rows, fmt)])[0]
-            assert got.shape == (n_tok, n_out)
-            np.testing.assert_array_less(np.abs(got - reference[:n_tok]), 2e-6 * scale[:n_tok] + 1e-30)
-
-
-@pytest.mark.parametrize("n_tok", [1, 2, 9])  # one parallel GEMV for all weights; two tokens; the GEMMs
-def test_matmul_many_equals_one_matmul_per_weight(n_tok):
-    """q/k/v and gate/up share one call: mixed formats and row counts give the very values of separate calls."""
-    from gguf import GGMLQuantizationType as T
-    shapes = [(T.Q5_0, 70), (T.Q8_0, 9), (T.Q4_K, 130), (T.Q6_K, 1)]
-    weights = [(random_rows(qtype, n_out, 512, seed=n_out), WEIGHT_FORMATS[qtype]) for qtype, n_out in shapes]
-    x = np.random.default_rng(7).standard_normal((n_tok, 512)).astype(np.float32)
-    for got, (rows, fmt) in zip(matmul_many(x, weights, 512), weights):
-        np.testing.assert_array_equal(got, matmul(x, rows, fmt, 512))
-
-
-@pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
-def test_row_dequantization_is_bit_exact(qtype):
-    """Prefill tiles and embedding lookups: the very float32 values of the NumPy definition."""
-    rows = random_rows(qtype, 9, 512, seed=4)
-    reference = dequantize(rows, qtype, 512)
-    fmt = WEIGHT_FORMATS[qtype]
-    np.testing.assert_array_equal(dequantize_numba(rows, fmt, 512, slice(2, 7)), reference[2:7])
-    np.testing.assert_array_equal(dequantize_ids(rows, fmt, 512, np.array([8, 0, 8, 3])), reference[[8, 0, 8, 3]])
-
-
-@pytest.mark.parametrize("neox", [True, False])
-@pytest.mark.parametrize("n_rot", [64, 48])  # full and partial rotary
-def test_rope_rows_equals_apply_rope(neox, n_rot):
-    cfg = RopeConfig(base=10000.0, n_rot=n_rot, neox=neox)
-    positions = np.array([0, 5, 1000])
-    cos, sin = rope_tables(cfg, positions)
-    x = np.random.default_rng(1).standard_normal((3, 4, 64)).astype(np.float32)
-    out = np.empty_like(x)
-    rope_rows(x, cos, sin, neox, out)
-    np.testing.assert_array_equal(out, apply_rope(x, cos, sin, neox))
-
-
-@pytest.mark.parametrize("n_rows", [1, 67])
-def test_rms_norm_rows(n_rows):
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((n_rows, 640)).astype(np.float32)
-    w = rng.standard_normal(640).astype(np.float32)
-    out = np.empty_like(x)
-    rms_norm_rows(x, w, np.float32(1e-6), out)
-    x64 = x.astype(np.float64)
-    reference = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-6) * w
-    np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-6)
-
-
-def test_first_compile_notice_names_cupyllm_kernels_once():
-    """The one-line notice of a first run: written when a kernel of a cupyllm module starts compiling, once per
-    listener, and not for other modules' kernels (a cached kernel broadcasts no compile event at all)."""
-    import io
-
-    from numba.core import event
-
-    from cupyllm.backend.compile_notice import NOTICE, FirstCompileNotice
-
-    def outside(x):
-        return x + 1
-
-    def ours(x):
-        return x * 2
-
-    def ours_too(x):
-        return x * 3
-
-    ours.__module__ = ours_too.__module__ = "cupyllm.fake_kernels"
-    stream = io.StringIO()
-    listener = FirstCompileNotice(stream)
-    event.register("numba:compile", listener)
-    try:
-        assert njit(outside)(1) == 2
-        assert stream.getvalue() == ""
-        assert njit(ours)(2) == 4
-        assert njit(ours_too)(2) == 6
-    finally:
-        event.unregister("numba:compile", listener)
-    assert stream.getvalue() == NOTICE + "\n"
-
-
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("n_rows", [1, 100])
-def test_gated_act_is_the_activation_times_up(activation, n_rows):
-    """The backend's fused act(gate) * up (row blocks on threads, in-place buffers) gives the reference
-    activation's values times up, bit for bit."""
-    from cupyllm.backend.cpu import CPUBackend
-    from cupyllm.ops.elementwise.reference import gelu_tanh, silu
-    rng = np.random.default_rng(3)
-    gate = (4 * rng.standard_normal((n_rows, 1000))).astype(np.float32)
-    up = rng.standard_normal((n_rows, 1000)).astype(np.float32)
-    reference = (silu if activation == "silu" else gelu_tanh)(gate) * up
-    gate_before, up_before = gate.copy(), up.copy()
-    got = CPUBackend().gated_act(gate, up, activation)
-    np.testing.assert_array_equal(got, reference)
-    np.testing.assert_array_equal(gate, gate_before)  # the inputs are left as they were
-    np.testing.assert_array_equal(up, up_before)
 
 
 @njit

@@ -11,7 +11,7 @@ from cupyllm.ops.attention import gpu_dispatch as dispatch
 from cupyllm.ops.attention import gpu as fk
 from cupyllm.ops.kv_formats.formats import get_format, list_formats
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SM80_SMEM_OPTIN = 166912  # A100: the smallest opt-in limit we support
 SHAPES = ((128, 32, 8), (256, 8, 4), (256, 4, 1), (512, 16, 2), (64, 14, 2))  # (head_dim, n_head, n_kv)
 

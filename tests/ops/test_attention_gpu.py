@@ -25,7 +25,7 @@ import pytest
 
 from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format,
                          mma_lacks_shared_memory, rounded_f16, rounded_f16_query)
-from test_attention_reference import dense
+from test_attention import dense
 
 pytestmark = GPU_TEST_MARKS
 
