@@ -222,8 +222,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          host memory, attention streaming over both (kv/plan.py plan_spill, kv/gpu_spill.py); with "auto"
          types, the smallest tier spills when no tier fits whole.
     kv_mirror: (CPU) also keep a float32 copy of the decoded cache, which kv_budget and the "auto" types then
-         count: 4 more bytes per value whatever the KV type, for decode steps up to 1.25x faster with the rotated
-         formats and no faster with f16 or q8_0 (bench/results/kv_mirror_cpu.json). Default: no copy, the cache
+         count: 4 more bytes per value whatever the KV type, so that decode steps read it instead of decoding
+         the rows: faster with the rotated formats, not with f16 or q8_0 (docs/kv-formats.md). Default: no copy, the cache
          takes its format's bytes and decode steps read the encoded rows (ops/attention/cpu.py). The GPU keeps
          no copy (True there is an error).
     threads: CPU threads for the CPU backend's matmuls, attention and BLAS (llama.cpp's -t; default: every core).

@@ -20,7 +20,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_kv_type_args(p)
     p.add_argument("--kv-mirror", action=argparse.BooleanOptionalAction, default=None,
                    help="CPU: also keep a float32 copy of the decoded KV cache (4 bytes more per value; decode "
-                        "steps up to 1.25x faster with turbo/TCQ types, no faster with f16 or q8_0). Default: off, "
+                        "steps read it instead of decoding the rows: faster with turbo/TCQ types, not with f16 or "
+                        "q8_0; docs/kv-formats.md). Default: off, "
                         "the cache takes its KV type's bytes")
     p.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None,
                    help="store K as (K - mean) / scale per channel, balanced against the queries (default: on for "

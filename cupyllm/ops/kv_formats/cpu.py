@@ -5,9 +5,8 @@ Bit for bit what each format's NumPy `decode` gives (tests/ops/test_attention_cp
 operations in the same order, no FMA (no fastmath here), sixteen values at a time (ops/simd.py: fp16 halves
 converted in registers, block codes unpacked, rotated indices looked up by a permute or a gather). `decode_row`
 leaves a rotated format's values rotated (`decode_rotated`); `decode_rows` unrotates them with the butterflies
-of ops/kv_formats/turbo.py's `unrotate`, 16 lanes at a time. 4,096 rows of 256 values on 2 cores, against the one-value-at-a-
-time decoder with reference-counted calls before it: f16 0.31 -> 0.09 ms, q8_0 0.62 -> 0.07, q4_0 1.22 -> 0.10,
-turbo3 3.6 -> 0.56, turbo3_tcq 3.5 -> 0.64.
+of ops/kv_formats/turbo.py's `unrotate`, 16 lanes at a time (docs/benchmarks.md has the timings against the
+one-value-at-a-time decoder it replaced).
 """
 from __future__ import annotations
 

@@ -34,9 +34,8 @@ C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
 
 # The GEMV asks for the bytes this far ahead of the block it multiplies (its row's later blocks, then the next
 # row's): a row streams from DRAM with its compute between the loads, and the hardware prefetcher alone keeps too
-# few lines in flight. bench/cpu_matmul.py (gemv_from_dram) measures it against none (2-core Zen 5, 2026-12-03:
-# Q6_K 41 -> 50 GB/s, Q4_K 33 -> 38); in a sweep on Gemma 4 E2B's own rows that day, 2 KiB gained about half
-# of what 4 KiB did, 1 KiB and less nothing.
+# few lines in flight. bench/cpu_matmul.py (gemv_from_dram) measures it against none; in a sweep
+# 2 KiB gained about half of what 4 KiB did, 1 KiB and less nothing (docs/benchmarks.md).
 PREFETCH_BYTES = 4096
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
 
