@@ -50,3 +50,13 @@ def test_spilled_cache_passes_on_the_emulator():
                            env={**env, "PYTHONPATH": str(REPO / "tests" / "support" / "cuda_emu" / "fakecupy")},
                            capture_output=True, text=True, timeout=600)
     assert bench.returncode == 0 and "of whole-device" in bench.stdout, bench.stdout[-2000:] + bench.stderr[-2000:]
+
+
+def test_backend_ops_sweep_passes_on_the_emulator():
+    """tests/ops/test_backend_ops.py with the GPU backend on the CUDA emulator: every elementwise operation of the
+    contract on both backends against the float64 reference."""
+    env = {**os.environ, "CUPYLLM_EMULATE": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/ops/test_backend_ops.py"]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert re.search(r"\b40 passed", result.stdout), result.stdout[-2000:]
