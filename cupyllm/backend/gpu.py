@@ -8,8 +8,8 @@ Same operations and semantics as backend/cpu.py, so the model code (models/*.py)
   (prefill="mma", weight_mma.cu); prefill="auto" (the default) picks by matrix size (prefill_path). Both
   round W and x to f16 and accumulate in float32.
 - embed: the token rows dequantized from their blocks (weight_dequant.cu with row ids).
-- rms_norm, silu, gelu_tanh, rope, softcap: elementwise.cu (RoPE angles from rope.inverse_frequencies,
-  computed in float64 on the device exactly like rope.rope_tables on the host).
+- rms_norm, silu, gelu_tanh, rope, softcap: elementwise.cu (RoPE angles from ops/elementwise/reference.py's
+  inverse_frequencies, computed in float64 on the device exactly like its rope_tables on the host).
 - attention: cupyllm.ops.attention.gpu_dispatch.gpu_attention (FA-VEC / FA-MMA reading the quantized cache in-register);
   for caches it has no kernels for (e.g. head dims outside its list), or with attention="decode",
   ops/attention/gpu_decoded.py (decode the cache to f16, CuPy matmuls). dca_attention (Dual Chunk Attention):
@@ -89,7 +89,8 @@ class GPUBackend:
         self._gpu_attention, self._dispatch_refusal = (None, None) if attention == "decode" else _dispatch_attention()
         self._no_dispatch: dict[tuple, str] = {}  # cache shapes the flash kernels refused, with the reason
         if attention == "dispatch" and self._gpu_attention is None:
-            raise DeviceError("attention='dispatch' needs cupyllm.ops.attention.gpu_dispatch.gpu_attention, which is not installed")
+            raise DeviceError("attention='dispatch' needs cupyllm.ops.attention.gpu_dispatch.gpu_attention, which is "
+                              "not installed")
         self._rope_tables: dict = {}
         self._uploads: dict[int, tuple] = {}  # id(host blocks) -> (host blocks, device Weight)
 
@@ -205,7 +206,7 @@ class GPUBackend:
     def add_rms_norm_and_norm(self, residual, x, weight, eps: float, next_weight, out_scale=None):
         """(h, rms_norm(h, next_weight)) with h = add_rms_norm(residual, x, weight, eps, out_scale), in one pass."""
         return self.elementwise.rms_norm(x, weight, eps, residual=residual, add_after=True, next_weight=next_weight,
-                                     out_scale=out_scale)
+                                         out_scale=out_scale)
 
     def silu(self, x):
         return self.elementwise.act(x, "silu")
@@ -247,7 +248,7 @@ class GPUBackend:
         q_pos = self.inputs.int32(q_positions)
         k_pos = q_pos if k_positions is None else self.inputs.int32(k_positions)
         return self.elementwise.rope(q, k, q_pos, k_pos, inv_freq, mscale, rope_cfg.neox, rope_cfg.n_rot,
-                                 q_norm=q_norm, k_norm=k_norm, eps=eps)
+                                     q_norm=q_norm, k_norm=k_norm, eps=eps)
 
     # --- attention --------------------------------------------------------------------------------
     def attention(self, q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0):

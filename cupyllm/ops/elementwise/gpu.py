@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...cuda.registry import KernelRegistry, KernelSet, require_cupy
+from ...cuda.launch import KernelLauncher, grid_stride_blocks
+from ...cuda.registry import KernelSet
 from ...errors import DeviceError
 
 ELEMENTWISE_FILE = "elementwise/elementwise.cu"
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # activations.cuh Activation (the gated GEMV applies them too)
 ELEMENT_THREADS = 256
 NORM_ROWS_PER_CTA = 8
-MAX_GRID = 65535 * 32  # grid-stride kernels: enough CTAs to fill any GPU
 
 
 RESIDUAL_MODES = {None: 0, "before": 1, "after": 2, "after_then_norm": 3}  # elementwise.cu ResidualMode
@@ -46,17 +46,8 @@ def kernel_sets() -> list[KernelSet]:
     return [KernelSet(ELEMENTWISE_FILE, tuple(names))]
 
 
-class ElementwiseKernels:
+class ElementwiseKernels(KernelLauncher):
     """Launches the elementwise kernels on the current CUDA stream (inputs are CuPy arrays)."""
-
-    def __init__(self, registry: KernelRegistry | None = None):
-        self.cp = require_cupy()
-        self.registry = registry if registry is not None else KernelRegistry()
-        # stands in for pointer arguments a kernel does not read (the emulator takes only arrays for pointers)
-        self._unused_f32 = self.cp.zeros(1, dtype=self.cp.float32)
-
-    def _fn(self, name: str):
-        return self.registry.function(name)
 
     def rms_norm(self, x, weight, eps: float, residual=None, add_after: bool = False, next_weight=None,
                  out_scale=None):
@@ -118,14 +109,11 @@ class ElementwiseKernels:
                  np.int32(n_rot)))
         return q_out, (k_out if n_k_heads else None)
 
-    def _grid(self, n: int) -> int:
-        return max(1, min(MAX_GRID, (n + ELEMENT_THREADS - 1) // ELEMENT_THREADS))
-
     def act(self, x, activation: str):
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         out = cp.empty_like(x)
-        self._fn(act_kernel_name(activation, False))((self._grid(x.size),), (ELEMENT_THREADS,),
+        self._fn(act_kernel_name(activation, False))((grid_stride_blocks(x.size, ELEMENT_THREADS),), (ELEMENT_THREADS,),
                                                      (x, out, np.int64(x.size)))
         return out
 
@@ -136,7 +124,7 @@ class ElementwiseKernels:
         if gate.shape != up.shape:
             raise DeviceError(f"gated activation needs gate and up of one shape, got {gate.shape} and {up.shape}")
         out = cp.empty_like(gate)
-        self._fn(act_kernel_name(activation, True))((self._grid(gate.size),), (ELEMENT_THREADS,),
+        self._fn(act_kernel_name(activation, True))((grid_stride_blocks(gate.size, ELEMENT_THREADS),), (ELEMENT_THREADS,),
                                                     (gate, up, out, np.int64(gate.size)))
         return out
 
@@ -144,5 +132,5 @@ class ElementwiseKernels:
         cp = self.cp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         out = cp.empty_like(x)
-        self._fn(SOFTCAP_KERNEL)((self._grid(x.size),), (ELEMENT_THREADS,), (x, out, np.int64(x.size), np.float32(cap)))
+        self._fn(SOFTCAP_KERNEL)((grid_stride_blocks(x.size, ELEMENT_THREADS),), (ELEMENT_THREADS,), (x, out, np.int64(x.size), np.float32(cap)))
         return out

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...cuda.registry import KernelRegistry, KernelSet, require_cupy
+from ...cuda.launch import KernelLauncher, grid_stride_blocks
+from ...cuda.registry import KernelRegistry, KernelSet
 from ...errors import DeviceError
 from ...models.weights import Weight
 from ..elementwise.gpu import ACTIVATIONS
@@ -56,7 +57,6 @@ MMA_ROWS, MMA_TOKENS, MMA_DEPTH, MMA_THREADS = 64, 64, 128, 128  # weight_mma.cu
 
 DEQUANT_OUTPUTS = {"float32": "float", "float16": "__half"}
 DEQUANT_THREADS = 256
-MAX_GRID = 65535 * 32  # grid-stride kernels: enough CTAs to fill any GPU
 
 
 
@@ -129,18 +129,12 @@ def mma_fits(fmt_name: str, n_in: int) -> bool:
     return fmt_name in WEIGHT_TYPES and n_in % MMA_DEPTH == 0
 
 
-class WeightKernels:
+class WeightKernels(KernelLauncher):
     """Launches the weight kernels on the current CUDA stream (inputs are CuPy arrays)."""
 
     def __init__(self, registry: KernelRegistry | None = None):
-        self.cp = require_cupy()
-        self.registry = registry if registry is not None else KernelRegistry()
-        # stands in for pointer arguments a kernel does not read (the emulator takes only arrays for pointers)
-        self._unused_f32 = self.cp.zeros(1, dtype=self.cp.float32)
-        self._unused_i32 = self.cp.zeros(1, dtype=self.cp.int32)
-
-    def _fn(self, name: str):
-        return self.registry.function(name)
+        super().__init__(registry)
+        self._unused_i32 = self.cp.zeros(1, dtype=self.cp.int32)  # the row ids a full dequantization does not read
 
     def _bias_args(self, bias):
         if bias is None:
@@ -230,7 +224,7 @@ class WeightKernels:
             return out
         blocks = n_in // KERNEL_BLOCK_VALUES[weight.fmt.name]
         parts = n_rows * blocks * (16 if KERNEL_BLOCK_VALUES[weight.fmt.name] == 256 else 4)
-        grid = max(1, min(MAX_GRID, (parts + DEQUANT_THREADS - 1) // DEQUANT_THREADS))
+        grid = grid_stride_blocks(parts, DEQUANT_THREADS)
         kernel = self._fn(dequant_kernel_name(weight.fmt.name, np.dtype(dtype).name))
         kernel((grid,), (DEQUANT_THREADS,),
                (weight.data, np.int64(weight.data.shape[1]), rows if rows is not None else self._unused_i32,
