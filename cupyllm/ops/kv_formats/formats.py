@@ -1,4 +1,4 @@
-"""KV-cache storage formats: the common dataclass and the registry.
+"""KV-cache storage formats: the registry that names them (their common dataclass is base.py's).
 
 A KV format turns float32 rows ``[n, d]`` (``d`` a multiple of ``block_values``) into uint8 rows
 ``[n, d // block_values * block_bytes]`` and back. Blocks are stored back to back along the row, in the
@@ -39,10 +39,6 @@ from .base import MAX_GROUP_VALUES, KVFormat, KVFormatError
 
 __all__ = ["KVFormat", "KVFormatError", "MAX_GROUP_VALUES", "bits_per_value_for", "get_format", "group_format",
            "group_values_for", "is_float", "is_rotated", "list_formats"]
-
-
-def _scalar_formats() -> dict[str, KVFormat]:
-    return {f.name: f for f in scalar.all_formats()}
 
 
 _ROTATED_NAMES = ("turbo4", "turbo3", "turbo2", "turbo3_tcq", "turbo2_tcq")
@@ -91,7 +87,7 @@ def get_format(name: str, head_dim: int | None = None) -> KVFormat:
         group = MAX_GROUP_VALUES if head_dim is None else group_values_for(head_dim)
         fmt = group_format(name, group)
     elif name in _SCALAR_NAMES:
-        fmt = _scalar_formats_cached()[name]
+        fmt = _scalar_formats()[name]
     else:
         raise _unknown(name)
     if head_dim is not None and head_dim % fmt.block_values:
@@ -108,8 +104,8 @@ def bits_per_value_for(name: str, head_dim: int) -> float:
 
 
 @functools.lru_cache(maxsize=1)
-def _scalar_formats_cached() -> dict[str, KVFormat]:
-    return _scalar_formats()
+def _scalar_formats() -> dict[str, KVFormat]:
+    return {f.name: f for f in scalar.all_formats()}
 
 
 def _unknown(name: str) -> KVFormatError:
