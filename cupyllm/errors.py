@@ -5,6 +5,11 @@ class CupyllmError(Exception):
     """Base class: the CLI prints these as one line, without a traceback."""
 
 
+class InputError(CupyllmError, ValueError):
+    """A value given to cupyllm that it cannot use: a flag or an argument of load/generate out of its range, a
+    prompt file it cannot decode, a prompt cache that does not fit the model. A ValueError in the Python API."""
+
+
 class ModelFileError(CupyllmError):
     """A model file is missing, truncated, corrupt, or of an architecture/tensor type we do not run."""
 
