@@ -206,7 +206,7 @@ def bench_cupyllm(path: Path, ids: np.ndarray) -> tuple[dict, np.ndarray]:
 
 def hf_from_gguf(spec, path: Path):
     """The transformers model (float16, on the GPU) holding exactly the GGUF's decoded weights (decoded by our
-    dequantization kernel, which tests/test_gpu_backend.py checks bit for bit against the reference)."""
+    dequantization kernel, which tests/ops/test_matmul_gpu.py checks bit for bit against the reference)."""
     import cupy
     import torch
     from make_tiny_models import hf_config, hf_names

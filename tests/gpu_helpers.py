@@ -1,5 +1,4 @@
-"""Helpers shared by the GPU test files (tests/ops/test_kv_formats_gpu, test_attention_gpu, test_attention_dca_gpu;
-tests/test_gpu_backend)."""
+"""Helpers shared by the GPU test files (tests/ops/test_*_gpu.py, tests/test_gpu_backend.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -70,3 +69,30 @@ def mma_lacks_shared_memory(runner, layer, n_q: int, n_head: int, head_dim: int)
         f"the engine would pick fa_mma for K {layer.k_format.name} / V {layer.v_format.name} at head dim {head_dim}, "
         f"which needs {need} bytes of shared memory, more than the device's {runner.smem_optin}")
     return True
+
+
+@pytest.fixture(scope="module")
+def backend():
+    """The GPU backend with the decoding attention path (the op tests call its kernels one by one)."""
+    from cupyllm.backend.gpu import GPUBackend
+    return GPUBackend(attention="decode")
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+def layer_pair(backend, kv_type: str, head_dim: int = 64, n_kv: int = 2, capacity: int = 40, ring: bool = False,
+                window: int = 0, v_type: str | None = None, v_head_dim: int | None = None):
+    from cupyllm.kv.gpu_cache import device_layer_factory
+    from cupyllm.ops.kv_formats.gpu import GpuKVCodec
+    from cupyllm.kv.cache import LayerKV
+    from cupyllm.ops.kv_formats.formats import get_format
+    v_head_dim = v_head_dim or head_dim
+    fmt, v_fmt = get_format(kv_type, head_dim=head_dim), get_format(v_type or kv_type, head_dim=v_head_dim)
+    make = device_layer_factory(lambda f, d, n: GpuKVCodec(f, d, n, registry=backend.registry), backend.inputs)
+    args = (fmt, v_fmt, n_kv, head_dim, v_head_dim)
+    options = dict(capacity=capacity, ring=ring, window=window)
+    return LayerKV(*args, **options), make(*args, **options)

@@ -1,11 +1,11 @@
-"""CI without a GPU: a subset of tests/test_gpu_backend.py on the CPU emulator (tests/support/cuda_emu), in a subprocess
-with CUPYLLM_EMULATE=1 (the NumPy-backed `cupy` must be imported before anything imports a real one).
+"""CI without a GPU: the GPU op tests of tests/ops/ and a whole tiny model on the CPU emulator (tests/support/cuda_emu), in
+a subprocess with CUPYLLM_EMULATE=1 (the NumPy-backed `cupy` must be imported before anything imports a real one).
 
-The subset runs every dense-model kernel file once: dequantization (Q6_K), every GEMV instantiation (Q4_K),
-the tensor-core prefill kernel (Q5_0), RoPE with YaRN, and the whole tiny Qwen2 model against the CPU engine
-(its GEMVs, both prefill paths, RMSNorm, activations, the device KV cache). About 2 minutes cold on 2 cores,
-30 s with the emulator's build cache warm. The whole file: `CUPYLLM_EMULATE=1 python -m pytest
-tests/test_gpu_backend.py` (about 3 minutes warm).
+Run whole: the weight kernels (tests/ops/test_matmul_gpu.py: dequantization, every GEMV instantiation, the gated
+GEMV, the tensor-core prefill kernel, for every weight type) and the elementwise kernels (test_elementwise_gpu.py).
+Of the KV and attention files (whose format sweeps tests/test_emulated_kernels.py runs): the device cache's bytes and
+the backend's decoding attention path. Then the whole tiny Qwen2 model against the CPU engine. About 2.5 minutes
+on 2 cores with the emulator's build cache warm.
 """
 from __future__ import annotations
 
@@ -25,17 +25,19 @@ import emulator  # noqa: E402
 _CXX_OK, _CXX_WHY = emulator.cxx20_support()
 pytestmark = pytest.mark.skipif(not _CXX_OK, reason=f"the CUDA emulator needs a C++20 compiler: {_CXX_WHY}")
 
-SUBSET = ("test_tiny_model_logits_match_the_cpu_engine and qwen2 or test_rope_variants and yarn "
-          "or test_gemv_every_instantiation and Q4_K or test_dequantize_rows_bit_exact and Q6_K "
-          "or test_mma_matmul and Q5_0")
+OP_FILES = ["tests/ops/test_matmul_gpu.py", "tests/ops/test_elementwise_gpu.py", "tests/ops/test_kv_formats_gpu.py",
+            "tests/ops/test_attention_gpu.py", "tests/test_gpu_backend.py"]
+SUBSET = ("test_matmul_gpu or test_elementwise_gpu or test_device_cache_holds_the_cpu_cache_bytes "
+          "or test_decode_attention_matches_reference or test_normalized_cache_attention "
+          "or test_tiny_model_logits_match_the_cpu_engine and qwen2")
 
 
-def test_gpu_backend_subset_passes_on_the_emulator():
+def test_gpu_ops_and_a_tiny_model_pass_on_the_emulator():
     env = {**os.environ, "CUPYLLM_EMULATE": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_backend.py", "-k", SUBSET]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_FILES, "-k", SUBSET]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert re.search(r"\b5 passed", result.stdout), result.stdout[-2000:]
+    assert re.search(r"\b73 passed", result.stdout), result.stdout[-2000:]
 
 
 def test_spilled_cache_passes_on_the_emulator():

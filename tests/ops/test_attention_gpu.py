@@ -23,8 +23,9 @@ import types
 import numpy as np
 import pytest
 
-from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, emulated, get_test_format,
-                         mma_lacks_shared_memory, rounded_f16, rounded_f16_query)
+from gpu_helpers import (GPU_TEST_MARKS, MMA_TOL_LSE, MMA_TOL_O, VEC_TOL, backend, cp,  # noqa: F401 (fixtures)
+                         emulated, get_test_format, layer_pair, mma_lacks_shared_memory, rounded_f16,
+                         rounded_f16_query)
 from test_attention import dense
 
 pytestmark = GPU_TEST_MARKS
@@ -382,3 +383,58 @@ def test_bad_arguments_raise(runner):
     bad.k_data = cp.zeros((40, 2, 100), cp.uint8)
     with pytest.raises(AttentionArgumentError, match="k_data"):
         runner.attention(q, np.array([3], np.int32), bad, scale=0.1)
+
+
+# ---- the backend's decoding path (gpu_decoded.py) and normalised K through backend.attention ----
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (0, 20.0)])
+def test_decode_attention_matches_reference(backend, cp, window, softcap):
+    from cupyllm.ops.attention.reference import attend, causal_mask
+    from cupyllm.ops.attention.gpu_decoded import attend_decoded
+    rng = np.random.default_rng(12)
+    cpu, gpu = layer_pair(backend, "f16", capacity=64, n_kv=2, ring=window > 0, window=window)
+    positions = np.arange(0, 30)
+    k = rng.standard_normal((30, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((30, 2, 64)).astype(np.float32)
+    cpu.write(k, v, positions)
+    gpu.write(cp.asarray(k), cp.asarray(v), positions)
+    q_pos = np.array([3, 17, 29])
+    q = rng.standard_normal((3, 6, 64)).astype(np.float32)  # GQA: 3 query heads per KV head
+    kk, vv, kp = cpu.decode(0, cpu.n_used)
+    want, _ = attend(q, kk, vv, causal_mask(q_pos, kp, window), scale=0.125, softcap=softcap)
+    got = attend_decoded(cp.asarray(q), backend.inputs.int32(q_pos), gpu, scale=0.125, window=window,
+                         softcap=softcap, key_chunk=8)  # several chunks: the online softmax merges them
+    np.testing.assert_allclose(cp.asnumpy(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_normalized_cache_attention(backend, cp, softcap):
+    """KVSpec.normalize_k on the device: keys with large per-channel offsets and spreads, stored as
+    (K - offset) / scale. Plain softmax reads the normalised rows in the flash kernels with Q scaled; a
+    soft-capped score goes to the decoding path, which undoes the normalisation. Both against the CPU's
+    normalised layer and the reference attention."""
+    from cupyllm.ops.attention.reference import attend, causal_mask
+    cpu, gpu = layer_pair(backend, "q8_0", capacity=64)
+    cpu.normalize_k = gpu.normalize_k = True
+    rng = np.random.default_rng(13)
+    offset = rng.standard_normal((2, 64)).astype(np.float32) * 20.0
+    k = rng.standard_normal((40, 2, 64)).astype(np.float32)
+    k[..., ::16] *= 30.0  # loud channels
+    k += offset
+    v = rng.standard_normal((40, 2, 64)).astype(np.float32)
+    for lo, hi in ((0, 24), (24, 40)):
+        cpu.write(k[lo:hi], v[lo:hi], np.arange(lo, hi))
+        gpu.write(cp.asarray(k[lo:hi]), cp.asarray(v[lo:hi]), np.arange(lo, hi))
+    np.testing.assert_allclose(cp.asnumpy(gpu.k_offset), cpu.k_offset, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(gpu.k_scale), cpu.k_scale, rtol=1e-5)
+    k_gpu, _, _ = gpu.decode(0, 40)
+    k_cpu, _, _ = cpu.decode(0, 40)
+    # normalisation undone after the f16 decode: f16's rounding of the largest stored value, times the scale
+    stored = np.abs((k - cpu.k_offset) / cpu.k_scale).max()
+    np.testing.assert_allclose(cp.asnumpy(k_gpu), k_cpu, atol=1e-3 * float(stored * cpu.k_scale.max()))
+    q_pos = np.array([39])
+    q = rng.standard_normal((1, 6, 64)).astype(np.float32)
+    want, _ = attend(q, k_cpu, cpu.decode(0, 40)[1], causal_mask(q_pos, cpu.slot_pos[:40], 0), scale=0.125,
+                     softcap=softcap)
+    got = cp.asnumpy(backend.attention(cp.asarray(q), q_pos, gpu, scale=0.125, softcap=softcap))
+    np.testing.assert_allclose(got, want, atol=5e-3 * np.abs(v).max())

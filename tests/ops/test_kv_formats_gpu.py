@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cupyllm.ops.kv_formats import turbo
-from gpu_helpers import GPU_TEST_MARKS, get_test_format
+from gpu_helpers import GPU_TEST_MARKS, backend, cp, get_test_format, layer_pair  # noqa: F401 (fixtures)
 
 pytestmark = GPU_TEST_MARKS
 
@@ -193,3 +193,33 @@ def test_registry_compiles_each_set_once():
     b = registry.function(decode_kernel_name("q4_0"))  # same set: same module
     assert registry.function(decode_kernel_name("q8_0")) is a
     assert len(registry._modules) == 1 and a is not b
+
+
+# (K type, V type, V head dim): one launch encodes K and V of one encoder (kv_encode.cu gridDim.y = 2), V of a
+# wider head included; other formats or group sizes take a launch each
+KV_WRITES = [("f16", None, None), ("q8_0", None, None), ("q4_0", None, None), ("turbo3", None, None),
+             ("turbo3_tcq", None, None), ("q8_0", "turbo3", None), ("q8_0", None, 128), ("turbo3", None, 128)]
+
+
+@pytest.mark.parametrize("kv_type,v_type,v_head_dim", KV_WRITES)
+def test_device_cache_holds_the_cpu_cache_bytes(backend, cp, kv_type, v_type, v_head_dim):
+    rng = np.random.default_rng(11)
+    for ring in (False, True):
+        cpu, gpu = layer_pair(backend, kv_type, capacity=24 if ring else 60, ring=ring, window=16 if ring else 0,
+                               v_type=v_type, v_head_dim=v_head_dim)
+        for start, n in ((0, 13), (13, 1), (14, 20), (34, 1)):
+            positions = np.arange(start, start + n)
+            k = rng.standard_normal((n, 2, 64)).astype(np.float32)
+            v = rng.standard_normal((n, 2, v_head_dim or 64)).astype(np.float32)
+            cpu.write(k, v, positions)
+            gpu.write(cp.asarray(k), cp.asarray(v), positions)
+        np.testing.assert_array_equal(cp.asnumpy(gpu.k_data), cpu.k_data)
+        np.testing.assert_array_equal(cp.asnumpy(gpu.v_data), cpu.v_data)
+        np.testing.assert_array_equal(cp.asnumpy(gpu.slot_pos), cpu.slot_pos)
+        assert gpu.n_used == cpu.n_used
+        k_gpu, v_gpu, pos_gpu = gpu.decode(0, gpu.n_used)
+        k_cpu, v_cpu, _ = cpu.decode(0, cpu.n_used)
+        np.testing.assert_array_equal(cp.asnumpy(k_gpu), k_cpu.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(cp.asnumpy(v_gpu), v_cpu.astype(np.float16).astype(np.float32))
+        gpu.clear()
+        assert gpu.n_used == 0 and int(cp.asnumpy(gpu.slot_pos).max()) == -1
