@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -19,18 +20,18 @@ import numpy as np
 
 from .ops.attention.dca import DCAConfig
 from .backend import select_backend
-from .files.chat import encode_chat
+from .files.chat import base_model_note, encode_chat
 from .files.config import ModelConfig, config_from_gguf
-from .errors import BudgetError, ContextPastTrainingWarning, CupyllmError
-from .generate import GenerationStats, generate_stream, prefill
+from .errors import BudgetError, ContextOverflowError, ContextPastTrainingWarning, CupyllmError, InputError
+from .generate import GenerationStats, check_max_tokens, generate_stream, prefill
 from .files.gguf import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec, host_bytes_available
 from .ops.kv_formats.formats import get_format
-from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, parse_bytes, plan_kv, plan_spill
+from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, check_memory, parse_bytes, plan_kv, plan_spill
 from .files.model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
-from .kv.prompt_cache import PromptCache
+from .kv.prompt_cache import PromptCache, layer_state_problem
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ class Model:
     last_prompt_cache: PromptCache | None = None  # generate(keep_cache=True): the prompt's and reply's cache
     _cache: KVCache | None = field(default=None, repr=False)
     _cache_holds: PromptCache | None = field(default=None, repr=False)  # the working cache holds exactly this one
+    _warned_base_chat: bool = field(default=False, repr=False)  # chat on a base model: said once
 
     # --- text <-> ids -----------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -67,15 +69,24 @@ class Model:
         chat_template_kwargs: variables the template reads (e.g. {"enable_thinking": False} for Qwen3 / Gemma 4)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return encode_chat(self.tokenizer, self.gguf.metadata, list(messages), **(chat_template_kwargs or {}))
+        ids = encode_chat(self.tokenizer, self.gguf.metadata, list(messages), **(chat_template_kwargs or {}))
+        note = None if self._warned_base_chat else base_model_note(self.gguf.metadata, self.path.name)
+        if note is not None:
+            self._warned_base_chat = True
+            warnings.warn(note, UserWarning, stacklevel=3)
+        return ids
 
     # --- compute ----------------------------------------------------------------------------------
     def new_cache(self) -> KVCache:
         """An empty KV cache for this model (reused between calls: allocated once per model)."""
+        self._working_cache().clear()
+        self._cache_holds = None
+        return self._cache
+
+    def _working_cache(self) -> KVCache:
+        """The cache generation works in, allocated on first use, as it is."""
         if self._cache is None:
             self._cache = self.transformer.ops.new_cache(self.cfg, self.kv_spec)
-        self._cache.clear()
-        self._cache_holds = None
         return self._cache
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -97,10 +108,19 @@ class Model:
         prompt_cache: a cache_prompt() result; the tokens `prompt` shares with its prompt are not prefilled again.
         keep_cache: when the text is done (or the stream closed), `last_prompt_cache` holds the cache of the
         prompt and the reply: the next turn of a conversation prefills only what follows the reply."""
-        ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
-        self.last_prompt_cache = None
+        # every argument is checked before anything runs or changes (the CLI echoes the prompt after this returns)
+        max_tokens = check_max_tokens(max_tokens)
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                          repeat_penalty=repeat_penalty, seed=seed))
+        ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
+        need = len(ids) + (1 if max_tokens != 0 else 0)  # the first generated token needs its position
+        if need > self.kv_spec.ctx:
+            raise ContextOverflowError(f"the prompt's {len(ids)} tokens{' and one generated' * (max_tokens != 0)} "
+                                       f"exceed the context of {self.kv_spec.ctx} tokens; raise -c/--ctx (ctx=...) "
+                                       "or shorten the prompt")
+        if prompt_cache is not None:
+            self.check_prompt_cache(prompt_cache)
+        self.last_prompt_cache = None
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.last_stats = GenerationStats()
         cache, reused, logits = self._cache_holding_prefix(ids, prompt_cache)
@@ -122,8 +142,9 @@ class Model:
         cache_prompt(..., reuse=it), then prefill only what follows the tokens they share. `reuse` may hold a
         cache of an earlier, related prompt (its shared beginning is not prefilled again)."""
         ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
+        if reuse is not None:
+            self.check_prompt_cache(reuse)
         if reuse is not None and tuple(ids) == reuse.ids:  # the very same prompt: nothing to run or copy
-            self._check_prompt_cache(reuse)
             same = dataclasses.replace(reuse, reused=len(ids))
             if self._cache_holds is reuse:
                 self._cache_holds = same
@@ -146,7 +167,8 @@ class Model:
 
     def _cache_holding_prefix(self, ids: list[int], prompt_cache: PromptCache | None):
         """The working cache holding the first `reused` of `ids` from prompt_cache, and the logits after all of
-        ids when it holds every one (else None). The caller changes the working cache from here on."""
+        ids when it holds every one (else None). The caller has checked prompt_cache (check_prompt_cache) and changes
+        the working cache from here on."""
         held = prompt_cache is not None and prompt_cache is self._cache_holds  # (cache_prompt, keep_cache)
         if held:
             cache, self._cache_holds = self._cache, None
@@ -154,7 +176,6 @@ class Model:
             cache = self.new_cache()
         if prompt_cache is None:
             return cache, 0, None
-        self._check_prompt_cache(prompt_cache)
         shared = prompt_cache.shared_prefix(ids)
         if shared == 0:
             if held:  # (new_cache cleared it otherwise)
@@ -170,10 +191,38 @@ class Model:
             return cache, 0, None
         return cache, keep, None
 
-    def _check_prompt_cache(self, prompt_cache: PromptCache) -> None:
+    def check_prompt_cache(self, prompt_cache: PromptCache) -> None:
+        """InputError unless `prompt_cache` (from cache_prompt() or PromptCache.load()) was made by this model with
+        these settings and holds what this model's cache holds: ids of its vocabulary within the context, logits
+        over the vocabulary, and every layer's arrays in the working cache's shapes (a file damaged or written
+        by hand would otherwise fail inside restore, or sample from a cut logits row)."""
+        problem = self.prompt_cache_problem(prompt_cache)
+        if problem is not None:
+            raise InputError(f"this prompt cache {problem}; make it again with cache_prompt()")
+
+    def prompt_cache_problem(self, prompt_cache: PromptCache) -> str | None:
+        """Why `prompt_cache` cannot serve this model (a phrase: "was made by ...", "does not fit ..."), or None."""
         if prompt_cache.key != self.prompt_cache_key():
-            raise CupyllmError("this prompt cache was made by another model or with other settings (KV types, ctx, "
-                               "chunk, DCA, device); make it again with cache_prompt()")
+            return "was made by another model or with other settings (KV types, ctx, chunk, DCA, device)"
+        problem = self._layout_problem(prompt_cache)
+        return None if problem is None else f"does not fit the model: {problem}"
+
+    def _layout_problem(self, prompt_cache: PromptCache) -> str | None:
+        n_vocab, ctx = self.cfg.n_vocab, self.kv_spec.ctx
+        ids = np.asarray(prompt_cache.ids, dtype=np.int64)
+        if not 0 < len(ids) <= ctx or not ((ids >= 0) & (ids < n_vocab)).all():
+            return f"its {len(ids)} ids are not 1 .. {ctx} token ids below {n_vocab}"
+        logits = np.asarray(prompt_cache.logits)
+        if logits.shape != (n_vocab,) or not np.issubdtype(logits.dtype, np.floating) or np.isnan(logits).any():
+            return f"its logits are {logits.dtype} {logits.shape}, expected {n_vocab} numbers"
+        layers = self._working_cache().own_layers()
+        if len(prompt_cache.layer_states) != len(layers):
+            return f"it holds {len(prompt_cache.layer_states)} layer caches, the model has {len(layers)}"
+        for i, (layer, state) in enumerate(zip(layers, prompt_cache.layer_states)):
+            problem = layer_state_problem(layer, state, len(ids))
+            if problem is not None:
+                return f"layer {i}: {problem}"
+        return None
 
     def _prompt_ids(self, prompt, chat: bool, chat_template_kwargs: dict | None) -> list[int]:
         if chat:
@@ -236,13 +285,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
-    if ctx is not None and ctx <= 0:
-        raise CupyllmError(f"ctx must be a positive number of tokens, got {ctx}")
-    if threads is not None:
-        import numba
-        if not 1 <= threads <= numba.config.NUMBA_NUM_THREADS:
-            raise CupyllmError(f"threads={threads}: choose 1 .. {numba.config.NUMBA_NUM_THREADS} (the CPU threads "
-                               "this machine offers)")
+    check_load_options(ctx=ctx, threads=threads, max_chunk=max_chunk, dca=dca)
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
@@ -261,11 +304,6 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     mirror = bool(kv_mirror)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
     dca_cfg = _dca_config(dca, cfg)
-    if dca_cfg is None and ctx > cfg.ctx_train:
-        warnings.warn(f"ctx {ctx} is past the {cfg.ctx_train} positions this model was trained on; beyond them "
-                      "attention meets distances it never saw and retrieval fails (bench/results/niah.md); pass "
-                      "dca=True (--dca) to keep every query-key distance in the trained range",
-                      ContextPastTrainingWarning, stacklevel=2)
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
     if dca_cfg is not None:
         transformer.attention = dca_attention(dca_cfg)
@@ -277,9 +315,50 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     kv_type_k, kv_type_v, kv_plan, spill_plan, spec = _fit_cache(
         cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=mirror, max_chunk=max_chunk,
         normalize_k=kv_normalize_k, float_mirror=mirror)
+    if budget is None:  # no budget given: the cache must still fit the memory there is, checked before allocating
+        check_memory(cfg, spec, backend.memory_available(), backend.name, mirror=mirror)
+    if dca_cfg is None and ctx > cfg.ctx_train:  # (warned only for a context that loads)
+        warnings.warn(f"ctx {ctx} is past the {cfg.ctx_train} positions this model was trained on; beyond them "
+                      "attention meets distances it never saw and retrieval fails (bench/results/niah.md); pass "
+                      "dca=True (--dca) to keep every query-key distance in the trained range",
+                      ContextPastTrainingWarning, stacklevel=2)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
                  kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
                  threads=threads)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_load_options(*, ctx: int | None = None, threads: int | None = None, max_chunk: int = 512,
+                       dca: bool | dict | None = None) -> None:
+    """InputError for a load() argument out of its range, before anything is read (the CLI checks its flags with
+    it before the model loads): the words name the argument and its flag."""
+    if ctx is not None and not (_is_count(ctx) and ctx > 0):
+        raise InputError(f"ctx (-c/--ctx) must be a positive number of tokens, got {ctx!r}")
+    if threads is not None:
+        import numba
+        if not (_is_count(threads) and 1 <= threads <= numba.config.NUMBA_NUM_THREADS):
+            raise InputError(f"threads={threads!r}: choose 1 .. {numba.config.NUMBA_NUM_THREADS} (-t/--threads: the "
+                             "CPU threads this machine offers)")
+    if not (_is_count(max_chunk) and max_chunk > 0):
+        raise InputError(f"max_chunk must be a positive number of tokens, got {max_chunk!r}")
+    if isinstance(dca, dict):
+        unknown = set(dca) - {"chunk_size", "local_size", "yarn_factor"}
+        if unknown:
+            raise InputError(f"unknown DCA option(s) {sorted(unknown)}; use chunk_size, local_size, yarn_factor")
+        for name, flag in (("chunk_size", "--dca-chunk-size"), ("local_size", "--dca-local-size")):
+            value = dca.get(name)
+            if value is not None and not (_is_count(value) and value > 0):
+                raise InputError(f"DCA {name} ({flag}) must be a positive number of tokens, got {value!r}")
+        yarn = dca.get("yarn_factor", 1.0)
+        if yarn is None or isinstance(yarn, bool) or not isinstance(yarn, (int, float, np.floating)) or \
+                not 1.0 <= yarn < math.inf:
+            raise InputError(f"DCA yarn_factor (--dca-yarn-factor) must be a finite number >= 1 (1 = off), "
+                             f"got {yarn!r}")
+    elif dca is not None and not isinstance(dca, (bool, DCAConfig)):
+        raise InputError(f"dca must be True, False, None or a dict of chunk_size, local_size, yarn_factor; got {dca!r}")
 
 
 def _fit_cache(cfg: ModelConfig, ctx: int, kv_type_k: str, kv_type_v: str, budget: int | None, *, auto: bool,
@@ -316,7 +395,10 @@ def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:
         return DCAConfig.for_model(cfg.ctx_train)
     if isinstance(dca, DCAConfig):
         return dca
-    unknown = set(dca) - {"chunk_size", "local_size", "yarn_factor"}
-    if unknown:
-        raise CupyllmError(f"unknown DCA option(s) {sorted(unknown)}; use chunk_size, local_size, yarn_factor")
-    return DCAConfig.for_model(cfg.ctx_train, dca.get("chunk_size"), dca.get("local_size"), dca.get("yarn_factor", 1.0))
+    check_load_options(dca=dca)
+    chunk = dca.get("chunk_size") or cfg.ctx_train
+    local = dca.get("local_size") or chunk // 32
+    if not 0 < local < chunk:
+        raise InputError(f"DCA needs 0 < local size < chunk size; got local size {local} (--dca-local-size), chunk "
+                         f"size {chunk} (--dca-chunk-size{', the trained context' * (not dca.get('chunk_size'))})")
+    return DCAConfig.for_model(cfg.ctx_train, chunk, local, dca.get("yarn_factor", 1.0))

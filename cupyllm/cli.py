@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import itertools
+import os
 import sys
 import time
 import warnings
 
-from .errors import CupyllmError
+from .errors import CupyllmError, InputError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +58,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> Non
 
 
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-encoding", default="utf-8", metavar="ENCODING",
+                   help="text encoding of the prompt file and standard input (default utf-8; e.g. latin-1, cp1252)")
     p.add_argument("--system", help="system prompt of the conversation")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                    help="set the chat template's enable_thinking (Qwen3, Gemma 4); default: the template's own")
@@ -62,6 +67,7 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cupyllm", description="Long-context LLM inference for Gemma and Qwen GGUF models")
+    parser.add_argument("--version", action="version", version=f"cupyllm {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="continue a prompt (or chat with --chat)")
@@ -91,29 +97,96 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed package's version; the source tree's where it is not installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("cupyllm")
+    except metadata.PackageNotFoundError:
+        from . import __version__
+        return __version__
+
+
+def _decode(data: bytes, source: str, encoding: str) -> str:
+    """Prompt bytes as text; InputError naming the byte that is not `encoding`, and its position."""
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{source} is not {encoding} text: byte 0x{data[exc.start]:02x} at byte position "
+                         f"{exc.start} ({exc.reason}); convert it to UTF-8, or name its encoding with "
+                         "--prompt-encoding (e.g. --prompt-encoding latin-1)") from None
+
+
+def _read_stdin() -> bytes | str:
+    """Standard input as bytes (decoded by --prompt-encoding, like a file); as text where it has no byte
+    stream (an embedding that replaced sys.stdin)."""
+    return sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+
+
 def _prompt_text(args) -> str:
     if args.file:
         try:
-            with open(args.file, encoding="utf-8") as fh:
-                return fh.read()
+            with open(args.file, "rb") as fh:
+                data = fh.read()
         except OSError as exc:
-            raise CupyllmError(f"cannot read prompt file {args.file}: {exc.strerror}") from None
-    if args.prompt_opt is not None:
-        return args.prompt_opt
-    if args.prompt is not None:
-        return args.prompt
+            raise InputError(f"cannot read prompt file {args.file}: {exc.strerror}") from None
+        return _decode(data, f"prompt file {args.file}", args.prompt_encoding)
+    for text in (args.prompt_opt, args.prompt):
+        if text is not None:  # bytes the shell passed that are not UTF-8 arrive as lone surrogates
+            return _decode(os.fsencode(text), "the prompt argument", args.prompt_encoding) \
+                if _has_surrogates(text) else text
     if sys.stdin.isatty():
-        raise CupyllmError("no prompt: pass it as an argument, with -p/-f, or on standard input")
-    return sys.stdin.read()
+        raise InputError("no prompt: pass it as an argument, with -p/-f, or on standard input")
+    data = _read_stdin()
+    return data if isinstance(data, str) else _decode(data, "standard input", args.prompt_encoding)
+
+
+def _has_surrogates(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_flags(args) -> None:
+    """Every flag checked before the prompt is read or the model loads, in the words the Python API uses."""
+    from .api import check_load_options
+    from .generate import check_max_tokens
+    from .kv.plan import parse_bytes
+    from .sampling import SamplingParams
+
+    check_load_options(ctx=args.ctx, threads=getattr(args, "threads", None), dca=_dca_options(args))
+    if getattr(args, "kv_budget", None) is not None:
+        parse_bytes(args.kv_budget)
+    if hasattr(args, "max_tokens"):
+        check_max_tokens(args.max_tokens)
+        SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                       repeat_penalty=args.repeat_penalty, seed=args.seed)
+    if hasattr(args, "prompt_encoding"):
+        try:
+            codecs.lookup(args.prompt_encoding)
+        except LookupError:
+            raise InputError(f"--prompt-encoding {args.prompt_encoding}: no such text encoding (utf-8, latin-1, "
+                             "cp1252, ...)") from None
+
+
+def _dca_options(args) -> dict | None:
+    """--dca and its sizes as load()'s dca argument; any DCA flag turns it on (a size of 0 is checked, not
+    taken for "unset")."""
+    if not hasattr(args, "dca"):
+        return None
+    sizes = (args.dca_chunk_size, args.dca_local_size)
+    if args.dca or any(size is not None for size in sizes) or args.dca_yarn_factor != 1.0:
+        return {"chunk_size": args.dca_chunk_size, "local_size": args.dca_local_size,
+                "yarn_factor": args.dca_yarn_factor}
+    return None
 
 
 def _load_model(args):
     from .api import load
 
-    dca = None
-    if args.dca or args.dca_chunk_size or args.dca_local_size or args.dca_yarn_factor != 1.0:
-        dca = {"chunk_size": args.dca_chunk_size, "local_size": args.dca_local_size,
-               "yarn_factor": args.dca_yarn_factor}
+    dca = _dca_options(args)
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
                  kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget,
                  kv_spill=args.kv_spill, kv_mirror=args.kv_mirror, threads=args.threads)
@@ -142,6 +215,8 @@ def _print_stats(model, prompt_cache=None, prefill_seconds: float = 0.0) -> None
 
 
 def cmd_generate(args) -> int:
+    """Flags, prompt, model, prompt cache and the generation's own checks all pass before the prompt is echoed."""
+    _check_flags(args)
     prompt = _prompt_text(args)
     model = _load_model(args)
     if args.chat:
@@ -171,15 +246,16 @@ def cmd_chat(args) -> int:
     standard error. Each turn's prompt (the whole conversation in the chat template) reuses the cache the previous
     turn's generation left (its prompt and reply), so only the new line and the template's turn markers are
     prefilled. Ctrl-C ends a reply early."""
+    _check_flags(args)
     model = _load_model(args)
     sampling = _sampling(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     cached = None
     interactive = sys.stdin.isatty()
-    while True:
+    for number in itertools.count(1):
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        line = _read_line(number, args.prompt_encoding)
         if not line or line.strip() in ("/exit", "/quit"):
             return 0
         if not line.strip():
@@ -204,6 +280,13 @@ def cmd_chat(args) -> int:
         _print_stats(model)
 
 
+def _read_line(number: int, encoding: str) -> str:
+    """Line `number` of standard input, decoded by --prompt-encoding ("" at the end of input)."""
+    if not hasattr(sys.stdin, "buffer"):
+        return sys.stdin.readline()
+    return _decode(sys.stdin.buffer.readline(), f"line {number} of standard input", encoding)
+
+
 def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
     """--prompt-cache: the cache of this prompt, from the saved one where they begin alike; saved back."""
     from pathlib import Path
@@ -216,9 +299,9 @@ def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
             saved = PromptCache.load(path)
         except CupyllmError as exc:
             print(f"cupyllm: note: {exc}", file=sys.stderr)
-        if saved is not None and saved.key != model.prompt_cache_key():
-            print(f"cupyllm: note: prompt cache {path} was made by another model or with other settings; "
-                  "making it again", file=sys.stderr)
+        problem = model.prompt_cache_problem(saved) if saved is not None else None
+        if problem is not None:  # other settings, or a file damaged or written by hand
+            print(f"cupyllm: note: prompt cache {path} {problem}; making it again", file=sys.stderr)
             saved = None
     cached = model.cache_prompt(target, chat=chat, chat_template_kwargs=template_kwargs, reuse=saved)
     if saved is None or cached.ids != saved.ids:
@@ -231,6 +314,7 @@ def _prompt_cache(model, path: str, target, chat: bool, template_kwargs):
 def cmd_info(args) -> int:
     from .report import model_report
 
+    _check_flags(args)
     print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v,
                        normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget, kv_spill=args.kv_spill,
                        kv_tiers=args.kv_tiers))

@@ -9,10 +9,19 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from .errors import InputError
 from .kv.cache import KVCache
 from .sampling import Sampler
 
 PROGRESS_MIN_TOKENS = 1024  # prompts at least this long show a prefill progress bar
+
+
+def check_max_tokens(max_tokens) -> int:
+    """max_tokens as an int: a count >= 0, or -1 for no limit (llama.cpp's -n -1; other negatives are mistakes,
+    not "unlimited")."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < -1:
+        raise InputError(f"max_tokens (-n/--max-tokens) must be a count >= 0, or -1 for no limit; got {max_tokens!r}")
+    return int(max_tokens)
 
 
 @dataclass
@@ -94,8 +103,8 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
                     on_done: Callable[[list[int], np.ndarray], None] | None = None) -> Iterator[str]:
     """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix: the
     tokens `history`, which the repeat penalty sees too). `logits`: those after the last cached token, when
-    prompt_ids is empty (the whole prompt is cached). A negative `max_tokens` (llama.cpp's -n -1) generates
-    until an end-of-generation token, a stop string or a full context. `on_done(ids, logits)`: called when the
+    prompt_ids is empty (the whole prompt is cached). max_tokens=-1 (llama.cpp's -n -1) generates until an
+    end-of-generation token, a stop string or a full context. `on_done(ids, logits)`: called when the
     stream ends or is closed between tokens, with the tokens the cache then holds (the last sampled token is
     never run) and the logits after them; not after an error inside the model (the cache may be half written)."""
     stats = stats if stats is not None else GenerationStats()

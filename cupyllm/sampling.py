@@ -2,6 +2,7 @@
 -> draw. A temperature <= 0 is greedy. A seed makes the draws reproducible."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,10 +22,15 @@ class SamplingParams:
 
     def __post_init__(self):
         wrong = [f"{name} {value} (need {rule})" for name, value, ok, rule in (
+            ("temperature", self.temperature, math.isfinite(self.temperature),
+             "a finite number; 0 or below is greedy"),
             ("top-k", self.top_k, self.top_k >= 0, ">= 0; 0 turns it off"),
             ("top-p", self.top_p, 0.0 < self.top_p <= 1.0, "0 < top-p <= 1; 1 turns it off"),
             ("min-p", self.min_p, 0.0 <= self.min_p <= 1.0, "0 <= min-p <= 1; 0 turns it off"),
-            ("repeat penalty", self.repeat_penalty, self.repeat_penalty > 0, "> 0; 1 turns it off")) if not ok]
+            ("repeat penalty", self.repeat_penalty, 0 < self.repeat_penalty < math.inf,
+             "> 0 and finite; 1 turns it off"),
+            ("repeat-last-n", self.repeat_last_n, self.repeat_last_n >= 0, ">= 0; 0 turns the penalty off"))
+            if not ok]
         if wrong:
             raise SamplingError("sampling parameter out of range: " + "; ".join(wrong))
 

