@@ -128,7 +128,7 @@ def base_model_note(metadata: Mapping[str, Any], model_name: str) -> str | None:
         return None
     return (f"{model_name} has no chat template of its own, so it is probably a base model, which continues a "
             "conversation instead of answering it; for chat pass an instruction-tuned GGUF with -m/--model "
-            "(model=...), e.g. Qwen2.5-Coder-0.5B-Instruct (README: Chat)")
+            "(model=...), e.g. Qwen2.5-Coder-0.5B-Instruct (the README says where to get it)")
 
 
 def _token_text(metadata: Mapping[str, Any], key: str) -> str:
