@@ -1,51 +1,59 @@
 """Tiny random-weight Qwen2, Qwen3 (dense, MoE), Gemma 3 and Gemma 4 GGUFs (our writer) against transformers models
 built from the very same tensors: float32 logits within 1.5e-3 through chunked prefill and sliding-window rings
 and through one-token decode (the quantized matmuls multiply the activations rounded to 16-bit codes), within
-1e-4 through prefill with float32 activations; all-F32 twins against llama.cpp's stored logits."""
+1e-4 through prefill with float32 activations; all-F32 twins against llama.cpp's stored logits.
+
+transformers' logits are stored in tests/data/hf_reference_tiny.npz by tools/make_hf_tiny_reference.py, so the
+suite needs no torch; where torch and transformers are installed, the stored arrays are recomputed and compared."""
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import pytest
 
 import cupyllm
+import make_hf_tiny_reference as hf_reference
 import make_tiny_models
 from cupyllm.generate import prefill
 from cupyllm.ops.matmul import cpu as cpu_linear
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+
+@pytest.fixture(scope="module")
+def stored():
+    return np.load(hf_reference.OUT)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe"])
-def pair(request, tiny_model):
-    path, spec, decoded = tiny_model(request.param)
-    hf = make_tiny_models.hf_model(spec, decoded)
-    return request.param, path, hf, decoded["token_embd.weight"].shape[0]
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
+@pytest.fixture(scope="module", params=list(hf_reference.ARCHES))
+def tiny(request, tiny_model, stored):
+    """(arch, GGUF path, stored arrays of this arch), after checking the file is the one the reference was made of."""
+    path, _, _ = tiny_model(request.param)
+    key = hf_reference.key(request.param)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == str(stored[f"{key}_sha256"]), (
+        "the tiny model changed since its transformers reference was made: pip install -e '.[reference]' and run "
+        "python tools/make_hf_tiny_reference.py")
+    return request.param, path, {name[len(key) + 1:]: stored[name] for name in stored.files
+                                 if name.startswith(key + "_")}
 
 
 @pytest.mark.parametrize("max_chunk", [512, 5])  # 5: several chunks, and (gemma) rings smaller than the sequence
-def test_logits_match_transformers(pair, max_chunk, monkeypatch):
+def test_logits_match_transformers(tiny, max_chunk, monkeypatch):
     """Prefill logits against transformers: as the engine runs (the quantized matmuls multiply the activations'
     16-bit codes: measured up to 2.3e-4 here), and with the matmuls on float32 activations (ACTIVATION_CODES
     off), where only float32 summation order separates the two."""
-    arch, path, hf, vocab = pair
-    ids = np.random.default_rng(7).integers(0, vocab, 29).tolist()
+    arch, path, ref = tiny
+    ids = ref["prefill_ids"].tolist()
     model = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f32", kv_type_v="f32", max_chunk=max_chunk,
                          progress=False)
-    want = hf_logits(hf, ids)
+    want = ref["prefill_logits"]
     np.testing.assert_allclose(model.logits(ids), want, atol=1.5e-3, rtol=0)
     monkeypatch.setattr(cpu_linear, "ACTIVATION_CODES", False)
     np.testing.assert_allclose(model.logits(ids), want, atol=1e-4, rtol=0)
 
 
-def test_decode_steps_match_transformers(pair):
-    arch, path, hf, vocab = pair
-    ids = np.random.default_rng(8).integers(0, vocab, 20).tolist()
+def test_decode_steps_match_transformers(tiny):
+    arch, path, ref = tiny
+    ids = ref["decode_ids"].tolist()
     model = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f32", kv_type_v="f32", max_chunk=4, progress=False)
     cache = model.new_cache()
     steps = [prefill(model.transformer.forward, ids[:9], cache, 4)]
@@ -53,7 +61,22 @@ def test_decode_steps_match_transformers(pair):
         steps.append(model.transformer.forward(np.array([token]), np.array([cache.n_past]), cache))
         cache.n_past += 1
     # (decode steps multiply the weights by their activations rounded to 16-bit codes: measured up to 6e-4 here)
-    np.testing.assert_allclose(np.concatenate(steps), hf_logits(hf, ids)[8:], atol=1.5e-3, rtol=0)
+    np.testing.assert_allclose(np.concatenate(steps), ref["decode_logits"][8:], atol=1.5e-3, rtol=0)
+
+
+def test_stored_reference_is_what_transformers_computes(stored, tmp_path):
+    """Where torch and transformers are installed: tools/make_hf_tiny_reference.py's arrays, recomputed now, equal
+    the stored ones (float32 logits within 1e-5: BLAS builds sum in other orders; ids and hashes exactly)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    fresh = hf_reference.compute(tmp_path)
+    assert sorted(fresh) == sorted(stored.files)
+    for name, value in fresh.items():
+        if value.dtype.kind == "f":
+            np.testing.assert_allclose(value, stored[name], atol=1e-5, rtol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(value, stored[name], err_msg=name)
 
 
 def test_gemma4_shared_layers_store_no_cache(tiny_model):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cupyllm.files.chat import encode_chat, needs_bos, render_chat
@@ -248,35 +249,18 @@ def test_template_string_with_hf_helpers():
 
 # ---- Gemma 4: BPE over characters ------------------------------------------------------------------------
 
-GEMMA4_TEXTS = ["the water in the sea", "  there\n\nwas an  answer\n", "snow\n\n\nthe", "héllo wörld ⛵ 🙂",
-                "the<|turn>user\nhi<turn|>", "", "\n", "rent on the tower a the", "x" * 40]
-
-
-def _hf_gemma4_tokenizer(tokens, merges):
-    """The same vocabulary in HF `tokenizers`, with the components a Gemma 4 tokenizer.json names: spaces
-    replaced by U+2581, lines and newline runs split apart, BPE with byte fallback, specials as added tokens."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import Regex, models, normalizers, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(tokens)}
-    bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], byte_fallback=True,
-                     unk_token="<unk>", fuse_unk=False)
-    tok = tokenizers.Tokenizer(bpe)
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[^\\n]+|[\\n]+"), behavior="isolated")
-    tok.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in ("<|turn>", "<turn|>", "<bos>", "<eos>")])
-    return tok
-
-
 def test_gemma4_ids_match_hf_tokenizers(tiny_model):
+    """HF `tokenizers`' ids of the texts, with the same vocabulary and the components a Gemma 4 tokenizer.json
+    names (tools/make_hf_tiny_reference.py stores them; test_forward_tiny.py recomputes them where installed)."""
+    import make_hf_tiny_reference as hf_reference
     import make_tiny_models
     path, _, _ = tiny_model("gemma4")
     ours = Tokenizer.from_gguf(path)
-    tokens, _, merges = make_tiny_models.gemma4_vocab()
-    hf = _hf_gemma4_tokenizer(ours.tokens, merges)
+    tokens, _, _ = make_tiny_models.gemma4_vocab()
+    stored = np.load(hf_reference.OUT)
     assert ours.add_bos and ours.bos_id == tokens.index("<bos>")
-    for text in GEMMA4_TEXTS:
-        want = hf.encode(text, add_special_tokens=False).ids
+    for i, text in enumerate(hf_reference.GEMMA4_TEXTS):
+        want = stored[f"gemma4_tokenizer_ids_{i}"].tolist()
         assert ours.encode(text, add_bos=False) == want, text
         assert ours.decode(want) == text, text  # U+2581 back to spaces, byte tokens back to bytes
     assert ours.encode("the", add_bos=True)[0] == ours.bos_id
@@ -286,7 +270,6 @@ def test_gemma4_ids_match_hf_tokenizers(tiny_model):
 def test_gemma4_ids_match_llama_cpp(tiny_model):
     """llama.cpp's ids for the tiny Gemma 4 vocabulary (stored by tools/make_llama_cpp_reference.py)."""
     import make_llama_cpp_reference as reference
-    import numpy as np
     stored = np.load(reference.OUT)
     ours = Tokenizer.from_gguf(tiny_model("gemma4")[0])
     ids, offsets = stored["gemma4_text_ids"].tolist(), stored["gemma4_text_offsets"]
@@ -297,9 +280,11 @@ def test_gemma4_ids_match_llama_cpp(tiny_model):
 
 
 def test_gemma4_random_strings_match_hf_tokenizers(tiny_model):
-    import make_llama_cpp_reference as reference
-    import make_tiny_models
+    import make_hf_tiny_reference as hf_reference
+    stored = np.load(hf_reference.OUT)
     ours = Tokenizer.from_gguf(tiny_model("gemma4")[0])
-    hf = _hf_gemma4_tokenizer(ours.tokens, make_tiny_models.gemma4_vocab()[2])
-    for text in reference.fuzz_texts(1000, seed=1):
-        assert ours.encode(text, add_bos=False) == hf.encode(text, add_special_tokens=False).ids, text
+    ids, offsets = stored["gemma4_fuzz_ids"].tolist(), stored["gemma4_fuzz_offsets"]
+    texts = hf_reference.gemma4_fuzz_texts()
+    assert len(offsets) == len(texts) + 1
+    for i, text in enumerate(texts):
+        assert ours.encode(text, add_bos=False) == ids[offsets[i]:offsets[i + 1]], text

@@ -1,5 +1,5 @@
 """The elementwise family (cupyllm/ops/elementwise/): RoPE against independent definitions (HF transformers'
-rope initialisers for the frequencies, a per-pair rotation written out for NEOX / normal ordering and partial
+rope initialisers for the frequencies, stored by tools/make_hf_tiny_reference.py, a per-pair rotation written out for NEOX / normal ordering and partial
 rotary dims), and the CPU kernels (RMSNorm, RoPE rows, the gated activations) against reference.py."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+import make_hf_tiny_reference as hf_reference
 from cupyllm.files.config import RopeConfig
 from cupyllm.ops.elementwise.cpu import rms_norm_rows, rope_rows
 from cupyllm.ops.elementwise.reference import apply_rope, inverse_frequencies, rope_tables
@@ -40,31 +41,20 @@ def test_rotation_orderings_and_partial_dims(neox, n_rot):
     np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
 
 
-def _hf_rope(rope_type: str, **params):
-    from transformers import Qwen2Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    cfg = Qwen2Config(hidden_size=512, num_attention_heads=4, max_position_embeddings=32768,
-                      rope_parameters={"rope_type": rope_type, "rope_theta": 1e6, **params})
-    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
-    return inv_freq.double().numpy(), attention_factor
-
-
 def test_linear_scaling_matches_transformers():
-    pytest.importorskip("transformers")
+    """transformers' inverse frequencies and attention factor, stored by tools/make_hf_tiny_reference.py."""
+    stored = np.load(hf_reference.OUT)
     ours, mscale = inverse_frequencies(RopeConfig(base=1e6, n_rot=128, scaling="linear", factor=4.0))
-    theirs, factor = _hf_rope("linear", factor=4.0)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
-    assert mscale == factor == 1.0
+    np.testing.assert_allclose(ours, stored["rope_linear_inv_freq"], rtol=1e-6)
+    assert mscale == float(stored["rope_linear_attention_factor"]) == 1.0
 
 
 def test_yarn_matches_transformers():
-    pytest.importorskip("transformers")
+    stored = np.load(hf_reference.OUT)
     rope = RopeConfig(base=1e6, n_rot=128, scaling="yarn", factor=4.0, original_ctx=32768)
     ours, mscale = inverse_frequencies(rope)
-    theirs, factor = _hf_rope("yarn", factor=4.0, original_max_position_embeddings=32768, truncate=True)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
-    assert mscale == pytest.approx(factor, rel=1e-6)
+    np.testing.assert_allclose(ours, stored["rope_yarn_inv_freq"], rtol=1e-5)
+    assert mscale == pytest.approx(float(stored["rope_yarn_attention_factor"]), rel=1e-6)
 
 
 @pytest.mark.parametrize("neox", [True, False])

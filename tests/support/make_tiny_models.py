@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,7 +265,9 @@ def _store(values: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
     if qtype == T.F32:
         return values, values
     if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):  # gguf has no quantizer for these: random valid blocks instead
-        rng = np.random.default_rng(abs(hash(values.tobytes())) % 2**32)
+        # seeded by the values' bytes, not hash(): Python salts that per process, and stored references
+        # (tests/data/hf_reference_tiny.npz) need the same file in every run
+        rng = np.random.default_rng(zlib.crc32(values.tobytes()))
         block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         n_blocks = values.size // block_values
         raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
