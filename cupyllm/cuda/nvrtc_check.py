@@ -1,8 +1,8 @@
 """Compile every CUDA kernel with NVRTC, no GPU or driver needed.
 
 `RawModule.compile()` asks the driver for the device architecture and loads the result, so it fails
-on a machine without a GPU. NVRTC itself is a plain library: we call it through
-`cupy_backends.cuda.libs.nvrtc` for a named architecture and only keep the cubin's size.
+on a machine without a GPU. NVRTC itself is a plain C library: we call it through
+ctypes (no CuPy needed) for a named architecture and only keep the cubin's size.
 This is what CI runs (tests/test_cuda_compile.py) and what `python -m cupyllm.cuda.nvrtc_check`
 prints as a table.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import ctypes.util
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,30 +25,83 @@ from .registry import (KernelSet, all_kernel_sets, compile_options, cuda_include
 DEFAULT_ARCHS = (80, 90)
 
 
-def load_nvrtc():
-    """The cupy_backends NVRTC binding with libnvrtc loaded, or DeviceError saying what to install.
+class NVRTCLibrary:
+    """The few NVRTC calls the check makes, through ctypes: NVRTC is a plain C library, so the check needs neither
+    CuPy nor a driver. Methods raise RuntimeError with NVRTC's message on a failed call."""
 
-    CuPy 14 finds libnvrtc through cuda.pathfinder (pip package nvidia-cuda-nvrtc-cu12 or a CUDA
-    toolkit). Older CuPy only searches the toolkit, so we preload the pip package's library first.
-    """
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except ImportError as exc:
-        raise DeviceError("the NVRTC check needs CuPy: pip install 'cupyllm[dev]'") from exc
-    try:
-        nvrtc.getVersion()
-        return nvrtc
-    except Exception:
-        pass
-    for path in _pip_nvrtc_libraries():
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def _check(self, status: int, call: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{call}: {self.lib.nvrtcGetErrorString(status).decode()}")
+
+    def getVersion(self) -> tuple[int, int]:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        return major.value, minor.value
+
+    def createProgram(self, source: str, name: str, headers=(), include_names=()) -> ctypes.c_void_p:
+        program = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(), 0, None, None),
+                    "nvrtcCreateProgram")
+        return program
+
+    def addNameExpression(self, program, name: str) -> None:
+        self._check(self.lib.nvrtcAddNameExpression(program, name.encode()), "nvrtcAddNameExpression")
+
+    def compileProgram(self, program, options) -> None:
+        encoded = [o.encode() for o in options]
+        argv = (ctypes.c_char_p * len(encoded))(*encoded)
+        self._check(self.lib.nvrtcCompileProgram(program, len(encoded), argv), "nvrtcCompileProgram")
+
+    def _bytes(self, program, size_call: str, get_call: str) -> bytes:
+        size = ctypes.c_size_t()
+        self._check(getattr(self.lib, size_call)(program, ctypes.byref(size)), size_call)
+        buf = ctypes.create_string_buffer(size.value)
+        self._check(getattr(self.lib, get_call)(program, buf), get_call)
+        return buf.raw
+
+    def getProgramLog(self, program) -> str:
+        return self._bytes(program, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog").rstrip(b"\0").decode(
+            errors="replace")
+
+    def getCUBIN(self, program) -> bytes:
+        return self._bytes(program, "nvrtcGetCUBINSize", "nvrtcGetCUBIN")
+
+    def getLoweredName(self, program, name: str) -> str:
+        lowered = ctypes.c_char_p()
+        self._check(self.lib.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(lowered)), "nvrtcGetLoweredName")
+        return lowered.value.decode()
+
+    def destroyProgram(self, program) -> None:
+        self._check(self.lib.nvrtcDestroyProgram(ctypes.byref(program)), "nvrtcDestroyProgram")
+
+
+def load_nvrtc() -> NVRTCLibrary:
+    """libnvrtc from the pip package nvidia-cuda-nvrtc-cu12 (what the dev extra installs), else a CUDA toolkit's;
+    DeviceError saying what to install when there is none."""
+    for path in _nvrtc_library_candidates():
         try:
-            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-            nvrtc.getVersion()
-            return nvrtc
-        except Exception:
+            library = NVRTCLibrary(ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL))
+            library.getVersion()
+            return library
+        except (OSError, AttributeError, RuntimeError):
             continue
     raise DeviceError(
         "libnvrtc could not be loaded: pip install nvidia-cuda-nvrtc-cu12 (or install a CUDA toolkit)")
+
+
+def _nvrtc_library_candidates() -> list[Path | str]:
+    candidates: list[Path | str] = list(_pip_nvrtc_libraries())
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            candidates += sorted(Path(root, "lib64").glob("libnvrtc.so*"), reverse=True)
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        candidates.append(found)
+    return [c for c in candidates if "builtins" not in str(c) and ".alt." not in str(c)]
 
 
 def _pip_nvrtc_libraries() -> list[Path]:
@@ -57,7 +112,7 @@ def _pip_nvrtc_libraries() -> list[Path]:
     libs = []
     for root in package.__path__:
         libs += sorted(Path(root, "lib").glob("libnvrtc.so*"))
-    return [p for p in libs if "builtins" not in p.name and ".alt." not in p.name]
+    return libs
 
 
 @dataclass
