@@ -231,8 +231,12 @@ class Model:
             ids = self.tokenize(prompt)
         else:
             ids = [int(t) for t in prompt]
+            outside = [t for t in ids if not 0 <= t < self.cfg.n_vocab]
+            if outside:  # (the embedding lookup would fail deep inside, or read another row)
+                raise InputError(f"token id {outside[0]} of the prompt is not in the vocabulary (0 .. "
+                                 f"{self.cfg.n_vocab - 1})")
         if not ids:
-            raise CupyllmError("the prompt is empty and the model adds no BOS token; give some prompt text")
+            raise InputError("the prompt is empty and the model adds no BOS token; give some prompt text")
         return ids
 
     def _forward_numpy(self, tokens, positions, cache, all_logits=False):

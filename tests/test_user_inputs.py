@@ -97,6 +97,16 @@ def test_a_bad_flag_is_one_line_before_anything_loads_and_the_api_says_the_same(
         assert one_error(*run(capsys, "info", gemma, *flags)) == error
 
 
+def test_prompt_ids_outside_the_vocabulary_and_an_empty_prompt_are_refused(gemma_model):
+    n_vocab = gemma_model.cfg.n_vocab
+    for bad in (n_vocab, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} of the prompt is not in the vocabulary"):
+            gemma_model.generate([5, bad], max_tokens=1)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        gemma_model.generate([], max_tokens=1)
+    assert gemma_model.generate([5, n_vocab - 1], max_tokens=1, temperature=0) is not None
+
+
 def test_good_flags_keep_working_and_n_minus_one_is_no_limit(capsys, gemma, gemma_model):
     code, out, err = run(capsys, "generate", "the sea", "-m", gemma, "--device", "cpu", "-n", "3", "--temp", "0",
                          "--dca-chunk-size", "64", "--dca-local-size", "8", "--dca-yarn-factor", "1.5")
