@@ -92,7 +92,8 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """float32 [len(ids), n_vocab]: the logits at every position of one fresh sequence."""
         if len(ids) == 0:
-            raise CupyllmError("logits() needs at least one token id")
+            raise InputError("logits() needs at least one token id")
+        ids = self._prompt_ids(ids, chat=False, chat_template_kwargs=None)  # (checks each id)
         cache = self.new_cache()
         return prefill(self._forward_numpy, ids, cache, self.kv_spec.max_chunk, all_logits=True)
 

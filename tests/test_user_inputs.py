@@ -102,6 +102,8 @@ def test_prompt_ids_outside_the_vocabulary_and_an_empty_prompt_are_refused(gemma
     for bad in (n_vocab, -1):
         with pytest.raises(ValueError, match=f"token id {bad} of the prompt is not in the vocabulary"):
             gemma_model.generate([5, bad], max_tokens=1)
+    with pytest.raises(ValueError, match=f"token id {n_vocab} of the prompt"):
+        gemma_model.logits([5, n_vocab])
     with pytest.raises(ValueError, match="the prompt is empty"):
         gemma_model.generate([], max_tokens=1)
     assert gemma_model.generate([5, n_vocab - 1], max_tokens=1, temperature=0) is not None
