@@ -32,3 +32,7 @@ class SamplingError(CupyllmError, ValueError):
 
 class ContextPastTrainingWarning(UserWarning):
     """A context larger than the model was trained on, without Dual Chunk Attention (llama.cpp warns alike)."""
+
+
+class ModelFileWarning(UserWarning):
+    """A model file that loads but carries something cupyllm does not use (tensors of unknown names)."""

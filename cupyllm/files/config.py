@@ -4,16 +4,21 @@ Where a GGUF omits a hyperparameter, the value is filled exactly as llama.cpp's 
 fills it (Gemma 3: every 6th layer global, local rope base 10 000, query scale 1/sqrt(head_dim) except 27B).
 Gemma 4 varies the attention shape by layer (sliding layers: `key_length_swa`, global layers: `key_length` and
 their own KV head count) and lets its last `shared_kv_layers` layers read the cache of an earlier layer.
+
+Every hyperparameter is read with its type and range checked, and the tensors are checked against the shapes
+the hyperparameters give them before a configuration is returned (files/validate.py): a file whose metadata
+and tensors disagree is one ModelFileError naming the key or tensor, never a crash at the first token.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..errors import ModelFileError
 from .gguf import GGUFFile
+from .validate import Hyperparameters, check_block_count, check_tensors, check_tokenizer_metadata
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4")
 
@@ -102,127 +107,159 @@ class ModelConfig:
         return self.n_head // self.n_kv_head
 
 
-def _rope_scaling(get, arch: str, n_rot: int, base: float) -> RopeConfig:
-    scaling = get(f"{arch}.rope.scaling.type", "none") or "none"
-    factor = float(get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+def _rope_scaling(hp: Hyperparameters, arch: str, n_rot: int, base: float) -> RopeConfig:
+    scaling = hp.text(f"{arch}.rope.scaling.type", "none") or "none"
+    factor = hp.real(f"{arch}.rope.scaling.factor", 1.0, positive=False) or 1.0  # 0: none, as llama.cpp reads it
     if scaling == "none" and factor != 1.0:
         scaling = "linear"
     if scaling not in ("none", "linear", "yarn"):
-        raise ModelFileError(f"rope scaling type '{scaling}' is not supported (none, linear, yarn)")
+        raise ModelFileError(f"{hp.path}: rope scaling type '{scaling}' is not supported (none, linear, yarn)")
     return RopeConfig(
         base=base, n_rot=n_rot, neox=True, scaling=scaling, factor=factor,
-        original_ctx=int(get(f"{arch}.rope.scaling.original_context_length", 0) or 0),
-        yarn_beta_fast=float(get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0) or 32.0),
-        yarn_beta_slow=float(get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0) or 1.0),
-        yarn_attn_factor=float(get(f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0),
+        original_ctx=hp.integer(f"{arch}.rope.scaling.original_context_length", 0),
+        yarn_beta_fast=hp.real(f"{arch}.rope.scaling.yarn_beta_fast", 32.0, positive=False) or 32.0,
+        yarn_beta_slow=hp.real(f"{arch}.rope.scaling.yarn_beta_slow", 1.0, positive=False) or 1.0,
+        yarn_attn_factor=hp.real(f"{arch}.rope.scaling.attn_factor", 1.0, positive=False) or 1.0,
     )
 
 
+def _rotary_dims(hp: Hyperparameters, key: str, head_dim: int, partial: bool) -> int:
+    """Rotated dims per head: even, at most the head dim (all of it unless the architecture rotates part)."""
+    n_rot = hp.integer(key, head_dim, lo=2, hi=head_dim)
+    if n_rot % 2 or (not partial and n_rot != head_dim):
+        raise hp.fail(key, n_rot, f"{'an even number <= ' if partial else ''}the head dim {head_dim}")
+    return n_rot
+
+
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    """The model's configuration, every hyperparameter checked against its range and the tensors it
+    describes. Tensors of unknown names are set aside into gguf.unused_tensors with a ModelFileWarning."""
     arch = gguf.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3, Gemma 4)")
-
-    def get(key, default=None):
-        return gguf.get(key, default)
-
-    def need(key):
-        value = gguf.get(key)
-        if value is None:
-            raise ModelFileError(f"{gguf.path}: metadata key '{key}' is missing; the file is not a complete {arch} model")
-        return value
-
-    n_layer = int(need(f"{arch}.block_count"))
-    d_model = int(need(f"{arch}.embedding_length"))
-    n_head = int(need(f"{arch}.attention.head_count"))
-    n_kv_head = int(_largest(get(f"{arch}.attention.head_count_kv", n_head)))
-    head_dim = int(get(f"{arch}.attention.key_length", d_model // n_head))
-    v_head_dim = int(get(f"{arch}.attention.value_length", head_dim))
-    n_rot = int(get(f"{arch}.rope.dimension_count", head_dim))
-    base = float(get(f"{arch}.rope.freq_base", 10000.0))
-    rope = _rope_scaling(get, arch, n_rot, base)
-    if "rope_freqs.weight" in gguf.tensors:
-        from ..ops.matmul.reference import dequantize  # rope_freqs is a tiny F32 tensor
-        t = gguf.tensors["rope_freqs.weight"]
-        rope = RopeConfig(**{**rope.__dict__, "freq_factors": tuple(float(v) for v in dequantize(t.data, t.type, t.shape[-1]).ravel())})
+    hp = Hyperparameters(gguf, arch)
+    n_layer = hp.integer(f"{arch}.block_count", lo=1)
+    check_block_count(gguf, f"{arch}.block_count", n_layer)  # before anything is sized by it
+    d_model = hp.integer(f"{arch}.embedding_length", lo=1)
+    n_head = hp.uniform(f"{arch}.attention.head_count", n_layer, lo=1)
+    kv_heads = hp.per_layer(f"{arch}.attention.head_count_kv", n_layer, n_head, lo=1)
+    for key, value in ((f"{arch}.attention.head_count_kv", kv) for kv in kv_heads):
+        if n_head % value:
+            raise hp.fail(key, value, f"a divisor of the {n_head} query heads")
+    if arch != "gemma4":
+        kv_heads = (hp.uniform(f"{arch}.attention.head_count_kv", n_layer, n_head, lo=1),) * n_layer
+    head_dim = hp.integer(f"{arch}.attention.key_length", d_model // n_head)
+    if head_dim < 1:
+        raise hp.fail(f"{arch}.attention.key_length", head_dim, "a head dim >= 1")
+    v_head_dim = hp.integer(f"{arch}.attention.value_length", head_dim, lo=1)
+    n_rot = _rotary_dims(hp, f"{arch}.rope.dimension_count", head_dim, partial=arch == "gemma4")
+    rope = _rope_scaling(hp, arch, n_rot, hp.real(f"{arch}.rope.freq_base", 10000.0))
     # an MoE file may carry only its experts' width
-    ffn_dim = get(f"{arch}.feed_forward_length", get(f"{arch}.expert_feed_forward_length"))
-    if ffn_dim is None:
-        ffn_dim = need(f"{arch}.feed_forward_length")  # the missing-key error
-    tokens = get("tokenizer.ggml.tokens")
-    n_vocab = len(tokens) if tokens is not None else gguf.tensor("token_embd.weight").shape[0]
+    ffn_key = f"{arch}.feed_forward_length"
+    if gguf.get(ffn_key) is None and gguf.get(f"{arch}.expert_feed_forward_length") is not None:
+        ffn_key = f"{arch}.expert_feed_forward_length"
+    layer_ffn = hp.per_layer(ffn_key, n_layer, lo=1)
+    if arch != "gemma4":
+        layer_ffn = (hp.uniform(ffn_key, n_layer, lo=1),) * n_layer
+    n_expert, n_expert_used, expert_ffn = _experts(gguf, hp, arch, n_layer)
+    tokens = gguf.get("tokenizer.ggml.tokens")
+    n_vocab = len(tokens) if isinstance(tokens, list) else gguf.tensor("token_embd.weight").shape[0]
+    if n_vocab < 1:
+        raise hp.fail("tokenizer.ggml.tokens", tokens, "at least one token")
+    check_tokenizer_metadata(gguf, n_vocab)
 
     common = dict(
-        arch=arch, name=str(get("general.name", arch)), n_layer=n_layer, d_model=d_model, n_head=n_head,
-        n_kv_head=n_kv_head, head_dim=head_dim, v_head_dim=v_head_dim,
-        ffn_dim=int(_largest(ffn_dim)), n_vocab=n_vocab,
-        norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        ctx_train=int(get(f"{arch}.context_length", 4096)), rope=rope,
-        tied_output="output.weight" not in gguf.tensors,
+        arch=arch, name=str(gguf.get("general.name", arch)), n_layer=n_layer, d_model=d_model, n_head=n_head,
+        n_kv_head=kv_heads[0], head_dim=head_dim, v_head_dim=v_head_dim, ffn_dim=max(layer_ffn), n_vocab=n_vocab,
+        norm_eps=hp.real(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        ctx_train=hp.integer(f"{arch}.context_length", 4096, lo=1), rope=rope,
+        tied_output="output.weight" not in gguf.tensors, n_expert=n_expert, n_expert_used=n_expert_used,
     )
     if arch in ("qwen2", "qwen3", "qwen3moe"):
-        n_expert, n_expert_used = _experts(gguf, get, arch)
-        return ModelConfig(**common, attn_scale=1.0 / math.sqrt(head_dim), qkv_bias=arch == "qwen2",
-                           qk_norm=arch != "qwen2", activation="silu", n_expert=n_expert, n_expert_used=n_expert_used)
-    if arch == "gemma4":
-        return _gemma4_config(gguf, get, common)
+        cfg = ModelConfig(**common, attn_scale=1.0 / math.sqrt(head_dim), qkv_bias=arch == "qwen2",
+                          qk_norm=arch != "qwen2", activation="silu")
+    elif arch == "gemma4":
+        cfg = _gemma4_config(gguf, hp, common, kv_heads)
+    else:
+        # gemma3, as llama.cpp: sliding pattern 6 (layers 5, 11, ... global), local rope base 10 000 unscaled
+        pattern = 6
+        sliding = tuple((il % pattern) < (pattern - 1) for il in range(n_layer))
+        rope_local = RopeConfig(base=10000.0, n_rot=n_rot, neox=True)
+        attn_scale = (1.0 / math.sqrt(d_model / n_head)) if n_layer == 62 else 1.0 / math.sqrt(head_dim)  # 27B
+        cfg = ModelConfig(
+            **common, rope_local=rope_local,
+            sliding_window=hp.integer(f"{arch}.attention.sliding_window", 4096, lo=1), sliding_layers=sliding,
+            attn_scale=attn_scale, embed_scale=math.sqrt(d_model),
+            final_logit_softcap=hp.real(f"{arch}.final_logit_softcapping", 0.0, positive=False),
+            attn_logit_softcap=hp.real(f"{arch}.attn_logit_softcapping", 0.0, positive=False),
+            qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
+        )
+    check_tensors(gguf, cfg, layer_ffn, expert_ffn)
+    if "rope_freqs.weight" in gguf.tensors:
+        cfg = replace(cfg, rope=replace(cfg.rope, freq_factors=_rope_freq_factors(gguf)))
+    return cfg
 
-    # gemma3, as llama.cpp: sliding pattern 6 (layers 5, 11, ... global), local rope base 10 000 unscaled
-    pattern = 6
-    sliding = tuple((il % pattern) < (pattern - 1) for il in range(n_layer))
-    rope_local = RopeConfig(base=10000.0, n_rot=n_rot, neox=True)
-    attn_scale = (1.0 / math.sqrt(d_model / n_head)) if n_layer == 62 else 1.0 / math.sqrt(head_dim)  # 27B
-    return ModelConfig(
-        **common, rope_local=rope_local,
-        sliding_window=int(get(f"{arch}.attention.sliding_window", 4096)), sliding_layers=sliding,
-        attn_scale=attn_scale, embed_scale=math.sqrt(d_model),
-        final_logit_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
-        attn_logit_softcap=float(get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
-        qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
-    )
+
+def _rope_freq_factors(gguf: GGUFFile) -> tuple[float, ...]:
+    """`rope_freqs.weight` (its shape already checked): finite positive divisors of the rope frequencies."""
+    from ..ops.matmul.reference import dequantize, weight_format  # rope_freqs is a tiny F32 tensor
+
+    t = gguf.tensors["rope_freqs.weight"]
+    if weight_format(t.type) is None:
+        raise ModelFileError(f"{gguf.path}: tensor 'rope_freqs.weight' has type {t.type.name}, expected F32")
+    factors = dequantize(t.data, t.type, t.shape[-1]).ravel()
+    if not (np.isfinite(factors) & (factors > 0)).all():
+        raise ModelFileError(f"{gguf.path}: tensor 'rope_freqs.weight' holds factors that are not finite and "
+                             "positive; the file is corrupt")
+    return tuple(float(v) for v in factors)
 
 
-def _experts(gguf: GGUFFile, get, arch: str) -> tuple[int, int]:
-    """(experts per MoE layer, experts each token uses); (0, 0) for a dense model."""
-    n_expert, n_expert_used = int(get(f"{arch}.expert_count", 0) or 0), int(get(f"{arch}.expert_used_count", 0) or 0)
-    if n_expert and not 0 < n_expert_used <= n_expert:
+def _experts(gguf: GGUFFile, hp: Hyperparameters, arch: str, n_layer: int) -> tuple[int, int, tuple[int, ...]]:
+    """(experts per MoE layer, experts each token uses, each layer's expert width); (0, 0, zeros) for a dense
+    model. Without `expert_feed_forward_length` the width is the first layer's down projection's (its shape
+    is then checked in every layer)."""
+    n_expert = hp.integer(f"{arch}.expert_count", 0, lo=1 if arch == "qwen3moe" else 0)
+    if not n_expert:
+        return 0, 0, (0,) * n_layer
+    n_expert_used = hp.integer(f"{arch}.expert_used_count", 0)
+    if not 0 < n_expert_used <= n_expert:
         raise ModelFileError(f"{gguf.path}: {n_expert} experts but expert_used_count {n_expert_used}; the file is not "
                              f"a complete {arch} MoE model")
-    return n_expert, n_expert_used
+    down = gguf.tensors.get("blk.0.ffn_down_exps.weight")
+    width = down.shape[-1] if down is not None else 1
+    widths = hp.per_layer(f"{arch}.expert_feed_forward_length", n_layer, width, lo=1)
+    if arch != "gemma4":
+        widths = (hp.uniform(f"{arch}.expert_feed_forward_length", n_layer, width, lo=1),) * n_layer
+    return n_expert, n_expert_used, widths
 
 
-def _largest(value):
-    """A per-layer array's largest entry (Gemma 4 writes some hyperparameters per layer), or the scalar."""
-    return max(value) if np.ndim(value) > 0 else value
+def _sliding_pattern(hp: Hyperparameters, n_layer: int) -> tuple[bool, ...]:
+    key = "gemma4.attention.sliding_window_pattern"
+    value = hp.gguf.get(key, False)
+    if isinstance(value, np.ndarray):
+        if len(value) != n_layer or value.dtype.kind not in "biu" or not np.isin(value, (0, 1)).all():
+            raise hp.fail(key, value, f"an array of {n_layer} booleans (one per layer)")
+        return tuple(bool(v) for v in value)
+    if not isinstance(value, (bool, np.bool_)):
+        raise hp.fail(key, value, f"an array of {n_layer} booleans (one per layer)")
+    return (bool(value),) * n_layer
 
 
-def _per_layer(value, n_layer: int, what: str, path) -> tuple:
-    """A GGUF hyperparameter that is one number for every layer or an array with one per layer."""
-    if np.ndim(value) > 0:
-        if len(value) != n_layer:
-            raise ModelFileError(f"{path}: '{what}' has {len(value)} entries for {n_layer} layers")
-        return tuple(value)
-    return (value,) * n_layer
-
-
-def _gemma4_config(gguf: GGUFFile, get, common: dict) -> ModelConfig:
+def _gemma4_config(gguf: GGUFFile, hp: Hyperparameters, common: dict, kv_heads: tuple[int, ...]) -> ModelConfig:
     """Gemma 4, as llama.cpp loads it: per-layer sliding pattern, sliding layers with their own head dim and
     rope (base `freq_base_swa`, no frequency factors), global layers with `key_length` and the proportional
     rope that `rope_freqs` encodes (factors of 1e30 leave the unrotated pairs still), no query scaling (q and k
     are RMS-normalised), and the last `shared_kv_layers` layers reading the cache of the last earlier layer of
     their kind."""
     arch, path, n_layer = "gemma4", gguf.path, common["n_layer"]
-    sliding = tuple(bool(v) for v in _per_layer(get(f"{arch}.attention.sliding_window_pattern", False), n_layer,
-                                                "attention.sliding_window_pattern", path))
+    sliding = _sliding_pattern(hp, n_layer)
     head_dim_global = common["head_dim"]
-    head_dim_swa = int(get(f"{arch}.attention.key_length_swa", head_dim_global))
-    v_head_dim_swa = int(get(f"{arch}.attention.value_length_swa", head_dim_swa))
+    head_dim_swa = hp.integer(f"{arch}.attention.key_length_swa", head_dim_global, lo=1)
+    v_head_dim_swa = hp.integer(f"{arch}.attention.value_length_swa", head_dim_swa, lo=1)
     if v_head_dim_swa != head_dim_swa or common["v_head_dim"] != head_dim_global:
         raise ModelFileError(f"{path}: gemma4 with value length != key length is not supported")
-    kv_heads = tuple(int(v) for v in _per_layer(get(f"{arch}.attention.head_count_kv", common["n_head"]), n_layer,
-                                                "attention.head_count_kv", path))
-    n_shared = int(get(f"{arch}.attention.shared_kv_layers", 0) or 0)
+    n_shared = hp.integer(f"{arch}.attention.shared_kv_layers", 0, hi=n_layer - 1)
     first_shared = n_layer - n_shared
     sources = []
     for il in range(n_layer):
@@ -234,19 +271,21 @@ def _gemma4_config(gguf: GGUFFile, get, common: dict) -> ModelConfig:
             raise ModelFileError(f"{path}: layer {il} shares the KV cache of an earlier layer of its kind, and there "
                                  "is none")
         sources.append(same_kind[-1])
+        if kv_heads[il] != kv_heads[sources[-1]]:  # it attends over that layer's cache
+            raise hp.fail(f"{arch}.attention.head_count_kv", kv_heads[il], f"layer {il} to have the KV heads of "
+                          f"layer {sources[-1]}, whose cache it reads ({kv_heads[sources[-1]]})")
     rope = common["rope"]
-    rope_swa = RopeConfig(base=float(get(f"{arch}.rope.freq_base_swa", rope.base)),
-                          n_rot=int(get(f"{arch}.rope.dimension_count_swa", head_dim_swa)), neox=True)
-    n_expert, n_expert_used = _experts(gguf, get, arch)
+    rope_swa = RopeConfig(base=hp.real(f"{arch}.rope.freq_base_swa", rope.base),
+                          n_rot=_rotary_dims(hp, f"{arch}.rope.dimension_count_swa", head_dim_swa, partial=True),
+                          neox=True)
     global_layers = [il for il in range(n_layer) if not sliding[il]] or [0]
     return ModelConfig(
         **{**common, "n_kv_head": kv_heads[global_layers[0]]},
-        rope_local=rope_swa, sliding_window=int(get(f"{arch}.attention.sliding_window", 512)), sliding_layers=sliding,
-        attn_scale=1.0, embed_scale=math.sqrt(common["d_model"]),
-        final_logit_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+        rope_local=rope_swa, sliding_window=hp.integer(f"{arch}.attention.sliding_window", 512, lo=1),
+        sliding_layers=sliding, attn_scale=1.0, embed_scale=math.sqrt(common["d_model"]),
+        final_logit_softcap=hp.real(f"{arch}.final_logit_softcapping", 0.0, positive=False),
         qk_norm=True, sandwich_norm=True, activation="gelu_tanh",
         layer_head_dims=tuple(head_dim_swa if s else head_dim_global for s in sliding), layer_kv_heads=kv_heads,
         kv_sources=tuple(sources), v_norm=True,
-        per_layer_dim=int(get(f"{arch}.embedding_length_per_layer_input", 0) or 0),
-        n_expert=n_expert, n_expert_used=n_expert_used,
+        per_layer_dim=hp.integer(f"{arch}.embedding_length_per_layer_input", 0),
     )
