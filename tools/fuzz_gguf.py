@@ -254,7 +254,9 @@ class Mutator:
             new = int(rng.choice([*range(13), 13, 255, 2**31]))
             return [(fld.start, struct.pack("<I", new))], f"value type of {owner} {fld.value} -> {new}", False
         if fld.size in _INT_FORMATS and fld.kind != "string" and typed and not (fld.vtype in (6, 7, 12)):
-            fmt = _VALUE_FORMATS.get(fld.vtype, _INT_FORMATS[fld.size]) if fld.kind == "value" else _INT_FORMATS[fld.size]
+            fmt = _INT_FORMATS[fld.size]
+            if fld.kind == "value":
+                fmt = _VALUE_FORMATS.get(fld.vtype, fmt)
             new = _interesting_int(rng, fld.value, 8 * fld.size)
             packed = new.to_bytes(fld.size, "little")
             shown = struct.unpack(fmt, packed)[0]
@@ -305,7 +307,8 @@ class Mutator:
             new = bytes([int(rng.integers(256))])
         else:
             new = _interesting_int(rng, int(old), 8 * size).to_bytes(size, "little")
-        return [(at, new)], f"set an item of '{fld.owner}' {old!r} -> {new.hex()}", _key_is_semantic(fld.owner, self.arch)
+        semantic = _key_is_semantic(fld.owner, self.arch)
+        return [(at, new)], f"set an item of '{fld.owner}' {old!r} -> {new.hex()}", semantic
 
     def _retype_tensor(self, rng, fld: Field):
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType

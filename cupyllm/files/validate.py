@@ -136,10 +136,11 @@ def check_tokenizer_metadata(gguf: GGUFFile, n_vocab: int) -> None:
             continue
         if not isinstance(value, np.ndarray) or value.dtype.kind not in kinds or len(value) != n_vocab:
             raise fail(key, value, f"an array of {n_vocab} {'numbers' if 'f' in kinds else 'integers'} (one per token)")
-        if key.endswith("token_type") and len(value) and (value.min() < _TOKEN_TYPES.start or value.max() >= _TOKEN_TYPES.stop):
-            raise fail(key, value, f"token types {_TOKEN_TYPES.start}..{_TOKEN_TYPES.stop - 1}")
-        if key.endswith("scores") and not np.isfinite(value).all():
-            raise fail(key, value, "finite scores")
+        types = _TOKEN_TYPES
+        if key.endswith("token_type") and len(value) and (value.min() < types.start or value.max() >= types.stop):
+            raise fail(key, value, f"token types {types.start}..{types.stop - 1}")
+        if key.endswith("scores") and np.isnan(value).any():
+            raise fail(key, value, "scores that are numbers (no NaN)")
     merges = meta.get("tokenizer.ggml.merges")
     if merges is not None and not isinstance(merges, list):
         raise fail("tokenizer.ggml.merges", merges, "an array of strings")
@@ -245,7 +246,8 @@ def expected_tensors(gguf: GGUFFile, cfg, layer_ffn: tuple[int, ...],
             else:
                 rows.update({"ffn_gate_exps.weight": Expected((e, fe, d)), "ffn_up_exps.weight": Expected((e, fe, d))})
             if gemma4:
-                rows.update({"ffn_gate_inp.scale": Expected((d,)), "ffn_down_exps.scale": Expected((e,), required=False),
+                rows.update({"ffn_gate_inp.scale": Expected((d,)),
+                             "ffn_down_exps.scale": Expected((e,), required=False),
                              "pre_ffw_norm_2.weight": Expected((d,)), "post_ffw_norm_1.weight": Expected((d,)),
                              "post_ffw_norm_2.weight": Expected((d,))})
         if gemma4:
