@@ -24,7 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "tests" / "data" / "hf_reference_deltanet.npz"
 SEED = 32
-N_K_HEADS, N_V_HEADS, K_DIM, V_DIM, CONV_WIDTH = 2, 4, 32, 24, 4
+N_K_HEADS, N_V_HEADS, K_DIM, V_DIM, CONV_WIDTH = 2, 4, 32, 32, 4  # V_DIM: a multiple of the CPU tile, 16
 CHUNK_TOKENS, RECURRENT_TOKENS, CONV_TOKENS = 150, 37, 9
 
 

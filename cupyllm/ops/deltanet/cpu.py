@@ -1,32 +1,35 @@
 """The Gated DeltaNet layer core on the CPU, float32 (the state too, as HF keeps it): numba kernels for the causal
-conv, the recurrence over a prompt or one token (`gated_delta_tokens`, `decode`) and the gated RMSNorm; and the
-chunked form (`gated_delta_chunked`: NumPy BLAS products around a numba triangular inverse). `reference.py` is
-the definition (float64); shapes and the state layout [Hv, Dk, Dv] are its.
+conv (its SiLU in NumPy), the recurrence over a prompt or one token (`gated_delta_tokens`, `decode`) and the gated
+RMSNorm; and the chunked form (`gated_delta_chunked`: NumPy BLAS products around a numba triangular inverse).
+`reference.py` is the definition (float64); shapes and the state layout [Hv, Dk, Dv] are its.
 
-A prompt runs through the token loop, value heads in parallel: at head dim 128 it is several times faster here
-than the chunked form (bench/deltanet_cpu.py, docs/deltanet.md). Per token it passes over each head's state
-(Dk x Dv floats, 64 KiB, cache-resident) twice, about 3 Dk Dv multiply-adds; the chunked form does more
-arithmetic (its [64, 64] products and triangular solves on top of the same state products) in many small batched
-products, which NumPy's stacked matmul does not run at BLAS speed.
+A prompt runs through the token loop (`_delta_tiles`): each task carries a [Dk, 16] tile of one head's state
+through every token in L1, in SIMD registers' width (ops/simd.py), one pass over the tile per token. At head dim
+128 it is faster than the chunked form (several times, bench/deltanet_cpu.py, docs/deltanet.md) and a digit more
+accurate in float32: the chunked form does more arithmetic (its [64, 64] products and triangular solves on top of
+the same state products) in many small batched products, which do not run at BLAS's large-matrix speed.
 
-No fastmath: the sums keep their order (the inner loops are axpys along the contiguous value axis, which vectorise
-without reassociation), so a prompt run token by token gives the values of one run over the whole prompt.
+No fastmath: the sums keep their order, so a prompt run in pieces (prefill, decode steps, prefill) gives the
+values of one run over the whole prompt, bit for bit.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from .. import simd
 from .reference import CHUNK_SIZE, L2_EPS
 
+LANES = simd.WIDE_LANES  # float32 lanes of one state tile: an AVX-512 register
+_TILE_FROM_TOKENS = 8  # fewer tokens (decode) update the state in place: copying a tile out costs more
 _CHUNKS_PER_BLOCK = 16  # chunks whose [C, C] products are held at once: bounds a long prompt's scratch memory
 
 
 @njit(cache=True, nogil=True)
-def conv1d_silu_rows(x, weight, conv_state, out):
-    """out[t, c] = silu(sum_j weight[c, j] * xx[t + j, c]), xx = conv_state [K - 1, C] followed by x [T, C];
-    conv_state becomes the last K - 1 rows of xx (in place). `reference.causal_conv1d_silu`. The channel loop is
-    innermost (contiguous rows, vectorised), the taps in order j = 0 .. K - 1."""
+def conv1d_rows(x, weight, conv_state, out):
+    """out[t, c] = sum_j weight[c, j] * xx[t + j, c], xx = conv_state [K - 1, C] followed by x [T, C]; conv_state
+    becomes the last K - 1 rows of xx (in place). The channel loop is innermost (contiguous rows, vectorised),
+    the taps summed in order j = 0 .. K - 1."""
     n, channels = x.shape
     width = weight.shape[1]
     hist = width - 1
@@ -40,8 +43,6 @@ def conv1d_silu_rows(x, weight, conv_state, out):
             w = taps[j]
             for c in range(channels):
                 row[c] += w[c] * xs[c]
-        for c in range(channels):
-            row[c] = row[c] / (np.float32(1.0) + np.exp(-row[c]))
     if n >= hist:
         conv_state[:] = x[n - hist:]
     else:
@@ -50,66 +51,132 @@ def conv1d_silu_rows(x, weight, conv_state, out):
         conv_state[hist - n:] = x
 
 
-@njit(inline="always")
-def _normalized(src, dst, scale):
-    """dst = src / sqrt(sum(src^2) + eps) * scale (HF l2norm, then the query's 1 / sqrt(Dk))."""
-    ss = np.float32(0.0)
-    for i in range(src.shape[0]):
-        ss += src[i] * src[i]
-    inv = np.float32(1.0) / np.sqrt(ss + np.float32(L2_EPS))
-    for i in range(src.shape[0]):
-        dst[i] = (src[i] * inv) * scale
+def conv1d_silu_rows(x, weight, conv_state, out):
+    """out = silu(causal depthwise conv of x [T, C] with weight [C, K] over conv_state [K - 1, C]), conv_state
+    updated in place (`reference.causal_conv1d_silu`). The SiLU in NumPy, in place: its float32 exp is
+    vectorised, numba's is a scalar call per value (twice the conv's time at Qwen shapes)."""
+    conv1d_rows(x, weight, conv_state, out)
+    t = np.negative(out)
+    np.exp(t, out=t)
+    t += np.float32(1.0)
+    np.divide(out, t, out=out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def normalize_qk(q, k, qn, kn, kq):
+    """qn = l2norm(q) / sqrt(Dk), kn = l2norm(k) (HF's l2norm: x / sqrt(sum(x^2) + eps)), kq = kn . qn, for q, k
+    [T, Hk, Dk] in any layout; written head-major, qn, kn [Hk, T, Dk] and kq [Hk, T], so that a head's tokens
+    are consecutive for the recurrence."""
+    n, n_k_heads, dk = q.shape
+    scale = np.float32(1.0) / np.sqrt(np.float32(dk))
+    eps = np.float32(L2_EPS)
+    for t in range(n):
+        for h in range(n_k_heads):
+            sq = np.float32(0.0)
+            sk = np.float32(0.0)
+            for i in range(dk):
+                sq += q[t, h, i] * q[t, h, i]
+                sk += k[t, h, i] * k[t, h, i]
+            inv_q = np.float32(1.0) / np.sqrt(sq + eps)
+            inv_k = np.float32(1.0) / np.sqrt(sk + eps)
+            dot = np.float32(0.0)
+            for i in range(dk):
+                qi = (q[t, h, i] * inv_q) * scale
+                ki = k[t, h, i] * inv_k
+                qn[h, t, i] = qi
+                kn[h, t, i] = ki
+                dot += ki * qi
+            kq[h, t] = dot
 
 
 @njit(inline="always")
-def _step(q, k, v, g, beta, state, out, qn, kn, mem, read):
-    """One token of one value head (`reference.gated_delta_rule`), in two passes over the state instead of the
-    definition's three (decay, write, read): with S the state before the token and a = exp(g),
-        mem = S^T k, read = S^T q                      (one pass, reading S)
-        d   = beta (v - a mem),  o = a read + (k . q) d   (= S_t^T q, S_t = a S + k d^T)
-        S  <- a S + k d^T                              (one pass, reading and writing S)
-    The same values as the definition up to float32 rounding (the tests hold both to it)."""
-    dk, dv = state.shape
-    _normalized(q, qn, np.float32(1.0) / np.sqrt(np.float32(dk)))
-    _normalized(k, kn, np.float32(1.0))
-    decay = np.exp(g)
-    kq = np.float32(0.0)
-    for i in range(dk):
-        kq += kn[i] * qn[i]
-    mem[:] = 0.0
-    read[:] = 0.0
-    for i in range(dk):
-        ki = kn[i]
-        qi = qn[i]
-        for j in range(dv):
-            s = state[i, j]
-            mem[j] += s * ki
-            read[j] += s * qi
-    for j in range(dv):
-        delta = (v[j] - decay * mem[j]) * beta
-        mem[j] = delta
-        out[j] = decay * read[j] + kq * delta
-    for i in range(dk):
-        ki = kn[i]
-        for j in range(dv):
-            state[i, j] = state[i, j] * decay + ki * mem[j]
+def _decay_and_write(rows, at, step, kf, k_at, delta, decay, i):
+    """Row i of a state tile: a S[i] + k[i] d (the token's decay and its delta-rule write); returns the new row."""
+    row = simd.fma(simd.splat_at_16(kf, k_at + i), delta, simd.fmul(simd.load_f32_16(rows, at + i * step), decay))
+    simd.store_f32(rows, at + i * step, row)
+    return row
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def gated_delta_tokens(q, k, v, g, beta, state, out):
-    """The recurrence over T tokens, q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]: out [T, Hv, Dv] written,
-    state [Hv, Dk, Dv] updated in place. Value heads in parallel, each running its tokens in order."""
-    n, n_k_heads, dk = q.shape
-    n_heads, dv = v.shape[1], v.shape[2]
+def _delta_tiles(qn, kn, kq, v, g, beta, state, out):
+    """The recurrence over T tokens, head-major: qn, kn [Hk, T, Dk] normalised (kq their dot products),
+    v [Hv, T, Dv], g, beta [Hv, T]; state [Hv, Dk, Dv] updated and out [Hv, T, Dv] written, all C-contiguous
+    float32.
+
+    The value columns do not mix: column j of S_t depends only on column j of S_{t-1}. So each task takes one
+    value head's 16 columns (one SIMD register wide) through all T tokens; for a prompt, as a [Dk, 16] tile
+    copied out of the state (8 KiB that stay in L1). Per token, with a = exp(g) and S the tile before it:
+        mem = S^T k, read = S^T q, d = beta (v - a mem), o = a read + (k . q) d     (= S_t^T q)
+        S <- a S + k d^T
+    and the write of token t and the reads of token t + 1 share one pass over the tile's rows."""
+    n_k_heads, n, dk = qn.shape
+    n_heads, dv = v.shape[0], v.shape[2]
     group = n_heads // n_k_heads
-    for h in prange(n_heads):
-        qn = np.empty(dk, np.float32)
-        kn = np.empty(dk, np.float32)
-        mem = np.empty(dv, np.float32)
-        read = np.empty(dv, np.float32)
+    n_tiles = dv // LANES
+    qf, kf, sf, vf, of = qn.reshape(-1), kn.reshape(-1), state.reshape(-1), v.reshape(-1), out.reshape(-1)
+    for task in prange(n_heads * n_tiles):
+        h = task // n_tiles
+        col = (task % n_tiles) * LANES
         hk = h // group
+        first = h * dk * dv + col
+        if n >= _TILE_FROM_TOKENS:  # a contiguous copy: the state's rows are dv apart, and share L1 sets
+            rows, at, step = np.empty(dk * LANES, np.float32), 0, LANES
+            for i in range(dk):
+                simd.store_f32(rows, i * LANES, simd.load_f32_16(sf, first + i * dv))
+        else:
+            rows, at, step = sf, first, dv
+        k_next = hk * n * dk  # token 0's reads: a pass of their own
+        mem = simd.zeros_16()
+        read = simd.zeros_16()
+        for i in range(dk):
+            row = simd.load_f32_16(rows, at + i * step)
+            mem = simd.fma(row, simd.splat_at_16(kf, k_next + i), mem)
+            read = simd.fma(row, simd.splat_at_16(qf, k_next + i), read)
         for t in range(n):
-            _step(q[t, hk], k[t, hk], v[t, h], g[t, h], beta[t, h], state[h], out[t, h], qn, kn, mem, read)
+            decay = simd.splat_16(np.exp(g[h, t]))
+            vo = (h * n + t) * dv + col
+            delta = simd.fmul(simd.fsub(simd.load_f32_16(vf, vo), simd.fmul(decay, mem)), simd.splat_16(beta[h, t]))
+            simd.store_f32(of, vo, simd.fma(simd.splat_16(kq[hk, t]), delta, simd.fmul(decay, read)))
+            k_at = (hk * n + t) * dk
+            if t + 1 < n:
+                k_next = k_at + dk
+                mem = simd.zeros_16()
+                read = simd.zeros_16()
+                for i in range(dk):
+                    row = _decay_and_write(rows, at, step, kf, k_at, delta, decay, i)
+                    mem = simd.fma(row, simd.splat_at_16(kf, k_next + i), mem)
+                    read = simd.fma(row, simd.splat_at_16(qf, k_next + i), read)
+            else:
+                for i in range(dk):
+                    _decay_and_write(rows, at, step, kf, k_at, delta, decay, i)
+        if n >= _TILE_FROM_TOKENS:
+            for i in range(dk):
+                simd.store_f32(sf, first + i * dv, simd.load_f32_16(rows, i * LANES))
+
+
+def gated_delta_tokens(q, k, v, g, beta, state, out):
+    """The recurrence over T tokens (`reference.gated_delta_rule`), float32: q, k [T, Hk, Dk], v [T, Hv, Dv],
+    g, beta [T, Hv]; out [T, Hv, Dv] written and state [Hv, Dk, Dv] (C-contiguous float32) updated in place.
+    Dv must be a multiple of 16 (Qwen's is 128)."""
+    n, n_k_heads, dk = q.shape
+    n_heads, dv = v.shape[1:]
+    if dv % LANES or n_heads % n_k_heads:
+        raise ValueError(f"gated_delta_tokens: the value head dim ({dv}) must be a multiple of {LANES} and the "
+                         f"value heads ({n_heads}) a multiple of the key heads ({n_k_heads})")
+    if state.dtype != np.float32 or not state.flags.c_contiguous:
+        raise ValueError(f"gated_delta_tokens: the state must be a C-contiguous float32 array, got {state.dtype}"
+                         f"{'' if state.flags.c_contiguous else ', strided'}")
+    qn = np.empty((n_k_heads, n, dk), np.float32)
+    kn = np.empty_like(qn)
+    kq = np.empty((n_k_heads, n), np.float32)
+    normalize_qk(q, k, qn, kn, kq)
+
+    def head_major(x):
+        return np.ascontiguousarray(np.swapaxes(x, 0, 1), dtype=np.float32)
+    out_heads = np.empty((n_heads, n, dv), np.float32)
+    _delta_tiles(qn, kn, kq, head_major(v), head_major(g), head_major(beta), state, out_heads)
+    out[...] = np.swapaxes(out_heads, 0, 1)
 
 
 def decode(q, k, v, g, beta, state, out=None):
