@@ -185,16 +185,153 @@ def _scratch_words(rows: int, block_keys: int, d: int, dv: int, k_row_bytes: int
     return 2 * rows * block_keys + 2 * rows + rows * dv + d + rows + 4 + VALUE_KEYS * dv + bits_words
 
 
+@njit(nogil=True)  # no fastmath: the inlined row decode stays exact
+def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, v_all, k_codec, k_table, v_codec,
+                 v_table, half_table, n_q, n_head, n_k, d, k_row_bytes, v_row_bytes, window, chunk_len, scale,
+                 softcap, block_keys, scratch, index_scratch, part_acc, part_max, part_sum):  # pragma: no cover
+    """One task of _attend_encoded: KV head task // n_blocks over the block (task % n_blocks) of block_keys slots,
+    into its partial (sum, max, weighted values). Compiled on its own, not inlined into the parallel loop:
+    numba's parallel passes copy and analyse the loop body's IR, which took most of the kernel's compile time."""
+    n_kv, n_blocks = part_max.shape[0], part_max.shape[1]
+    dv = part_acc.shape[-1]
+    group = n_head // n_kv
+    rows = n_q * group  # row i * group + g: query i, head kh * group + g
+    kh = task // n_blocks
+    first = (task % n_blocks) * block_keys
+    stop = min(first + block_keys, n_k)
+    work = borrow(scratch[get_thread_id()])  # (one task at a time per thread)
+    # row r's scores at scores[r * block_keys + j - first] (-inf: not seen), so that its softmax weights
+    # are one vector loop; block_keys is a multiple of 16, the slots past `stop` stay -inf
+    scores, at = _take(work, 0, rows * block_keys)
+    weights, at = _take(work, at, rows * block_keys)
+    row_max, at = _take(work, at, rows)
+    total, at = _take(work, at, rows)
+    acc, at = _take(work, at, rows * dv)
+    k_row, at = _take(work, at, d)
+    dots, at = _take(work, at, group + 4)
+    v_rows, at = _take(work, at, VALUE_KEYS * dv)
+    bits_f = work[at:]  # the row decoder's scratch
+    bits = bits_f.view(np.uint32)
+    scores[:] = -np.inf
+    row_max[:] = -np.inf
+    total[:] = 0.0
+    acc[:] = 0.0
+    k_floats = k_all if k_codec[0] == F32 else k_row  # where key j's values are, from k_at
+    # pass 1: decode each visible key once, dot it with every query head of the group (four at a time)
+    for j in range(first, stop):
+        kp = k_pos[j]
+        if kp < 0:
+            continue
+        decoded = False
+        for i in range(n_q):
+            if kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window):
+                continue
+            if not decoded and k_codec[0] != F32:
+                decode_in_place(k_bytes, (j * n_kv + kh) * k_row_bytes, k_codec, k_table, half_table, bits,
+                                bits_f, k_row)
+                decoded = True
+            k_at = (j * n_kv + kh) * d if k_codec[0] == F32 else 0
+            regime = 0 if chunk_len == 0 else min(q_pos[i] // chunk_len - kp // chunk_len, 2)
+            q_at = ((regime * n_q + i) * n_head + kh * group) * d
+            g = 0
+            if d % 16 == 0:
+                while g + 4 <= group:
+                    _dots_4(q_flat, q_at + g * d, k_floats, k_at, d, dots, g)
+                    g += 4
+            for g in range(g, group):
+                dots[g] = _dot(q_flat, q_at + g * d, k_floats, k_at, d)
+            for g in range(group):
+                scores[(i * group + g) * block_keys + j - first] = q_offset[regime, i, kh * group + g] + dots[g]
+    # the scores scaled (and soft-capped) a row at a time, 16 at a time; their maxima
+    for r in range(rows):
+        o = r * block_keys
+        best = splat_16(-np.inf)
+        for c in range(o, o + block_keys, 16):
+            s = fmul(load_f32_16(scores, c), splat_16(scale))
+            store_f32(scores, c, s)
+            best = fmax(best, s)
+        if softcap > 0.0:
+            for c in range(o, o + block_keys):
+                if scores[c] != -np.inf:
+                    scores[c] = softcap * np.float32(math.tanh(scores[c] / softcap))
+            row_max[r] = scores[o:o + block_keys].max()
+        else:
+            row_max[r] = hmax(best)
+    # pass 2: each row's softmax weights exp(s - max), 16 at a time (fexp of -inf: 0), and their sum
+    for r in range(rows):
+        if row_max[r] == -np.inf:  # no key of the block seen: no weights (pass 3 reads rows four at a time)
+            weights[r * block_keys:(r + 1) * block_keys] = 0.0
+            continue
+        m = splat_16(row_max[r])
+        sums = zeros_16()
+        for o in range(r * block_keys, (r + 1) * block_keys, 16):
+            e = fexp(fsub(load_f32_16(scores, o), m))
+            store_f32(weights, o, e)
+            sums = fadd(sums, e)
+        total[r] = hsum(sums)
+    # pass 3: the value rows some query sees, VALUE_KEYS at a time: decoded once (or found in place), then
+    # each 16-lane column of four rows' value sums kept in registers over them (one V load, four FMAs)
+    seen_at = borrow(index_scratch[get_thread_id()])
+    v_at = seen_at[VALUE_KEYS:]
+    v_src = v_all if v_codec[0] == F32 else v_rows
+    whole = dv - dv % 16
+    for sub in range(first, stop, VALUE_KEYS):
+        n_seen = 0
+        for j in range(sub, min(sub + VALUE_KEYS, stop)):
+            seen = False
+            for r in range(rows):
+                if scores[r * block_keys + j - first] != -np.inf:
+                    seen = True
+                    break
+            if not seen:
+                continue
+            seen_at[n_seen] = j - first
+            if v_codec[0] == F32:
+                v_at[n_seen] = (j * n_kv + kh) * dv
+            else:
+                v_at[n_seen] = n_seen * dv
+                decode_in_place(v_bytes, (j * n_kv + kh) * v_row_bytes, v_codec, v_table, half_table, bits,
+                                bits_f, v_rows[n_seen * dv:(n_seen + 1) * dv])
+            n_seen += 1
+        if n_seen == 0:
+            continue
+        # each row's value sums in register tiles over the sub-block's keys: four rows by 64 columns (per
+        # key four weights and four V loads feed sixteen FMAs), then four rows or 64 columns by 16
+        r = 0
+        while r + 4 <= rows:
+            c = 0
+            while c + 64 <= whole:
+                _accumulate_tile(acc, r * dv + c, dv, weights, r * block_keys, block_keys, v_src, c, seen_at, v_at,
+                                 n_seen)
+                c += 64
+            for c in range(c, whole, 16):
+                _accumulate_rows_4(acc, r * dv + c, dv, weights, r * block_keys, block_keys, v_src, c, seen_at,
+                                   v_at, n_seen)
+            r += 4
+        for r in range(r, rows):
+            c = 0
+            while c + 64 <= whole:
+                _accumulate_columns_64(acc, r * dv + c, weights, r * block_keys, v_src, c, seen_at, v_at, n_seen)
+                c += 64
+            for c in range(c, whole, 16):
+                _accumulate_columns_16(acc, r * dv + c, weights, r * block_keys, v_src, c, seen_at, v_at, n_seen)
+        for c in range(whole, dv):
+            for r in range(rows):
+                for n in range(n_seen):
+                    acc[r * dv + c] += weights[r * block_keys + seen_at[n]] * v_src[v_at[n] + c]
+    part_acc[kh, task % n_blocks] = acc.reshape(rows, dv)
+    part_max[kh, task % n_blocks] = row_max
+    part_sum[kh, task % n_blocks] = total
+
+
+
 @njit(parallel=True, cache=True, nogil=True)  # no fastmath: the inlined row decode stays exact
 def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len, scale, softcap,
                     k_codec, k_table, v_codec, v_table, half_table, block_keys, scratch, index_scratch,
                     part_acc, part_max, part_sum):  # pragma: no cover - compiled
     n_regime, n_q, n_head, d = q.shape
     n_k, n_kv, _ = k_data.shape
-    dv = part_acc.shape[-1]
-    group = n_head // n_kv
     n_blocks = part_max.shape[1]
-    rows = n_q * group  # row i * group + g: query i, head kh * group + g
     k_row_bytes, v_row_bytes = k_data.shape[2], v_data.shape[2]
     # Every array the loops read is borrowed (simd.borrow: no reference counts, which numba would otherwise take
     # per row for the inlined helpers): the arguments' views here, each thread's slice of `scratch` below.
@@ -207,132 +344,9 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
     v_all = borrow(v_data.view(np.float32).reshape(v_data.size // 4) if v_codec[0] == F32 else no_floats)
     k_bytes, v_bytes = borrow(k_data.reshape(k_data.size)), borrow(v_data.reshape(v_data.size))
     for task in prange(n_kv * n_blocks):
-        kh = task // n_blocks
-        first = (task % n_blocks) * block_keys
-        stop = min(first + block_keys, n_k)
-        work = borrow(scratch[get_thread_id()])  # (one task at a time per thread)
-        # row r's scores at scores[r * block_keys + j - first] (-inf: not seen), so that its softmax weights
-        # are one vector loop; block_keys is a multiple of 16, the slots past `stop` stay -inf
-        scores, at = _take(work, 0, rows * block_keys)
-        weights, at = _take(work, at, rows * block_keys)
-        row_max, at = _take(work, at, rows)
-        total, at = _take(work, at, rows)
-        acc, at = _take(work, at, rows * dv)
-        k_row, at = _take(work, at, d)
-        dots, at = _take(work, at, group + 4)
-        v_rows, at = _take(work, at, VALUE_KEYS * dv)
-        bits_f = work[at:]  # the row decoder's scratch
-        bits = bits_f.view(np.uint32)
-        scores[:] = -np.inf
-        row_max[:] = -np.inf
-        total[:] = 0.0
-        acc[:] = 0.0
-        k_floats = k_all if k_codec[0] == F32 else k_row  # where key j's values are, from k_at
-        # pass 1: decode each visible key once, dot it with every query head of the group (four at a time)
-        for j in range(first, stop):
-            kp = k_pos[j]
-            if kp < 0:
-                continue
-            decoded = False
-            for i in range(n_q):
-                if kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window):
-                    continue
-                if not decoded and k_codec[0] != F32:
-                    decode_in_place(k_bytes, (j * n_kv + kh) * k_row_bytes, k_codec, k_table, half_table, bits,
-                                    bits_f, k_row)
-                    decoded = True
-                k_at = (j * n_kv + kh) * d if k_codec[0] == F32 else 0
-                regime = 0 if chunk_len == 0 else min(q_pos[i] // chunk_len - kp // chunk_len, 2)
-                q_at = ((regime * n_q + i) * n_head + kh * group) * d
-                g = 0
-                if d % 16 == 0:
-                    while g + 4 <= group:
-                        _dots_4(q_flat, q_at + g * d, k_floats, k_at, d, dots, g)
-                        g += 4
-                for g in range(g, group):
-                    dots[g] = _dot(q_flat, q_at + g * d, k_floats, k_at, d)
-                for g in range(group):
-                    scores[(i * group + g) * block_keys + j - first] = q_offset[regime, i, kh * group + g] + dots[g]
-        # the scores scaled (and soft-capped) a row at a time, 16 at a time; their maxima
-        for r in range(rows):
-            o = r * block_keys
-            best = splat_16(-np.inf)
-            for c in range(o, o + block_keys, 16):
-                s = fmul(load_f32_16(scores, c), splat_16(scale))
-                store_f32(scores, c, s)
-                best = fmax(best, s)
-            if softcap > 0.0:
-                for c in range(o, o + block_keys):
-                    if scores[c] != -np.inf:
-                        scores[c] = softcap * np.float32(math.tanh(scores[c] / softcap))
-                row_max[r] = scores[o:o + block_keys].max()
-            else:
-                row_max[r] = hmax(best)
-        # pass 2: each row's softmax weights exp(s - max), 16 at a time (fexp of -inf: 0), and their sum
-        for r in range(rows):
-            if row_max[r] == -np.inf:  # no key of the block seen: no weights (pass 3 reads rows four at a time)
-                weights[r * block_keys:(r + 1) * block_keys] = 0.0
-                continue
-            m = splat_16(row_max[r])
-            sums = zeros_16()
-            for o in range(r * block_keys, (r + 1) * block_keys, 16):
-                e = fexp(fsub(load_f32_16(scores, o), m))
-                store_f32(weights, o, e)
-                sums = fadd(sums, e)
-            total[r] = hsum(sums)
-        # pass 3: the value rows some query sees, VALUE_KEYS at a time: decoded once (or found in place), then
-        # each 16-lane column of four rows' value sums kept in registers over them (one V load, four FMAs)
-        seen_at = borrow(index_scratch[get_thread_id()])
-        v_at = seen_at[VALUE_KEYS:]
-        v_src = v_all if v_codec[0] == F32 else v_rows
-        whole = dv - dv % 16
-        for sub in range(first, stop, VALUE_KEYS):
-            n_seen = 0
-            for j in range(sub, min(sub + VALUE_KEYS, stop)):
-                seen = False
-                for r in range(rows):
-                    if scores[r * block_keys + j - first] != -np.inf:
-                        seen = True
-                        break
-                if not seen:
-                    continue
-                seen_at[n_seen] = j - first
-                if v_codec[0] == F32:
-                    v_at[n_seen] = (j * n_kv + kh) * dv
-                else:
-                    v_at[n_seen] = n_seen * dv
-                    decode_in_place(v_bytes, (j * n_kv + kh) * v_row_bytes, v_codec, v_table, half_table, bits,
-                                    bits_f, v_rows[n_seen * dv:(n_seen + 1) * dv])
-                n_seen += 1
-            if n_seen == 0:
-                continue
-            # each row's value sums in register tiles over the sub-block's keys: four rows by 64 columns (per
-            # key four weights and four V loads feed sixteen FMAs), then four rows or 64 columns by 16
-            r = 0
-            while r + 4 <= rows:
-                c = 0
-                while c + 64 <= whole:
-                    _accumulate_tile(acc, r * dv + c, dv, weights, r * block_keys, block_keys, v_src, c, seen_at, v_at,
-                                     n_seen)
-                    c += 64
-                for c in range(c, whole, 16):
-                    _accumulate_rows_4(acc, r * dv + c, dv, weights, r * block_keys, block_keys, v_src, c, seen_at,
-                                       v_at, n_seen)
-                r += 4
-            for r in range(r, rows):
-                c = 0
-                while c + 64 <= whole:
-                    _accumulate_columns_64(acc, r * dv + c, weights, r * block_keys, v_src, c, seen_at, v_at, n_seen)
-                    c += 64
-                for c in range(c, whole, 16):
-                    _accumulate_columns_16(acc, r * dv + c, weights, r * block_keys, v_src, c, seen_at, v_at, n_seen)
-            for c in range(whole, dv):
-                for r in range(rows):
-                    for n in range(n_seen):
-                        acc[r * dv + c] += weights[r * block_keys + seen_at[n]] * v_src[v_at[n] + c]
-        part_acc[kh, task % n_blocks] = acc.reshape(rows, dv)
-        part_max[kh, task % n_blocks] = row_max
-        part_sum[kh, task % n_blocks] = total
+        _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, v_all, k_codec, k_table, v_codec,
+                     v_table, half_table, n_q, n_head, n_k, d, k_row_bytes, v_row_bytes, window, chunk_len, scale,
+                     softcap, block_keys, scratch, index_scratch, part_acc, part_max, part_sum)
 
 
 def attend_encoded(q: np.ndarray, q_pos: np.ndarray, layer_kv, *, scale: float, window: int = 0,

@@ -225,11 +225,25 @@ def decode_rows(fmt: KVFormat, data: np.ndarray, d: int) -> np.ndarray:
     codec, table = row_codec(fmt)
     out = np.empty((data.shape[0], d), np.float32)
     group = fmt.group_values if is_rotated(fmt.name) else 0
-    signs = sign_vector(group) if group else np.ones(1, np.float32)
+    # (a writable copy: sign_vector's cached array is read-only, and a read-only type would compile again)
+    signs = np.array(sign_vector(group)) if group else np.ones(1, np.float32)
     scratch = np.empty((numba.config.NUMBA_NUM_THREADS, max(d, (data.shape[1] + 7) // 4)), np.uint32)
     _decode_rows(np.ascontiguousarray(data), codec, table, HALF_TABLE, group,
                  np.float32(inv_sqrt_g(group) if group else 1.0), signs, scratch, out)
     return out
+
+
+@njit(nogil=True)
+def _decode_row_into(data_flat, row, row_bytes, codec, table, half_table, group, inv_sqrt, signs, scratch,
+                     out_flat, d):  # pragma: no cover - compiled
+    """Row `row` of _decode_rows: decoded in place, then unrotated. Compiled on its own, not inlined into the
+    parallel loop, whose passes would copy and analyse the whole inlined decoder (most of the compile time)."""
+    bits = borrow(scratch[get_thread_id()])
+    values = out_flat[row * d:(row + 1) * d]
+    decode_in_place(data_flat, row * row_bytes, codec, table, half_table, bits, bits.view(np.float32), values)
+    if group:
+        for first in range(0, d, group):
+            _unrotate_group(values[first:first + group], inv_sqrt, signs)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -240,12 +254,8 @@ def _decode_rows(data, codec, table, half_table, group, inv_sqrt, signs, scratch
     data_flat, out_flat = borrow(data.reshape(data.size)), borrow(out.reshape(out.size))
     codec, table, half_table, signs = borrow(codec), borrow(table), borrow(half_table), borrow(signs)
     for row in prange(n):
-        bits = borrow(scratch[get_thread_id()])
-        values = out_flat[row * d:(row + 1) * d]
-        decode_in_place(data_flat, row * row_bytes, codec, table, half_table, bits, bits.view(np.float32), values)
-        if group:
-            for first in range(0, d, group):
-                _unrotate_group(values[first:first + group], inv_sqrt, signs)
+        _decode_row_into(data_flat, row, row_bytes, codec, table, half_table, group, inv_sqrt, signs, scratch,
+                         out_flat, d)
 
 
 @njit(cache=True, nogil=True)

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from .cpu_gemm import GEMM_CODES, gemm_many
-from .cpu_gemv import F16_TABLE, dequantize_rows, gemv_many
+from .cpu_gemv import F16_TABLE, dequantize_rows, gemv_many, weight_rows
 from .reference import WeightFormat
 
 # up to this many tokens stream the quantized rows once per token; more go through the GEMM, which pads them to
@@ -63,6 +63,7 @@ def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.
     if kernel == "gemm":
         return gemm_many(x, [(data, fmt)])[0]
     n_out = data.shape[0]
+    data = weight_rows(data)
     out = np.empty((x.shape[0], n_out), np.float32)
     tile = np.empty((min(ROW_TILE, n_out), n_in), np.float32)
     for start in range(0, n_out, ROW_TILE):

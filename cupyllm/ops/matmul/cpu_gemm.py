@@ -32,7 +32,7 @@ from numba import njit, prange
 
 from .activation_codes import ACTIVATION_BLOCK
 from .cpu_gemv import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _codes32, _half,
-                       _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row)
+                       _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row, weight_rows)
 from ..simd import (MACHINE_HAS_512_BIT_LANES, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16, load_i16,
                     load_i16_32, load_i8w, madd, splat, splat_at, splat_at_16, splat_pair, splat_pair_32, store_f32,
                     store_i16, to_f32, zeros, zeros_16)
@@ -356,6 +356,6 @@ def gemm_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> 
     outs = []
     for data, fmt in weights:
         out = np.empty((x.shape[0], data.shape[0]), np.float32)
-        gemm(fmt.code, data, xp, xd, xs, x.shape[0], out, F16_TABLE)
+        gemm(fmt.code, weight_rows(data), xp, xd, xs, x.shape[0], out, F16_TABLE)
         outs.append(out)
     return outs

@@ -579,7 +579,8 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahea
     take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
     decode step one thread wake-up per group, not one per weight. `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in
     512-bit lanes (the machine's default; the narrow kernels give the same values up to float32 summation order);
-    `ahead`: the bytes past each block to prefetch (0: none)."""
+    `ahead`: the bytes past each block to prefetch (0: none). Weights of no rows add no work (gemv_many pads
+    the tuples to GEMV_WEIGHTS with them)."""
     n_in = x.shape[0]
     xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
     xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
@@ -601,21 +602,45 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahea
             out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, ahead, wide)
 
 
+# gemv_many passes this many weights a call, padding with empty ones: numba compiles gemv_blocks once per tuple
+# length, and one length (q/k/v, gate/up, a single weight alike) is one compile instead of three
+GEMV_WEIGHTS = 3
+
+
+def weight_rows(data: np.ndarray) -> np.ndarray:
+    """data as the kernels take it: read-only, C-contiguous (the memory-mapped GGUF's arrays are), so that an
+    array built in memory (a test's, a converted weight) does not compile the kernels again for a writable type."""
+    flags = data.flags
+    if flags.writeable or not flags.c_contiguous:
+        data = np.ascontiguousarray(data).view()
+        data.flags.writeable = False
+    return data
+
+
+_NO_ROWS = np.empty((0, 1), np.uint8)  # gemv_many's padding: a weight of no rows, and its output
+_NO_ROWS.flags.writeable = False
+_NO_OUT = np.empty(0, np.float32)
+
+
 def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
     """[x_hat @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous;
-    the weights' arrays all of one type)."""
-    datas = tuple(data for data, _ in weights)
-    codes = np.array([fmt.code for _, fmt in weights], np.int64)
-    outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data in datas]
+    the weights' arrays all of one type), GEMV_WEIGHTS weights a call."""
+    if len(weights) > GEMV_WEIGHTS:
+        return [y for i in range(0, len(weights), GEMV_WEIGHTS)
+                for y in gemv_many(x, weights[i:i + GEMV_WEIGHTS])]
+    n_pad = GEMV_WEIGHTS - len(weights)
+    datas = tuple([weight_rows(data) for data, _ in weights] + [_NO_ROWS] * n_pad)
+    codes = np.array([fmt.code for _, fmt in weights] + [0] * n_pad, np.int64)
+    outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data, _ in weights]
     for t in range(x.shape[0]):
-        gemv_blocks(codes, datas, x[t], tuple(out[t] for out in outs), F16_TABLE)
+        gemv_blocks(codes, datas, x[t], tuple([out[t] for out in outs] + [_NO_OUT] * n_pad), F16_TABLE)
     return outs
 
 
 def dequantize_numba(data: np.ndarray, fmt: WeightFormat, n_in: int, rows: slice | None = None) -> np.ndarray:
     start, stop = (0, data.shape[0]) if rows is None else (rows.start or 0, rows.stop)
     out = np.empty((stop - start, n_in), np.float32)
-    dequantize_rows(fmt.code, data, start, stop, out, F16_TABLE)
+    dequantize_rows(fmt.code, weight_rows(data), start, stop, out, F16_TABLE)
     return out
 
 
@@ -623,5 +648,5 @@ def dequantize_ids(data: np.ndarray, fmt: WeightFormat, n_in: int, ids: np.ndarr
     """Rows `ids` of the weight as f32 [len(ids), n_in] (embedding lookup); ids must be in range."""
     ids = np.asarray(ids, dtype=np.int64)
     out = np.empty((len(ids), n_in), np.float32)
-    gather_rows(fmt.code, data, ids, out, F16_TABLE)
+    gather_rows(fmt.code, weight_rows(data), ids, out, F16_TABLE)
     return out
