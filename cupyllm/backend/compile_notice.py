@@ -1,8 +1,10 @@
-"""One line on stderr when numba starts compiling cupyllm's CPU kernels.
+"""One line on stderr when numba starts compiling one of cupyllm's CPU kernels during a run.
 
-The first run on a machine spends a minute or two compiling them (later runs load numba's cache in
-milliseconds); without a word, a first `cupyllm generate` looks hung in its prefill. numba broadcasts a
-"numba:compile" event only when it really compiles, so a cached run prints nothing.
+The CPU backend compiles every kernel into numba's cache before its first run on a machine, with a progress bar
+(backend/precompile.py), so a run normally loads them all from the cache in milliseconds and compiles nothing.
+Should a kernel still compile (argument types the precompile did not cover), it takes seconds to a minute, and
+without a word a `cupyllm generate` would look hung: this says so. numba broadcasts a "numba:compile" event only
+when it really compiles, so a cached run prints nothing.
 """
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import threading
 
 from numba.core import event
 
-NOTICE = ("cupyllm: compiling the CPU kernels for this machine (the first run only, a minute or two on two cores; "
-          "numba caches them)")
+NOTICE = ("cupyllm: compiling a CPU kernel that numba's cache does not hold for these argument types (seconds to a "
+          "minute; cached for later runs)")
 
 
 class FirstCompileNotice(event.Listener):

@@ -9,7 +9,7 @@ from ..ops.attention.cpu import MAX_QUERIES, attend_encoded, attend_few, dca_few
 from ..ops.attention.dca import attend_dca
 from ..ops.attention.reference import attend, causal_mask, merge
 from ..kv.cache import KVCache, LayerKV, host_bytes_available
-from . import compile_notice
+from . import compile_notice, precompile
 from .cpu_memory import keep_freed_memory
 from ..ops.elementwise.cpu import gelu_tanh_times, rms_norm_rows, rope_rows, silu_times
 from .cpu_threads import RowThreads
@@ -30,7 +30,8 @@ class CPUBackend:
     def __init__(self, threads: int | None = None):
         self._rope_tables = {}
         self._threads = RowThreads(threads)
-        compile_notice.install()  # the first run compiles the numba kernels for a minute or two: say so
+        precompile.ensure_compiled()  # once per machine: every kernel into numba's cache, with a progress bar
+        compile_notice.install()  # a kernel that compiles all the same (types the precompile missed) says so
         keep_freed_memory()  # a prefill's arrays reuse freed memory instead of page-faulting in new (cpu_memory.py)
 
     def running_on(self, threads: int | None):

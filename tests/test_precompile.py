@@ -1,0 +1,116 @@
+"""The CPU kernels compile once per machine (cupyllm/backend/precompile.py): a run after that compiles nothing,
+whatever its prompt length, KV types, weight formats or thread count."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Runs in a fresh process, so that only numba's on-disk cache can spare it compiling: every numba compile event
+# of the runs is counted. The runs differ from one another (and from the precompile's tiny calls) in what could
+# make a kernel compile again: prompt length (decode GEMV, prefill GEMM, more than one prefill chunk), KV types
+# (scalar, rotated, trellis-coded, the float32 mirror), threads, model family and weight formats.
+RUNS = r"""
+import json, sys
+from numba.core import event
+
+compiled = []
+
+class Count(event.Listener):
+    def on_start(self, ev):
+        f = getattr((ev.data or {}).get("dispatcher"), "py_func", None)
+        compiled.append(f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', '?')}")
+
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Count())
+import cupyllm
+from cupyllm.backend import precompile
+
+assert precompile.is_compiled()  # (else the backend would compile in its worker processes, unseen here)
+
+runs = [("gemma3", 3, "f16", "f16", None, False), ("gemma3", 21, "q8_0", "turbo3", 1, False),
+        ("qwen3", 40, "turbo3_tcq", "q4_0", None, False), ("qwen3", 5, "q8_0", "turbo2", 1, True)]
+for arch, n_prompt, kv_k, kv_v, threads, mirror in runs:
+    model = cupyllm.load(sys.argv[1 + (arch == "qwen3")], device="cpu", kv_type_k=kv_k, kv_type_v=kv_v,
+                         threads=threads, kv_mirror=mirror, max_chunk=16)
+    model.generate([1 + i % 50 for i in range(n_prompt)], max_tokens=3, temperature=0)
+print(json.dumps(compiled))
+"""
+
+
+def test_a_run_after_the_precompile_compiles_nothing(tiny_model):
+    """Compile events counted in a process that runs tiny models with prompts of 3 to 40 tokens (chunks of 16),
+    six KV formats and the mirror, 1 and all threads, after the precompile filled the cache: none."""
+    from cupyllm.backend import precompile
+
+    precompile.ensure_compiled()  # (normally done already: by the first CPU backend of the test session)
+    assert precompile.is_compiled()
+    gemma, qwen = tiny_model("gemma3")[0], tiny_model("qwen3")[0]
+    out = subprocess.run([sys.executable, "-c", RUNS, str(gemma), str(qwen)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_stamp_follows_the_sources(monkeypatch, tmp_path):
+    """The stamp's key changes with any kernel source's bytes (a changed kernel is compiled again), and
+    is_compiled reads the stamp of the current key only."""
+    from cupyllm.backend import precompile
+
+    source = tmp_path / "kernel.py"
+    source.write_text("x = 1\n")
+    monkeypatch.setattr(precompile, "SOURCES", [source])
+    monkeypatch.setattr(precompile, "cache_dir", lambda: tmp_path)
+    before = precompile.cache_key()
+    assert not precompile.is_compiled()
+    precompile.stamp_path().write_text("")
+    assert precompile.is_compiled()
+    source.write_text("x = 2\n")
+    assert precompile.cache_key() != before
+    assert not precompile.is_compiled()
+
+
+def test_every_cached_kernel_the_engine_imports_is_a_stamp_source():
+    """Every module with a cached numba kernel that the engine imports is among the sources the stamp hashes (a
+    new kernel module must join them, and get a precompile job, or a first run would compile it after all)."""
+    import inspect
+
+    import cupyllm  # noqa: F401 - the engine, and every kernel module it can reach
+    from numba.core.caching import NullCache
+    from numba.core.registry import CPUDispatcher
+
+    from cupyllm.backend import precompile
+
+    kernel_files = set()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("cupyllm."):
+            for value in vars(module).values():
+                if isinstance(value, CPUDispatcher) and not isinstance(value._cache, NullCache):
+                    kernel_files.add(Path(inspect.getfile(value.py_func)).resolve())
+    assert kernel_files, "no cached numba kernels found"
+    assert kernel_files <= {path.resolve() for path in precompile.SOURCES}
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_weight_rows_are_one_numba_type(writable):
+    """A weight built in memory (writable) and one read from the mapped file (read-only) reach the kernels as
+    one numba type, so neither compiles them again."""
+    import numpy as np
+    from numba import typeof
+
+    from cupyllm.ops.matmul.cpu_gemv import weight_rows
+
+    mapped = np.zeros((4, 18), np.uint8)
+    mapped.flags.writeable = False
+    data = np.arange(72, dtype=np.uint8).reshape(4, 18)
+    data.flags.writeable = writable
+    rows = weight_rows(data)
+    assert typeof(rows) == typeof(mapped)
+    assert (rows == data).all()
