@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_kv_type_args(info)
     info.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None)
     info.add_argument("--kv-tiers", action="store_true", help="list every KV tier's cache size at -c and its quality")
+
+    sub.add_parser("compile", help="compile the CPU kernels into numba's cache now (a first CPU run does it itself)")
     return parser
 
 
@@ -321,6 +323,14 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    from .backend import precompile
+
+    seconds = precompile.compile_all()
+    print(f"cupyllm: CPU kernels compiled in {seconds:.0f} s, cached in {precompile.cache_dir()}", file=sys.stderr)
+    return 0
+
+
 def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"cupyllm: warning: {message}", file=sys.stderr)
 
@@ -330,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning  # one line, like the errors, not Python's file:line form
-            return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info}[args.command](args)
+            return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
+                    "compile": cmd_compile}[args.command](args)
     except CupyllmError as exc:
         print(f"cupyllm: error: {exc}", file=sys.stderr)
         return 1
