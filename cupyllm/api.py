@@ -25,7 +25,7 @@ from .files.config import ModelConfig, config_from_gguf
 from .errors import BudgetError, ContextOverflowError, ContextPastTrainingWarning, CupyllmError, InputError
 from .generate import GenerationStats, check_max_tokens, generate_stream, prefill
 from .files.gguf import GGUFFile, read_gguf
-from .kv.cache import KVCache, KVSpec, host_bytes_available
+from .kv.cache import KVCache, KVSpec, RecurrentState, host_bytes_available
 from .ops.kv_formats.formats import get_format
 from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, check_memory, parse_bytes, plan_kv, plan_spill
 from .files.model_store import default_model_path
@@ -220,7 +220,8 @@ class Model:
         if len(prompt_cache.layer_states) != len(layers):
             return f"it holds {len(prompt_cache.layer_states)} layer caches, the model has {len(layers)}"
         for i, (layer, state) in enumerate(zip(layers, prompt_cache.layer_states)):
-            problem = layer_state_problem(layer, state, len(ids))
+            problem = (layer.state_problem(state, len(ids)) if isinstance(layer, RecurrentState)
+                       else layer_state_problem(layer, state, len(ids)))
             if problem is not None:
                 return f"layer {i}: {problem}"
         return None
@@ -302,6 +303,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         get_format(kv_type_k, head_dim=head_dim)
         get_format(kv_type_v, head_dim=head_dim)
     budget = parse_bytes(kv_budget) if kv_budget is not None else None
+    if cfg.ssm is not None and device == "auto":  # the Gated DeltaNet layers have CPU kernels only (so far)
+        device = "cpu"
     backend = select_backend(device, threads=threads)
     if kv_mirror and not backend.can_mirror_kv:
         raise CupyllmError(f"kv_mirror=True (--kv-mirror) keeps a float32 copy of the KV cache for the CPU backend; "

@@ -91,6 +91,19 @@ class Backend(Protocol):
                       scale: float, softcap: float = 0.0) -> Array:
         """Dual Chunk Attention over `layer_kv` (keys cached at their in-chunk rope positions)."""
 
+    # --- Gated DeltaNet (Qwen3.5's linear-attention layers; ops/deltanet/reference.py defines them) --------
+    def causal_conv1d_silu(self, x: Array, weight: Array, conv_state: Array) -> Array:
+        """silu(causal depthwise conv of x [T, C] with weight [C, K]), conv_state [K - 1, C] holding the inputs
+        before x; conv_state advances in place to the last K - 1 inputs."""
+
+    def gated_delta_rule(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array) -> Array:
+        """The gated delta rule over T tokens: q, k [T, Hk, Dk] (L2-normalised here, q also by 1/sqrt(Dk)),
+        v [T, Hv, Dv], log decay g and write strength beta [T, Hv]; value head h reads key head h % Hk
+        (llama.cpp's tiled head order). state [Hv, Dk, Dv] float32 advances in place; returns o [T, Hv, Dv]."""
+
+    def gated_rms_norm(self, x: Array, z: Array, weight: Array, eps: float) -> Array:
+        """rms_norm(x, weight, eps) * silu(z) over the last axis."""
+
 
 def contract_operations() -> list[str]:
     """The names of every method of the contract."""

@@ -12,6 +12,7 @@ from ..kv.cache import KVCache, LayerKV, host_bytes_available
 from . import compile_notice, precompile
 from .cpu_memory import keep_freed_memory
 from ..ops.elementwise.cpu import gelu_tanh_times, rms_norm_rows, rope_rows, silu_times
+from ..ops.deltanet.cpu import conv1d_silu_rows, gated_delta_tokens, gated_rms_norm_rows
 from .cpu_threads import RowThreads
 from ..errors import CupyllmError
 from ..ops.matmul.cpu import matmul, matmul_many
@@ -185,6 +186,33 @@ class CPUBackend:
             return attend_dca(q_intra[start:stop], q_successive[start:stop], q_inter[start:stop], k, v,
                               q_pos[start:stop], k_pos, dca, scale=scale, softcap=softcap)
         return self._stream_keys(q_intra.shape[0], layer_kv, block)
+
+    # --- Gated DeltaNet ----------------------------------------------------------------------------
+    @staticmethod
+    def causal_conv1d_silu(x: np.ndarray, weight: np.ndarray, conv_state: np.ndarray) -> np.ndarray:
+        """silu(causal depthwise conv of x [T, C] with weight [C, K]) over conv_state, advanced in place."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return conv1d_silu_rows(x, weight, conv_state, np.empty_like(x))
+
+    @staticmethod
+    def gated_delta_rule(q, k, v, g, beta, state: np.ndarray) -> np.ndarray:
+        """The gated delta rule over T tokens (value head h reads key head h % Hk), state advanced in place."""
+        n_rep = v.shape[1] // q.shape[1]
+        if n_rep > 1:  # the kernel reads key head h // n_rep: tile the key heads to llama.cpp's order instead
+            q, k = np.tile(q, (1, n_rep, 1)), np.tile(k, (1, n_rep, 1))
+        f32 = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v, g, beta))
+        out = np.empty(v.shape, np.float32)
+        gated_delta_tokens(*f32, state, out)
+        return out
+
+    @staticmethod
+    def gated_rms_norm(x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """rms_norm(x, weight, eps) * silu(z) over the last axis."""
+        rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, weight.shape[-1])
+        out = np.empty_like(rows)
+        gated_rms_norm_rows(rows, np.ascontiguousarray(z, dtype=np.float32).reshape(rows.shape), weight,
+                            np.float32(eps), out)
+        return out.reshape(x.shape)
 
     def _stream_keys(self, n_rows: int, layer_kv: LayerKV, attend_block) -> np.ndarray:
         """The attention output of n_rows queries over the layer's cache, KEY_CHUNK slots at a time: each chunk

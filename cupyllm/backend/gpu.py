@@ -124,6 +124,8 @@ class GPUBackend:
 
     def new_cache(self, cfg, spec: KVSpec) -> KVCache:
         """A KV cache whose layers live on this device (encoded with kv_encode.cu)."""
+        if cfg.ssm is not None:
+            _cpu_only()
         from ..ops.kv_formats.gpu import GpuKVCodec
 
         def codec(fmt, head_dim, n_kv):
@@ -262,6 +264,16 @@ class GPUBackend:
         return self._attend(q_intra, q_pos, layer_kv, scale=scale, softcap=softcap, dca=dca,
                             dca_queries=(q_successive, q_inter))
 
+    # Gated DeltaNet: no CUDA kernels yet
+    def causal_conv1d_silu(self, x, weight, conv_state):
+        _cpu_only()
+
+    def gated_delta_rule(self, q, k, v, g, beta, state):
+        _cpu_only()
+
+    def gated_rms_norm(self, x, z, weight, eps: float):
+        _cpu_only()
+
     def _attend(self, q, q_pos, layer_kv, **options):
         """The in-register flash kernels, or, for caches they have no kernels for (e.g. head dims outside their
         list) or with attention="decode", the decoding fallback (ops/attention/gpu_decoded.py)."""
@@ -299,3 +311,8 @@ class GPUBackend:
         """`forward` (Transformer.forward's signature) with one-token steps replayed as CUDA graphs."""
         from .gpu_graph import DecodeGraphs
         return DecodeGraphs(forward, self, min_bucket=min_bucket)
+
+
+def _cpu_only():
+    raise DeviceError("qwen35 linear-attention layers run on the CPU only for now: load the model with "
+                      "device='cpu' (--device cpu)")

@@ -20,7 +20,7 @@ from ..errors import ModelFileError
 from .gguf import GGUFFile
 from .validate import Hyperparameters, check_block_count, check_tensors, check_tokenizer_metadata
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "qwen35")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,22 @@ class RopeConfig:
     yarn_ext_factor: float | None = None  # llama.cpp default: 1.0 for yarn
     yarn_attn_factor: float = 1.0
     freq_factors: tuple[float, ...] | None = None  # `rope_freqs.weight`: per-pair divisors of the frequency
+
+
+@dataclass(frozen=True)
+class SSMConfig:
+    """The Gated DeltaNet (linear-attention) layers of Qwen3.5 / Qwen3-Next: the GGUF's `ssm.*` keys."""
+
+    conv_kernel: int  # ssm.conv_kernel: taps of the causal depthwise conv over q|k|v
+    n_k_heads: int  # ssm.group_count: query/key heads
+    n_v_heads: int  # ssm.time_step_rank: value heads (each with its own decay and state)
+    k_head_dim: int  # ssm.state_size
+    v_head_dim: int  # ssm.inner_size / time_step_rank
+
+    @property
+    def conv_channels(self) -> int:
+        """The conv's channels: q, k and v side by side."""
+        return 2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -75,10 +91,18 @@ class ModelConfig:
     per_layer_dim: int = 0  # width of the per-layer embedding fed to every block (0: none)
     n_expert: int = 0  # experts per MoE layer (0: dense model)
     n_expert_used: int = 0
+    # Qwen3.5: Gated DeltaNet layers between full-attention ones, whose q projection also gives an output gate
+    recurrent_layers: tuple[bool, ...] = ()  # per layer: True where the layer is linear attention (DeltaNet)
+    ssm: SSMConfig | None = None
+    attn_output_gate: bool = False  # attention's output times sigmoid(gate), the gate from q's projection
     extra: dict = field(default_factory=dict, compare=False)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention (Gated DeltaNet) layer: a fixed-size state, no KV cache."""
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
 
     def head_dim_of(self, layer: int) -> int:
         return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
@@ -137,10 +161,13 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     arch = gguf.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3, Gemma 4)")
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3, Gemma 4, "
+                             "Qwen3.5)")
     hp = Hyperparameters(gguf, arch)
     n_layer = hp.integer(f"{arch}.block_count", lo=1)
     check_block_count(gguf, f"{arch}.block_count", n_layer)  # before anything is sized by it
+    if arch == "qwen35":
+        n_layer = _without_mtp_layers(gguf, hp, arch, n_layer)
     d_model = hp.integer(f"{arch}.embedding_length", lo=1)
     n_head = hp.uniform(f"{arch}.attention.head_count", n_layer, lo=1)
     kv_heads = hp.per_layer(f"{arch}.attention.head_count_kv", n_layer, n_head, lo=1)
@@ -153,7 +180,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if head_dim < 1:
         raise hp.fail(f"{arch}.attention.key_length", head_dim, "a head dim >= 1")
     v_head_dim = hp.integer(f"{arch}.attention.value_length", head_dim, lo=1)
-    n_rot = _rotary_dims(hp, f"{arch}.rope.dimension_count", head_dim, partial=arch == "gemma4")
+    n_rot = _rotary_dims(hp, f"{arch}.rope.dimension_count", head_dim, partial=arch in ("gemma4", "qwen35"))
     rope = _rope_scaling(hp, arch, n_rot, hp.real(f"{arch}.rope.freq_base", 10000.0))
     # an MoE file may carry only its experts' width
     ffn_key = f"{arch}.feed_forward_length"
@@ -181,6 +208,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
                           qk_norm=arch != "qwen2", activation="silu")
     elif arch == "gemma4":
         cfg = _gemma4_config(gguf, hp, common, kv_heads)
+    elif arch == "qwen35":
+        cfg = _qwen35_config(hp, common)
     else:
         # gemma3, as llama.cpp: sliding pattern 6 (layers 5, 11, ... global), local rope base 10 000 unscaled
         pattern = 6
@@ -289,3 +318,44 @@ def _gemma4_config(gguf: GGUFFile, hp: Hyperparameters, common: dict, kv_heads: 
         kv_sources=tuple(sources), v_norm=True,
         per_layer_dim=hp.integer(f"{arch}.embedding_length_per_layer_input", 0),
     )
+
+
+def _without_mtp_layers(gguf: GGUFFile, hp: Hyperparameters, arch: str, block_count: int) -> int:
+    """The decoder layers of a Qwen3.5 file: its last `nextn_predict_layers` blocks are multi-token-prediction
+    heads (llama.cpp's converter counts them in block_count), which cupyllm does not run: their tensors are set
+    aside with the file's other unused tensors."""
+    n_mtp = hp.integer(f"{arch}.nextn_predict_layers", 0, hi=block_count - 1)
+    for name in [n for n in gguf.tensors if n.startswith("blk.")]:
+        if int(name.split(".")[1]) >= block_count - n_mtp:
+            gguf.unused_tensors[name] = gguf.tensors.pop(name)
+    return block_count - n_mtp
+
+
+def _qwen35_config(hp: Hyperparameters, common: dict) -> ModelConfig:
+    """Qwen3.5, as llama.cpp loads it: layer il is full attention where (il + 1) % full_attention_interval == 0
+    (default 4), Gated DeltaNet elsewhere; full attention with q/k RMSNorm, partial NEOX rope (the text positions
+    of its interleaved M-RoPE are equal in all sections, so `rope.dimension_sections` changes nothing for text)
+    and a sigmoid output gate from q's projection. The GGUF's norm weights already hold Qwen3.5's 1 + w (all but
+    the DeltaNet's gated norm)."""
+    arch, n_layer = "qwen35", common["n_layer"]
+    interval = hp.integer(f"{arch}.full_attention_interval", 4, lo=1, hi=n_layer)
+    sections = hp.gguf.get(f"{arch}.rope.dimension_sections")
+    if sections is not None and (not isinstance(sections, np.ndarray) or sections.dtype.kind not in "iu"
+                                 or len(sections) > 4 or (sections < 0).any()):
+        raise hp.fail(f"{arch}.rope.dimension_sections", sections, "at most 4 non-negative integers")
+    n_k_heads = hp.integer(f"{arch}.ssm.group_count", lo=1)
+    n_v_heads = hp.integer(f"{arch}.ssm.time_step_rank", lo=1)
+    if n_v_heads % n_k_heads:
+        raise hp.fail(f"{arch}.ssm.time_step_rank", n_v_heads, f"a multiple of ssm.group_count ({n_k_heads})")
+    inner = hp.integer(f"{arch}.ssm.inner_size", lo=1)
+    if inner % n_v_heads:
+        raise hp.fail(f"{arch}.ssm.inner_size", inner, f"a multiple of ssm.time_step_rank ({n_v_heads})")
+    ssm = SSMConfig(conv_kernel=hp.integer(f"{arch}.ssm.conv_kernel", lo=2, hi=64), n_k_heads=n_k_heads,
+                    n_v_heads=n_v_heads, k_head_dim=hp.integer(f"{arch}.ssm.state_size", lo=1, hi=4096),
+                    v_head_dim=inner // n_v_heads)
+    if ssm.v_head_dim % 16:  # the CPU recurrence runs the state in 16-lane tiles (ops/deltanet/cpu.py)
+        raise ModelFileError(f"{hp.path}: Gated DeltaNet value heads of {ssm.v_head_dim} dims (ssm.inner_size / "
+                             "ssm.time_step_rank) are not supported: cupyllm needs a multiple of 16")
+    return ModelConfig(**common, attn_scale=1.0 / math.sqrt(common["head_dim"]), qk_norm=True, activation="silu",
+                       recurrent_layers=tuple((il + 1) % interval != 0 for il in range(n_layer)), ssm=ssm,
+                       attn_output_gate=True)

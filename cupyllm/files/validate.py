@@ -169,6 +169,8 @@ _KNOWN_GLOBAL = {"token_embd.weight", "output.weight", "output_norm.weight", "ro
                  "per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight"}
 _KNOWN_BLOCK = {
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q.bias",
+    "attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias",
+    "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight",
     "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
     "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight",
     "layer_output_scale.weight", "inp_gate.weight", "proj.weight", "post_norm.weight", "ffn_gate_inp.weight",
@@ -218,6 +220,9 @@ def expected_tensors(gguf: GGUFFile, cfg, layer_ffn: tuple[int, ...],
                       "per_layer_proj_norm.weight": Expected((cfg.per_layer_dim,))})
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
+        if cfg.ssm is not None:
+            table.update({p + name: spec for name, spec in _hybrid_layer_tensors(cfg, il, layer_ffn[il]).items()})
+            continue
         hd, vhd, nkv, nh = cfg.head_dim_of(il), cfg.v_head_dim_of(il), cfg.n_kv_head_of(il), cfg.n_head
         has_kv = cfg.kv_source(il) == il
         rows = {"attn_norm.weight": Expected((d,)), "attn_q.weight": Expected((nh * hd, d)),
@@ -259,6 +264,30 @@ def expected_tensors(gguf: GGUFFile, cfg, layer_ffn: tuple[int, ...],
     return table
 
 
+def _hybrid_layer_tensors(cfg, il: int, ffn: int) -> dict[str, Expected]:
+    """Qwen3.5's layer il as llama.cpp's converter writes it: the norm before the token mixer (`attn_norm`) and
+    before the MLP (`post_attention_norm`), a SwiGLU MLP, and either the Gated DeltaNet (q|k|v projection
+    `attn_qkv`, its output gate `attn_gate`, the decay and write-strength projections `ssm_alpha` / `ssm_beta`,
+    `ssm_a` = -exp(A_log), `ssm_dt.bias`, the conv `ssm_conv1d` [channels, taps], the gated norm `ssm_norm` over
+    a value head, `ssm_out`) or full attention whose `attn_q` gives each head's q and its output gate."""
+    d, f, s = cfg.d_model, ffn, cfg.ssm
+    rows = {"attn_norm.weight": Expected((d,)), "post_attention_norm.weight": Expected((d,)),
+            "ffn_gate.weight": Expected((f, d)), "ffn_up.weight": Expected((f, d)), "ffn_down.weight": Expected((d, f))}
+    if cfg.is_recurrent(il):
+        value = s.n_v_heads * s.v_head_dim
+        rows.update({"attn_qkv.weight": Expected((s.conv_channels, d)), "attn_gate.weight": Expected((value, d)),
+                     "ssm_alpha.weight": Expected((s.n_v_heads, d)), "ssm_beta.weight": Expected((s.n_v_heads, d)),
+                     "ssm_a": Expected((s.n_v_heads,)), "ssm_dt.bias": Expected((s.n_v_heads,)),
+                     "ssm_conv1d.weight": Expected((s.conv_channels, s.conv_kernel)),
+                     "ssm_norm.weight": Expected((s.v_head_dim,)), "ssm_out.weight": Expected((d, value))})
+    else:
+        hd, nh, nkv = cfg.head_dim, cfg.n_head, cfg.n_kv_head
+        rows.update({"attn_q.weight": Expected((2 * nh * hd, d)), "attn_k.weight": Expected((nkv * hd, d)),
+                     "attn_v.weight": Expected((nkv * hd, d)), "attn_output.weight": Expected((d, nh * hd)),
+                     "attn_q_norm.weight": Expected((hd,)), "attn_k_norm.weight": Expected((hd,))})
+    return rows
+
+
 def _why_not(cfg, name: str) -> str:
     """Why the hyperparameters rule out a tensor the model code knows."""
     match = _BLOCK.fullmatch(name)
@@ -271,6 +300,9 @@ def _why_not(cfg, name: str) -> str:
                     else "the experts' gate and up are stored both fused and apart")
         if part in ("inp_gate.weight", "proj.weight", "post_norm.weight"):
             return "embedding_length_per_layer_input is 0"
+        if cfg.ssm is not None:
+            kind = "linear-attention" if cfg.is_recurrent(il) else "full-attention"
+            return f"layer {il} is a {kind} layer (full_attention_interval)"
     elif name.startswith("per_layer_"):
         return "embedding_length_per_layer_input is 0"
     return f"{cfg.arch} has no such tensor"

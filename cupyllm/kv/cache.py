@@ -192,6 +192,69 @@ class LayerKV:
             self.n_used = min(self.n_used, n_keep)
 
 
+@dataclass
+class RecurrentState:
+    """A Gated DeltaNet layer's memory of everything before `n_seen` (Qwen3.5's linear-attention layers): the
+    conv's last K - 1 inputs [K - 1, C] and the recurrent state [Hv, Dk, Dv], float32 (ops/deltanet's layouts).
+    Fixed in size, whatever the context; it cannot be rewound, so it truncates only to where it stands."""
+
+    conv: np.ndarray
+    recurrent: np.ndarray
+    n_seen: int = 0  # positions [0, n_seen) are folded into the state
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig) -> "RecurrentState":
+        s = cfg.ssm
+        return cls(np.zeros((s.conv_kernel - 1, s.conv_channels), np.float32),
+                   np.zeros((s.n_v_heads, s.k_head_dim, s.v_head_dim), np.float32))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.conv.nbytes + self.recurrent.nbytes)
+
+    def clear(self) -> None:
+        self.conv[...] = 0.0
+        self.recurrent[...] = 0.0
+        self.n_seen = 0
+
+    def state(self) -> dict:
+        return {"conv": self.conv.copy(), "recurrent": self.recurrent.copy(), "n_seen": np.int64(self.n_seen)}
+
+    def restore(self, state: dict) -> None:
+        self.conv[...] = state["conv"]
+        self.recurrent[...] = state["recurrent"]
+        self.n_seen = int(state["n_seen"])
+
+    def state_problem(self, state: dict, n_past: int) -> str | None:
+        """What keeps `state` (of a prompt cache of n_past tokens) from restoring into this layer, or None."""
+        if set(state) != {"conv", "recurrent", "n_seen"}:
+            return f"arrays {sorted(state)}, expected conv, n_seen, recurrent (a linear-attention layer)"
+        for name in ("conv", "recurrent"):
+            value, like = np.asarray(state[name]), getattr(self, name)
+            if value.dtype != like.dtype or value.shape != like.shape:
+                return f"{name} is {value.dtype} {value.shape}, expected {like.dtype} {like.shape}"
+        seen = np.asarray(state["n_seen"])
+        if seen.shape != () or seen.dtype.kind not in "iu" or int(seen) != n_past:
+            return f"n_seen {seen!r} is not the prompt's {n_past} tokens"
+        return None
+
+    def can_truncate(self, n_keep: int) -> bool:
+        return n_keep == self.n_seen
+
+    def truncate(self, n_keep: int) -> None:
+        if n_keep != self.n_seen:
+            raise ValueError(f"a recurrent state after {self.n_seen} positions cannot be rewound to {n_keep}")
+
+
+def recurrent_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the recurrent states of a hybrid model's linear-attention layers (0 for other models)."""
+    if cfg.ssm is None:
+        return 0
+    s = cfg.ssm
+    per_layer = 4 * ((s.conv_kernel - 1) * s.conv_channels + s.n_v_heads * s.k_head_dim * s.v_head_dim)
+    return per_layer * sum(cfg.is_recurrent(il) for il in range(cfg.n_layer))
+
+
 def _host_copy(array) -> np.ndarray:
     """A NumPy copy of a host or device (CuPy, DeviceLayerKV) array."""
     return array.get() if hasattr(array, "get") else array.copy()
@@ -239,7 +302,7 @@ def key_normalization(k, positions, xp=np, queries=None):
 @dataclass
 class KVCache:
     spec: KVSpec
-    layers: list[LayerKV]
+    layers: list[LayerKV]  # a RecurrentState at a hybrid model's linear-attention layers
     n_past: int = 0  # positions [0, n_past) are cached
 
     @classmethod
@@ -256,6 +319,9 @@ class KVCache:
         layers = []
         try:
             for layer in range(cfg.n_layer):
+                if cfg.is_recurrent(layer):  # a linear-attention layer keeps a fixed-size state instead of K/V
+                    layers.append(RecurrentState.for_model(cfg))
+                    continue
                 if cfg.kv_source(layer) != layer:  # a KV-shared layer (Gemma 4) reads an earlier layer's cache
                     layers.append(layers[cfg.kv_source(layer)])
                     continue
@@ -312,10 +378,10 @@ class KVCache:
 def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:
     """Bytes a cache for `spec` takes, without allocating it (mirror: plus the CPU's float32 copy; spilled: on
     the device only, kv/plan.py counts the host part)."""
-    total = 0
+    total = recurrent_bytes(cfg)
     for layer in range(cfg.n_layer):
-        if cfg.kv_source(layer) != layer:
-            continue  # reads an earlier layer's cache
+        if cfg.kv_source(layer) != layer or cfg.is_recurrent(layer):
+            continue  # reads an earlier layer's cache, or keeps a recurrent state (counted above)
         k_dim, v_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
         k_row = get_format(spec.kv_type_k, head_dim=k_dim).row_bytes(k_dim)
         v_row = get_format(spec.kv_type_v, head_dim=v_dim).row_bytes(v_dim)

@@ -21,10 +21,12 @@ from .weights import Weight, load_matrix, load_vector
 from .gemma import gemma_block, per_layer_inputs
 from .layers import LayerWeights
 from .qwen import qwen_block
+from .qwen35 import qwen35_block, qwen35_layer_weights
 from .residual import ResidualStream
 
 BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "qwen3moe": qwen_block,
-                               "gemma3": gemma_block, "gemma4": gemma_block}
+                               "gemma3": gemma_block, "gemma4": gemma_block, "qwen35": qwen35_block}
+LAYER_WEIGHTS: dict[str, Callable] = {"qwen35": qwen35_layer_weights}  # the others: LayerWeights.from_gguf
 
 
 @dataclass
@@ -43,7 +45,8 @@ class Transformer:
         cfg = config_from_gguf(gguf)
         token_embd = load_matrix(gguf, "token_embd.weight")
         output = token_embd if cfg.tied_output else load_matrix(gguf, "output.weight")
-        layers = [LayerWeights.from_gguf(gguf, il, cfg).on(ops)
+        layer_weights = LAYER_WEIGHTS.get(cfg.arch, LayerWeights.from_gguf)
+        layers = [layer_weights(gguf, il, cfg).on(ops)
                   for il in tqdm(range(cfg.n_layer), desc="loading layers", unit="layer", disable=not progress,
                                  leave=False)]
         per_layer = None

@@ -41,6 +41,7 @@ class LayerWeights:
     experts_norm: np.ndarray | None = None
     post_dense_norm: np.ndarray | None = None
     post_experts_norm: np.ndarray | None = None
+    deltanet: object | None = None  # Qwen3.5's linear-attention layers: models/qwen35.py DeltaNetWeights
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, layer: int, cfg: ModelConfig | None = None) -> "LayerWeights":
@@ -84,7 +85,7 @@ def _move(w, backend):
         return None
     if isinstance(w, Weight):
         return backend.upload(w)
-    if isinstance(w, MoEWeights):
+    if isinstance(w, MoEWeights) or hasattr(w, "on"):  # MoEWeights, DeltaNetWeights
         return w.on(backend)
     return backend.asarray(w)
 

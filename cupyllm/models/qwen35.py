@@ -1,0 +1,119 @@
+"""Qwen3.5 (dense): pre-norm blocks with SwiGLU whose token mixer is, at every `full_attention_interval`-th layer,
+gated full attention, and elsewhere a Gated DeltaNet (linear attention with a fixed-size state).
+
+    h = x + Mixer(RMSNorm(x))
+    y = h + W_down( SiLU(W_gate RMSNorm(h)) * W_up RMSNorm(h) )
+
+Gated attention (full-attention layers): q's projection gives each head its q and an output gate.
+    [q | gate] = W_q n,  k = W_k n,  v = W_v n
+    Attn = W_o( Attention(RoPE(RMSNorm(q)), RoPE(RMSNorm(k)), v) * sigmoid(gate) )    (partial rotary)
+
+Gated DeltaNet (linear-attention layers; ops/deltanet/reference.py defines the core):
+    [q | k | v] = SiLU(CausalConv1d(W_qkv n))          (the conv's last K - 1 inputs carried in the cache)
+    g = ssm_a * softplus(W_alpha n + dt_bias)           (ssm_a = -exp(A_log): g is the log decay, <= 0)
+    beta = sigmoid(W_beta n)
+    o = DeltaRule(q, k, v, g, beta; S)                  (S [Hv, Dk, Dv] carried in the cache)
+    Mixer = W_out( RMSNorm(o; ssm_norm) * SiLU(W_gate n) )   (per value head)
+
+Value head h reads key head h % Hk: llama.cpp's converter stores the value heads in that (tiled) order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..files.config import ModelConfig
+from ..files.gguf import GGUFFile
+from ..kv.cache import KVCache, RecurrentState
+from .layers import LayerWeights, default_attention, gated_mlp
+from .residual import ResidualStream
+from .weights import Weight, load_matrix, load_vector
+
+
+@dataclass(frozen=True)
+class DeltaNetWeights:
+    """One Gated DeltaNet layer, as llama.cpp's converter names and lays it out."""
+
+    qkv: Weight  # attn_qkv [2 Hk Dk + Hv Dv, d]
+    gate: Weight  # attn_gate [Hv Dv, d]: z, the output gate
+    alpha: Weight  # ssm_alpha [Hv, d]: the decay's input
+    beta: Weight  # ssm_beta [Hv, d]: the write strength's input
+    a: np.ndarray  # ssm_a [Hv]: -exp(A_log)
+    dt_bias: np.ndarray  # ssm_dt.bias [Hv]
+    conv: np.ndarray  # ssm_conv1d [C, K]
+    norm: np.ndarray  # ssm_norm [Dv]
+    out: Weight  # ssm_out [d, Hv Dv]
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, layer: int) -> "DeltaNetWeights":
+        p = f"blk.{layer}."
+        return cls(qkv=load_matrix(gguf, p + "attn_qkv.weight"), gate=load_matrix(gguf, p + "attn_gate.weight"),
+                   alpha=load_matrix(gguf, p + "ssm_alpha.weight"), beta=load_matrix(gguf, p + "ssm_beta.weight"),
+                   a=load_vector(gguf, p + "ssm_a"), dt_bias=load_vector(gguf, p + "ssm_dt.bias"),
+                   conv=np.ascontiguousarray(load_vector(gguf, p + "ssm_conv1d.weight")),
+                   norm=load_vector(gguf, p + "ssm_norm.weight"), out=load_matrix(gguf, p + "ssm_out.weight"))
+
+    def on(self, backend) -> "DeltaNetWeights":
+        return type(self)(**{name: backend.upload(value) if isinstance(value, Weight) else backend.asarray(value)
+                             for name, value in self.__dict__.items()})
+
+
+def qwen35_layer_weights(gguf: GGUFFile, layer: int, cfg: ModelConfig) -> LayerWeights:
+    """Layer `layer`'s weights: its norms and MLP, and its DeltaNet or its gated attention (`wq` [2 n_head
+    head_dim, d]: per head its q rows, then its gate rows). `ffn_norm` is the GGUF's post_attention_norm (HF's
+    post_attention_layernorm, the norm before the MLP)."""
+    p = f"blk.{layer}."
+    common = dict(attn_norm=load_vector(gguf, p + "attn_norm.weight"),
+                  ffn_norm=load_vector(gguf, p + "post_attention_norm.weight"),
+                  w_gate=load_matrix(gguf, p + "ffn_gate.weight"), w_up=load_matrix(gguf, p + "ffn_up.weight"),
+                  w_down=load_matrix(gguf, p + "ffn_down.weight"))
+    if cfg.is_recurrent(layer):
+        return LayerWeights(wq=None, wk=None, wv=None, wo=None, deltanet=DeltaNetWeights.from_gguf(gguf, layer),
+                            **common)
+    return LayerWeights(wq=load_matrix(gguf, p + "attn_q.weight"), wk=load_matrix(gguf, p + "attn_k.weight"),
+                        wv=load_matrix(gguf, p + "attn_v.weight"), wo=load_matrix(gguf, p + "attn_output.weight"),
+                        q_norm=load_vector(gguf, p + "attn_q_norm.weight"),
+                        k_norm=load_vector(gguf, p + "attn_k_norm.weight"), **common)
+
+
+def qwen35_block(ops, cfg, w, layer, x: ResidualStream, positions, cache: KVCache, attention=None):
+    """One block on the residual stream x: h, then y."""
+    n = x.norm(w.attn_norm)
+    if cfg.is_recurrent(layer):
+        x.add(gated_deltanet(ops, cfg, w.deltanet, n, cache.layers[layer], positions))
+    else:
+        x.add(gated_attention(ops, cfg, w, layer, n, positions, cache, attention))
+    x.add(gated_mlp(ops, w, x.norm(w.ffn_norm), cfg.activation))
+
+
+def _sigmoid(xp, x):
+    return 1.0 / (1.0 + xp.exp(-x))
+
+
+def gated_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, x, positions: np.ndarray, cache: KVCache,
+                    attention=None):
+    """Full attention whose output is gated per head and channel by sigmoid(gate), gate from q's projection."""
+    n, hd, xp = x.shape[0], cfg.head_dim, ops.xp
+    q_gate, k, v = ops.linear_many(x, [w.wq, w.wk, w.wv])
+    q_gate = q_gate.reshape(n, cfg.n_head, 2, hd)
+    q, gate = xp.ascontiguousarray(q_gate[:, :, 0]), q_gate[:, :, 1].reshape(n, cfg.n_head * hd)
+    k, v = k.reshape(n, cfg.n_kv_head, hd), v.reshape(n, cfg.n_kv_head, hd)
+    out = (attention or default_attention)(ops, cfg, w, layer, q, k, v, positions, cache)
+    return ops.linear(out.reshape(n, cfg.n_head * hd) * _sigmoid(xp, gate), w.wo)
+
+
+def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, state: RecurrentState, positions: np.ndarray):
+    """The Gated DeltaNet token mixer over x [n, d], advancing the layer's conv and recurrent state."""
+    s, n, xp = cfg.ssm, x.shape[0], ops.xp
+    qkv, z, alpha, beta = ops.linear_many(x, [w.qkv, w.gate, w.alpha, w.beta])
+    qkv = ops.causal_conv1d_silu(qkv, w.conv, state.conv)
+    key_width = s.n_k_heads * s.k_head_dim
+    q = qkv[:, :key_width].reshape(n, s.n_k_heads, s.k_head_dim)
+    k = qkv[:, key_width:2 * key_width].reshape(n, s.n_k_heads, s.k_head_dim)
+    v = qkv[:, 2 * key_width:].reshape(n, s.n_v_heads, s.v_head_dim)
+    g = w.a * xp.logaddexp(np.float32(0.0), alpha + w.dt_bias)  # softplus, without overflow
+    o = ops.gated_delta_rule(q, k, v, g, _sigmoid(xp, beta), state.recurrent)
+    o = ops.gated_rms_norm(o, z.reshape(n, s.n_v_heads, s.v_head_dim), w.norm, cfg.norm_eps)
+    state.n_seen = int(positions[-1]) + 1
+    return ops.linear(o.reshape(n, s.n_v_heads * s.v_head_dim), w.out)
