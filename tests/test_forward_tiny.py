@@ -1,7 +1,8 @@
-"""Tiny random-weight Qwen2, Qwen3 (dense, MoE), Gemma 3 and Gemma 4 GGUFs (our writer) against transformers models
-built from the very same tensors: float32 logits within 1.5e-3 through chunked prefill and sliding-window rings
-and through one-token decode (the quantized matmuls multiply the activations rounded to 16-bit codes), within
-1e-4 through prefill with float32 activations; all-F32 twins against llama.cpp's stored logits.
+"""Tiny random-weight Qwen2, Qwen3 (dense, MoE), Qwen3.5 (Gated DeltaNet hybrid), Gemma 3 and Gemma 4 GGUFs (our
+writer) against transformers models built from the very same tensors: float32 logits within 1.5e-3 through
+chunked prefill and sliding-window rings and through one-token decode (the quantized matmuls multiply the
+activations rounded to 16-bit codes), within 1e-4 through prefill with float32 activations; all-F32 twins against
+llama.cpp's stored logits.
 
 transformers' logits are stored in tests/data/hf_reference_tiny.npz by tools/make_hf_tiny_reference.py, so the
 suite needs no torch; where torch and transformers are installed, the stored arrays are recomputed and compared."""

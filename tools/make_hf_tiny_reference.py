@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 import make_tiny_models  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "hf_reference_tiny.npz"
-ARCHES = make_tiny_models.ARCHES
+ARCHES = make_tiny_models.ARCHES + make_tiny_models.HYBRID_ARCHES
 PREFILL_TOKENS, PREFILL_SEED = 29, 7
 DECODE_TOKENS, DECODE_SEED = 20, 8
 ROPE_CASES = {  # name -> (transformers rope type, its parameters); base 1e6, 128 rotated dims, 32768 positions

@@ -1,4 +1,4 @@
-"""Write tiny random-weight Qwen2, Qwen3 (dense and MoE), Gemma 3 and Gemma 4 models as GGUF (with the `gguf` package's writer), and
+"""Write tiny random-weight Qwen2, Qwen3 (dense and MoE), Qwen3.5, Gemma 3 and Gemma 4 models as GGUF (with the `gguf` package's writer), and
 build the matching HF `transformers` models from the very same tensors, for exact parity tests.
 
     python tests/support/make_tiny_models.py OUT_DIR        # writes tiny-qwen2.gguf, ..., tiny-gemma4-moe.gguf
@@ -34,6 +34,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 ARCHES = ("qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe")
+HYBRID_ARCHES = ("qwen35",)  # Gated DeltaNet layers between full-attention ones (CPU only so far)
 GEMMA4_LAYER_TYPES = (True, True, False, True, False, True, False)  # sliding? per layer
 
 
@@ -69,6 +70,14 @@ class TinySpec:
     expert_ffn_dim: int = 0
     final_softcap: float = 0.0
     sliding_pattern: tuple[bool, ...] = ()  # sliding? per layer, repeating (default GEMMA4_LAYER_TYPES)
+    # Qwen3.5 (0 elsewhere): Gated DeltaNet layers, every full_attn_interval-th layer full attention
+    full_attn_interval: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_k_dim: int = 0
+    ssm_v_dim: int = 0
+    conv_kernel: int = 4
+    n_rot: int = 0  # rotated dims per head (0: all)
 
     @property
     def gguf_arch(self) -> str:
@@ -114,6 +123,13 @@ def tiny_spec(arch: str) -> TinySpec:
     if arch == "gemma4":  # E2B-like
         return TinySpec("gemma4", n_layer=7, head_dim=32, global_head_dim=64, per_layer_dim=16, n_kv_shared=2,
                         double_wide=True, final_softcap=30.0, rope_base=1_000_000.0)
+    if arch == "qwen35":  # Qwen3.5-like: DeltaNet, full attention, DeltaNet, full attention; 2 key heads for 4 value
+        return TinySpec("qwen35", n_layer=4, full_attn_interval=2, ssm_k_heads=2, ssm_v_heads=4, ssm_k_dim=16,
+                        ssm_v_dim=16, n_rot=16, rope_base=1_000_000.0,
+                        # attn_qkv F16: through the conv, the L2 norm and the recurrence, the 16-bit activation
+                        # codes of a quantized q|k|v projection move this tiny model's logits by up to 2.5e-3
+                        types={"attn_q.weight": T.Q8_0, "attn_qkv.weight": T.F16, "attn_gate.weight": T.Q8_0,
+                               "ssm_out.weight": T.Q5_0, "ffn_up.weight": T.BF16, "ffn_gate.weight": T.Q5_0})
     if arch == "qwen3-moe":  # Qwen3-30B-A3B-like
         return TinySpec("qwen3-moe", n_expert=4, n_expert_used=2, expert_ffn_dim=32,
                         types={"attn_q.weight": T.Q8_0, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0})
@@ -285,7 +301,8 @@ def _store(values: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
 def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict[str, np.ndarray]]:
     """GGUF tensors (name -> (stored array, type)) and the float32 values they decode to."""
     rng = np.random.default_rng(spec.seed)
-    vocab = len({"qwen2": qwen_vocab, "qwen3": qwen_vocab, "qwen3moe": qwen_vocab, "gemma3": gemma_vocab,
+    vocab = len({"qwen2": qwen_vocab, "qwen3": qwen_vocab, "qwen3moe": qwen_vocab, "qwen35": qwen_vocab,
+                 "gemma3": gemma_vocab,
                  "gemma4": gemma4_vocab}[spec.gguf_arch]()[0])
     vocab = max(vocab, spec.n_vocab or 0)
     d, hd, nh, nkv, ffn = spec.d_model, spec.head_dim, spec.n_head, spec.n_kv_head, spec.ffn_dim
@@ -294,7 +311,9 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
         shapes["output.weight"] = (vocab, d)  # Gemma ties its output head to the embedding
     if spec.gguf_arch == "gemma4":
         shapes.update(_gemma4_shapes(spec, vocab))
-    for il in range(spec.n_layer if spec.gguf_arch != "gemma4" else 0):
+    if spec.arch == "qwen35":
+        shapes.update(_qwen35_shapes(spec))
+    for il in range(spec.n_layer if spec.gguf_arch not in ("gemma4", "qwen35") else 0):
         p = f"blk.{il}."
         shapes.update({
             p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_k.weight": (nkv * hd, d),
@@ -325,6 +344,8 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
             continue
         if name == "rope_freqs.weight":  # not random: the proportional rope of Gemma 4's global layers
             values = _gemma4_rope_freqs(spec)
+        elif name.endswith(".ssm_a"):  # -exp(A_log): negative, decays from exp(-0.4) to exp(-4.5) per unit dt
+            values = -np.exp(rng.uniform(-1.0, 1.5, shape)).astype(np.float32)
         elif "norm" in name or name.endswith("scale") or name.endswith("scale.weight"):
             values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
             if spec.gguf_arch == "gemma4" and name.endswith("attn_q_norm.weight"):
@@ -339,6 +360,47 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
         stored[name] = (raw, qtype)
         decoded[name] = dec
     return stored, decoded
+
+
+def qwen35_recurrent(spec: TinySpec, il: int) -> bool:
+    """Whether Qwen3.5's layer il is a Gated DeltaNet layer (llama.cpp: (il + 1) % full_attention_interval)."""
+    return (il + 1) % spec.full_attn_interval != 0
+
+
+def _qwen35_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's layers as llama.cpp's converter writes them (gguf-py MODEL_ARCH.QWEN35)."""
+    d, nh, nkv, hd, ff = spec.d_model, spec.n_head, spec.n_kv_head, spec.head_dim, spec.ffn_dim
+    nk, nv, dk, dv = spec.ssm_k_heads, spec.ssm_v_heads, spec.ssm_k_dim, spec.ssm_v_dim
+    channels = 2 * nk * dk + nv * dv
+    shapes: dict[str, tuple[int, ...]] = {}
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        shapes.update({p + "attn_norm.weight": (d,), p + "post_attention_norm.weight": (d,),
+                       p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d), p + "ffn_down.weight": (d, ff)})
+        if qwen35_recurrent(spec, il):
+            shapes.update({p + "attn_qkv.weight": (channels, d), p + "attn_gate.weight": (nv * dv, d),
+                           p + "ssm_alpha.weight": (nv, d), p + "ssm_beta.weight": (nv, d), p + "ssm_a": (nv,),
+                           p + "ssm_dt.bias": (nv,), p + "ssm_conv1d.weight": (channels, spec.conv_kernel),
+                           p + "ssm_norm.weight": (dv,), p + "ssm_out.weight": (d, nv * dv)})
+        else:
+            shapes.update({p + "attn_q.weight": (2 * nh * hd, d), p + "attn_k.weight": (nkv * hd, d),
+                           p + "attn_v.weight": (nkv * hd, d), p + "attn_output.weight": (d, nh * hd),
+                           p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+    return shapes
+
+
+def _write_qwen35_metadata(writer, spec: TinySpec) -> None:
+    writer.add_ssm_conv_kernel(spec.conv_kernel)
+    writer.add_ssm_state_size(spec.ssm_k_dim)
+    writer.add_ssm_group_count(spec.ssm_k_heads)
+    writer.add_ssm_time_step_rank(spec.ssm_v_heads)
+    writer.add_ssm_inner_size(spec.ssm_v_dim * spec.ssm_v_heads)
+    writer.add_full_attention_interval(spec.full_attn_interval)
+    writer.add_rope_dimension_count(spec.n_rot)
+    writer.add_rope_dimension_sections(list(QWEN35_MROPE_SECTIONS) + [0])
+
+
+QWEN35_MROPE_SECTIONS = (3, 3, 2)  # t, h, w pairs of the tiny model's 8 rotated pairs (text: all alike)
 
 
 def _gemma4_shapes(spec: TinySpec, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -440,6 +502,8 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_head_count_kv(spec.n_kv_head)
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
+    if spec.arch == "qwen35":
+        _write_qwen35_metadata(writer, spec)
     if spec.n_expert:
         writer.add_expert_count(spec.n_expert)
         writer.add_expert_used_count(spec.n_expert_used)
@@ -513,6 +577,18 @@ def hf_config(spec: TinySpec, n_vocab: int):
                                   attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True)
         return config, Gemma3ForCausalLM
     rope = {"rope_type": "default", "rope_theta": spec.rope_base}
+    if spec.arch == "qwen35":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        layer_types = ["linear_attention" if qwen35_recurrent(spec, il) else "full_attention"
+                       for il in range(spec.n_layer)]
+        config = Qwen3_5TextConfig(
+            **common, layer_types=layer_types, linear_conv_kernel_dim=spec.conv_kernel,
+            linear_key_head_dim=spec.ssm_k_dim, linear_value_head_dim=spec.ssm_v_dim,
+            linear_num_key_heads=spec.ssm_k_heads, linear_num_value_heads=spec.ssm_v_heads, tie_word_embeddings=False,
+            rope_parameters={**rope, "partial_rotary_factor": spec.n_rot / spec.head_dim,
+                             "mrope_section": list(QWEN35_MROPE_SECTIONS)})
+        return config, Qwen3_5ForCausalLM
     if spec.arch == "qwen3-moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
         config = Qwen3MoeConfig(**common, rope_parameters=rope, tie_word_embeddings=False, num_experts=spec.n_expert,
@@ -562,6 +638,53 @@ def hf_names(spec: TinySpec) -> tuple[dict[str, str], float]:
     return names, 1.0 if spec.arch == "gemma3" else 0.0
 
 
+def _grouped_heads(x: np.ndarray, axis: int, n_k_heads: int, head_dim: int) -> np.ndarray:
+    """Undo llama.cpp's converter's value-head reorder (_LinearAttentionVReorderBase) along `axis`: the GGUF holds
+    value heads tiled over the key heads (head j * Hk + i), HF grouped by key head (head i * r + j)."""
+    x = np.moveaxis(x, axis, 0)
+    r = x.shape[0] // (n_k_heads * head_dim)
+    grouped = x.reshape((r, n_k_heads, head_dim) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+    return np.moveaxis(grouped, 0, axis)
+
+
+def qwen35_hf_state(spec: TinySpec, decoded: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tiny Qwen3.5's GGUF tensors as HF parameters: the inverse of llama.cpp's converter (Qwen3_5TextModel):
+    norms stored as 1 + w (all but the DeltaNet's gated norm), A_log stored as -exp(A_log), the conv squeezed,
+    value heads reordered from grouped to tiled."""
+    nk, dk, dv = spec.ssm_k_heads, spec.ssm_k_dim, spec.ssm_v_dim
+    qk = 2 * nk * dk
+    layer = {"attn_norm.weight": "input_layernorm.weight",
+             "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+             "ffn_down.weight": "mlp.down_proj.weight", "attn_q.weight": "self_attn.q_proj.weight",
+             "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+             "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+             "attn_k_norm.weight": "self_attn.k_norm.weight"}
+    def qkv(x):  # q and k keep their order, v's heads were reordered
+        return np.concatenate([x[:qk], _grouped_heads(x[qk:], 0, nk, dv)])
+    delta = {"attn_qkv.weight": ("in_proj_qkv.weight", qkv),
+             "attn_gate.weight": ("in_proj_z.weight", lambda x: _grouped_heads(x, 0, nk, dv)),
+             "ssm_alpha.weight": ("in_proj_a.weight", lambda x: _grouped_heads(x, 0, nk, 1)),
+             "ssm_beta.weight": ("in_proj_b.weight", lambda x: _grouped_heads(x, 0, nk, 1)),
+             "ssm_a": ("A_log", lambda x: np.log(-_grouped_heads(x, 0, nk, 1))),
+             "ssm_dt.bias": ("dt_bias", lambda x: _grouped_heads(x, 0, nk, 1)),
+             "ssm_conv1d.weight": ("conv1d.weight", lambda x: qkv(x)[:, None, :]),  # HF: [C, 1, K]
+             "ssm_norm.weight": ("norm.weight", lambda x: x),
+             "ssm_out.weight": ("out_proj.weight", lambda x: _grouped_heads(x, 1, nk, dv))}
+    state = {"model.embed_tokens.weight": decoded["token_embd.weight"], "lm_head.weight": decoded["output.weight"],
+             "model.norm.weight": decoded["output_norm.weight"] - 1.0}
+    for g_name, values in decoded.items():
+        if not g_name.startswith("blk."):
+            continue
+        _, il, part = g_name.split(".", 2)
+        if part in delta:
+            h_name, convert = delta[part]
+            state[f"model.layers.{il}.linear_attn.{h_name}"] = convert(values).astype(np.float32)
+        else:
+            state[f"model.layers.{il}.{layer[part]}"] = values - 1.0 if "norm" in part else values
+    return state
+
+
 def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
     """The transformers model with the same hyperparameters and exactly the decoded GGUF weights (float32)."""
     import torch
@@ -570,6 +693,10 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
     model = cls(config)
     names, norm_offset = hf_names(spec)
     state = {}
+    if spec.arch == "qwen35":
+        state = {name: torch.from_numpy(np.ascontiguousarray(values))
+                 for name, values in qwen35_hf_state(spec, decoded).items()}
+        decoded = {}
     for g_name, values in decoded.items():
         if g_name == "rope_freqs.weight":
             continue  # transformers computes the proportional rope itself
@@ -602,7 +729,7 @@ def main(argv=None) -> int:
         write_gguf(PRESETS[args.preset], path)
         print(path)
         return 0
-    for arch in ARCHES:
+    for arch in ARCHES + HYBRID_ARCHES:
         path = args.out_dir / f"tiny-{arch}.gguf"
         write_gguf(tiny_spec(arch), path)
         print(path)

@@ -1,0 +1,162 @@
+"""Qwen3.5 (GGUF architecture `qwen35`): Gated DeltaNet layers between full-attention ones. The logits against
+transformers are in tests/test_forward_tiny.py (the tiny model is one of its architectures); here: the
+configuration and its checks, the cache of a hybrid model (fixed-size states at the linear-attention layers),
+the DeltaNet block against the float64 definition (ops/deltanet/reference.py), prompt caching, and the device
+choice (CPU only so far)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyllm
+import make_tiny_models
+from cupyllm.errors import DeviceError, ModelFileError
+from cupyllm.files.config import config_from_gguf
+from cupyllm.files.gguf import read_gguf
+from cupyllm.kv.cache import LayerKV, RecurrentState
+from cupyllm.ops.deltanet import reference
+
+PREFIX = list(range(5, 60))
+TAIL = [7, 8, 9]
+
+
+def _load(path, **options):
+    return cupyllm.load(path, device="cpu", ctx=128, max_chunk=16, progress=False, **options)
+
+
+def test_config_reads_the_hybrid_layout(tiny_model):
+    path, spec, _ = tiny_model("qwen35")
+    cfg = config_from_gguf(read_gguf(path))
+    assert [cfg.is_recurrent(il) for il in range(4)] == [True, False, True, False]  # full_attention_interval 2
+    s = cfg.ssm
+    assert (s.conv_kernel, s.n_k_heads, s.n_v_heads, s.k_head_dim, s.v_head_dim) == (4, 2, 4, 16, 16)
+    assert s.conv_channels == 2 * 2 * 16 + 4 * 16
+    assert cfg.rope.n_rot == 16 and cfg.rope.neox and cfg.attn_output_gate and cfg.qk_norm
+
+
+def test_the_cache_holds_kv_at_attention_layers_and_states_elsewhere(tiny_model):
+    path, spec, _ = tiny_model("qwen35")
+    model = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="q8_0", kv_type_v="f16", progress=False)
+    cache = model.new_cache()
+    assert [type(layer) for layer in cache.layers] == [RecurrentState, LayerKV, RecurrentState, LayerKV]
+    state_floats = 3 * 128 + 4 * 16 * 16  # conv [K - 1, C] and recurrent [Hv, Dk, Dv]
+    kv = 64 * 2 * (34 + 2 * 32)  # 64 slots x 2 KV heads x (q8_0 K row + f16 V row) of head dim 32
+    assert cache.nbytes == 2 * 4 * state_floats + 2 * kv
+
+
+def _gguf_with(tmp_path, name, **changes):
+    """The tiny Qwen3.5 written with some metadata writer calls replaced (value) or left out (None)."""
+    import gguf as gguf_pkg
+
+    saved = {}
+    for method, value in changes.items():
+        saved[method] = getattr(gguf_pkg.GGUFWriter, method)
+        original = saved[method]
+        setattr(gguf_pkg.GGUFWriter, method,
+                (lambda self, v, _o=original, _value=value: _o(self, _value)) if value is not None
+                else (lambda self, v: None))
+    try:
+        path = tmp_path / f"{name}.gguf"
+        make_tiny_models.write_gguf(make_tiny_models.tiny_spec("qwen35"), path)
+    finally:
+        for method, original in saved.items():
+            setattr(gguf_pkg.GGUFWriter, method, original)
+    return path
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(add_ssm_time_step_rank=3), "ssm.time_step_rank"),  # not a multiple of the 2 key heads
+    (dict(add_ssm_inner_size=60), "ssm.inner_size"),  # not a multiple of the 4 value heads
+    (dict(add_ssm_inner_size=32), "not supported"),  # value heads of 8 dims: not a multiple of 16
+    (dict(add_ssm_conv_kernel=None), "ssm.conv_kernel"),
+    (dict(add_ssm_conv_kernel=3), "ssm_conv1d.weight"),  # the tensor has 4 taps
+    (dict(add_full_attention_interval=3), "layer 1 is a linear-attention layer"),  # it has attn_q
+])
+def test_inconsistent_metadata_is_one_clear_error(tmp_path, changes, match):
+    path = _gguf_with(tmp_path, "-".join(changes), **changes)
+    with pytest.raises(ModelFileError, match=match):
+        cupyllm.load(path, device="cpu", progress=False)
+
+
+def test_rope_dimension_count_must_fit_the_head(tmp_path):
+    path = _gguf_with(tmp_path, "rot", add_rope_dimension_count=33)
+    with pytest.raises(ModelFileError, match="rope.dimension_count"):
+        cupyllm.load(path, device="cpu", progress=False)
+
+
+def test_the_deltanet_block_is_the_definition(tiny_model):
+    """Layer 0's token mixer on random inputs, in two pieces (the state carried between them), against the float64
+    reference with the decoded weights; the GGUF's tiled value heads mapped to key heads by hand (head h reads
+    key head h % Hk)."""
+    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.models.qwen35 import DeltaNetWeights, gated_deltanet
+
+    path, spec, decoded = tiny_model("qwen35")
+    gguf = read_gguf(path)
+    cfg = config_from_gguf(gguf)
+    ops = CPUBackend(threads=1)
+    w = DeltaNetWeights.from_gguf(gguf, 0)
+    state = RecurrentState.for_model(cfg)
+    x = np.random.default_rng(3).standard_normal((11, cfg.d_model)).astype(np.float32)
+    got = np.concatenate([gated_deltanet(ops, cfg, w, x[:6], state, np.arange(6)),
+                          gated_deltanet(ops, cfg, w, x[6:], state, np.arange(6, 11))])
+    assert state.n_seen == 11
+
+    p = "blk.0."
+    nk, nv, dk, dv = 2, 4, 16, 16
+    xd = x.astype(np.float64)
+    qkv, _ = reference.causal_conv1d_silu(xd @ decoded[p + "attn_qkv.weight"].T, decoded[p + "ssm_conv1d.weight"])
+    q, k = qkv[:, :nk * dk].reshape(11, nk, dk), qkv[:, nk * dk:2 * nk * dk].reshape(11, nk, dk)
+    v = qkv[:, 2 * nk * dk:].reshape(11, nv, dv)
+    tiled = [h % nk for h in range(nv)]  # as the reference repeats nothing, give it one key head per value head
+    g = decoded[p + "ssm_a"] * reference.softplus(xd @ decoded[p + "ssm_alpha.weight"].T + decoded[p + "ssm_dt.bias"])
+    beta = 1 / (1 + np.exp(-(xd @ decoded[p + "ssm_beta.weight"].T)))
+    o, final = reference.gated_delta_rule(q[:, tiled], k[:, tiled], v, g, beta)
+    z = (xd @ decoded[p + "attn_gate.weight"].T).reshape(11, nv, dv)
+    want = reference.gated_rms_norm(o, z, decoded[p + "ssm_norm.weight"]).reshape(11, -1) @ \
+        decoded[p + "ssm_out.weight"].T.astype(np.float64)
+    # the matmuls run through 16-bit activation codes (attn_gate Q8_0, ssm_out Q5_0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    np.testing.assert_allclose(state.recurrent, final, rtol=0, atol=1e-4 * np.abs(final).max())
+
+
+def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model):
+    """The states are saved with the prompt and restored; a prompt that continues the cached one prefills only
+    its tail. A state cannot be rewound: a cache that ran past the shared part starts afresh, as it must."""
+    model = _load(tiny_model("qwen35")[0])
+    cached = model.cache_prompt(PREFIX)
+    np.testing.assert_allclose(cached.logits, model.logits(PREFIX)[-1], rtol=0, atol=1e-5)
+    fresh = model.generate(PREFIX + TAIL, max_tokens=6, temperature=0)
+    model.generate(list(range(120, 200)), max_tokens=2, temperature=0)  # scribble over the working cache
+    assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=cached) == fresh
+    assert model.last_stats.cached_tokens == len(PREFIX) and model.last_stats.prompt_tokens == len(TAIL)
+    # shares only part of the cached prompt: the states hold all of it, so everything runs again
+    shorter = PREFIX[:30] + TAIL
+    want = model.generate(shorter, max_tokens=4, temperature=0)
+    assert model.generate(shorter, max_tokens=4, temperature=0, prompt_cache=cached) == want
+    assert model.last_stats.cached_tokens == 0
+
+
+def test_the_prompt_cache_survives_a_file(tiny_model, tmp_path):
+    from cupyllm.kv.prompt_cache import PromptCache
+
+    model = _load(tiny_model("qwen35")[0])
+    cached = model.cache_prompt(PREFIX)
+    cached.save(tmp_path / "p.npz")
+    loaded = PromptCache.load(tmp_path / "p.npz")
+    fresh = model.generate(PREFIX + TAIL, max_tokens=5, temperature=0)
+    assert model.generate(PREFIX + TAIL, max_tokens=5, temperature=0, prompt_cache=loaded) == fresh
+    broken = PromptCache(ids=cached.ids[:-1], layer_states=cached.layer_states, logits=cached.logits,
+                         key=cached.key)
+    with pytest.raises(cupyllm.errors.InputError, match="n_seen"):
+        model.generate(PREFIX + TAIL, max_tokens=5, prompt_cache=broken)
+
+
+def test_auto_picks_the_cpu_and_the_gpu_backend_refuses(tiny_model):
+    from cupyllm.backend.gpu import GPUBackend
+
+    path = tiny_model("qwen35")[0]
+    assert cupyllm.load(path, ctx=32, progress=False).device == "cpu"
+    cfg = config_from_gguf(read_gguf(path))
+    with pytest.raises(DeviceError, match="CPU only"):
+        GPUBackend.new_cache(None, cfg, None)  # before it touches the device
