@@ -114,3 +114,34 @@ def test_weight_rows_are_one_numba_type(writable):
     rows = weight_rows(data)
     assert typeof(rows) == typeof(mapped)
     assert (rows == data).all()
+
+
+def test_a_job_that_fails_names_itself_and_its_error():
+    """A worker process whose job fails ends the compile with an error naming the job and the child's own
+    traceback (here: a job that does not exist)."""
+    import queue
+
+    from cupyllm.backend import precompile
+
+    jobs, done = queue.Queue(), queue.Queue()
+    jobs.put("no such kernels")
+    precompile._worker(jobs, done)
+    failure = done.get()
+    assert isinstance(failure, RuntimeError)
+    assert "compiling the no such kernels kernels failed" in str(failure) and "KeyError" in str(failure)
+    assert done.get() is None
+
+
+def test_ensure_compiled_falls_back_to_compiling_on_first_use(monkeypatch, tmp_path, capsys):
+    """If compiling ahead fails, the backend still starts: one line says the kernels compile on first use."""
+    from cupyllm.backend import precompile
+
+    def broken(stream=None):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(precompile, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(precompile, "compile_all", broken)
+    assert precompile.ensure_compiled() is False
+    err = capsys.readouterr().err
+    assert "could not compile the CPU kernels ahead (OSError: no processes left)" in err
+    assert err.count("\n") == 1
