@@ -1,5 +1,5 @@
-"""Qwen3.5 (GGUF architecture `qwen35`): Gated DeltaNet layers between full-attention ones. The logits against
-transformers are in tests/test_forward_tiny.py (the tiny model is one of its architectures); here: the
+"""Qwen3.5 (GGUF architectures `qwen35`, `qwen35moe`): Gated DeltaNet layers between full-attention ones. The
+logits against transformers are in tests/test_forward_tiny.py (the tiny models are among its architectures); here: the
 configuration and its checks, the cache of a hybrid model (fixed-size states at the linear-attention layers),
 the DeltaNet block against the float64 definition (ops/deltanet/reference.py), prompt caching, and the device
 choice (CPU only so far)."""
@@ -44,8 +44,8 @@ def test_the_cache_holds_kv_at_attention_layers_and_states_elsewhere(tiny_model)
     assert cache.nbytes == 2 * 4 * state_floats + 2 * kv
 
 
-def _gguf_with(tmp_path, name, **changes):
-    """The tiny Qwen3.5 written with some metadata writer calls replaced (value) or left out (None)."""
+def _gguf_with(tmp_path, name, arch="qwen35", **changes):
+    """A tiny Qwen3.5 written with some metadata writer calls replaced (value) or left out (None)."""
     import gguf as gguf_pkg
 
     saved = {}
@@ -57,7 +57,7 @@ def _gguf_with(tmp_path, name, **changes):
                 else (lambda self, v: None))
     try:
         path = tmp_path / f"{name}.gguf"
-        make_tiny_models.write_gguf(make_tiny_models.tiny_spec("qwen35"), path)
+        make_tiny_models.write_gguf(make_tiny_models.tiny_spec(arch), path)
     finally:
         for method, original in saved.items():
             setattr(gguf_pkg.GGUFWriter, method, original)
@@ -75,6 +75,17 @@ def _gguf_with(tmp_path, name, **changes):
 def test_inconsistent_metadata_is_one_clear_error(tmp_path, changes, match):
     path = _gguf_with(tmp_path, "-".join(changes), **changes)
     with pytest.raises(ModelFileError, match=match):
+        cupyllm.load(path, device="cpu", progress=False)
+
+
+def test_the_moe_config(tiny_model, tmp_path):
+    """Qwen3.5-MoE: the dense model's layers, 4 experts of which 2 run, a shared expert of 48; a file without the
+    shared expert's width is one clear error."""
+    cfg = config_from_gguf(read_gguf(tiny_model("qwen35-moe")[0]))
+    assert (cfg.arch, cfg.n_expert, cfg.n_expert_used, cfg.shared_expert_ffn) == ("qwen35moe", 4, 2, 48)
+    assert [cfg.is_recurrent(il) for il in range(4)] == [True, False, True, False]
+    path = _gguf_with(tmp_path, "no-shared", arch="qwen35-moe", add_expert_shared_feed_forward_length=None)
+    with pytest.raises(ModelFileError, match="expert_shared_feed_forward_length"):
         cupyllm.load(path, device="cpu", progress=False)
 
 

@@ -20,7 +20,8 @@ from ..errors import ModelFileError
 from .gguf import GGUFFile
 from .validate import Hyperparameters, check_block_count, check_tensors, check_tokenizer_metadata
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "qwen35")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "qwen35", "qwen35moe")
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe")  # Gated DeltaNet layers between full-attention ones
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class ModelConfig:
     recurrent_layers: tuple[bool, ...] = ()  # per layer: True where the layer is linear attention (DeltaNet)
     ssm: SSMConfig | None = None
     attn_output_gate: bool = False  # attention's output times sigmoid(gate), the gate from q's projection
+    shared_expert_ffn: int = 0  # Qwen3.5-MoE: width of the shared expert beside the routed ones (0: none)
     extra: dict = field(default_factory=dict, compare=False)
 
     def is_sliding(self, layer: int) -> bool:
@@ -162,11 +164,11 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3, Gemma 4, "
-                             "Qwen3.5)")
+                             "Qwen3.5 dense and MoE)")
     hp = Hyperparameters(gguf, arch)
     n_layer = hp.integer(f"{arch}.block_count", lo=1)
     check_block_count(gguf, f"{arch}.block_count", n_layer)  # before anything is sized by it
-    if arch == "qwen35":
+    if arch in HYBRID_ARCHITECTURES:
         n_layer = _without_mtp_layers(gguf, hp, arch, n_layer)
     d_model = hp.integer(f"{arch}.embedding_length", lo=1)
     n_head = hp.uniform(f"{arch}.attention.head_count", n_layer, lo=1)
@@ -180,7 +182,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if head_dim < 1:
         raise hp.fail(f"{arch}.attention.key_length", head_dim, "a head dim >= 1")
     v_head_dim = hp.integer(f"{arch}.attention.value_length", head_dim, lo=1)
-    n_rot = _rotary_dims(hp, f"{arch}.rope.dimension_count", head_dim, partial=arch in ("gemma4", "qwen35"))
+    partial_rotary = arch in ("gemma4", *HYBRID_ARCHITECTURES)
+    n_rot = _rotary_dims(hp, f"{arch}.rope.dimension_count", head_dim, partial=partial_rotary)
     rope = _rope_scaling(hp, arch, n_rot, hp.real(f"{arch}.rope.freq_base", 10000.0))
     # an MoE file may carry only its experts' width
     ffn_key = f"{arch}.feed_forward_length"
@@ -208,7 +211,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
                           qk_norm=arch != "qwen2", activation="silu")
     elif arch == "gemma4":
         cfg = _gemma4_config(gguf, hp, common, kv_heads)
-    elif arch == "qwen35":
+    elif arch in HYBRID_ARCHITECTURES:
         cfg = _qwen35_config(hp, common)
     else:
         # gemma3, as llama.cpp: sliding pattern 6 (layers 5, 11, ... global), local rope base 10 000 unscaled
@@ -248,7 +251,7 @@ def _experts(gguf: GGUFFile, hp: Hyperparameters, arch: str, n_layer: int) -> tu
     """(experts per MoE layer, experts each token uses, each layer's expert width); (0, 0, zeros) for a dense
     model. Without `expert_feed_forward_length` the width is the first layer's down projection's (its shape
     is then checked in every layer)."""
-    n_expert = hp.integer(f"{arch}.expert_count", 0, lo=1 if arch == "qwen3moe" else 0)
+    n_expert = hp.integer(f"{arch}.expert_count", 0, lo=1 if arch in ("qwen3moe", "qwen35moe") else 0)
     if not n_expert:
         return 0, 0, (0,) * n_layer
     n_expert_used = hp.integer(f"{arch}.expert_used_count", 0)
@@ -332,12 +335,12 @@ def _without_mtp_layers(gguf: GGUFFile, hp: Hyperparameters, arch: str, block_co
 
 
 def _qwen35_config(hp: Hyperparameters, common: dict) -> ModelConfig:
-    """Qwen3.5, as llama.cpp loads it: layer il is full attention where (il + 1) % full_attention_interval == 0
-    (default 4), Gated DeltaNet elsewhere; full attention with q/k RMSNorm, partial NEOX rope (the text positions
-    of its interleaved M-RoPE are equal in all sections, so `rope.dimension_sections` changes nothing for text)
-    and a sigmoid output gate from q's projection. The GGUF's norm weights already hold Qwen3.5's 1 + w (all but
-    the DeltaNet's gated norm)."""
-    arch, n_layer = "qwen35", common["n_layer"]
+    """Qwen3.5 (dense, and MoE: routed experts beside a gated shared expert), as llama.cpp loads it: layer il is
+    full attention where (il + 1) % full_attention_interval == 0 (default 4), Gated DeltaNet elsewhere; full
+    attention with q/k RMSNorm, partial NEOX rope (the text positions of its interleaved M-RoPE are equal in all
+    sections, so `rope.dimension_sections` changes nothing for text) and a sigmoid output gate from q's
+    projection. The GGUF's norm weights already hold Qwen3.5's 1 + w (all but the DeltaNet's gated norm)."""
+    arch, n_layer = common["arch"], common["n_layer"]
     interval = hp.integer(f"{arch}.full_attention_interval", 4, lo=1, hi=n_layer)
     sections = hp.gguf.get(f"{arch}.rope.dimension_sections")
     if sections is not None and (not isinstance(sections, np.ndarray) or sections.dtype.kind not in "iu"
@@ -356,6 +359,7 @@ def _qwen35_config(hp: Hyperparameters, common: dict) -> ModelConfig:
     if ssm.v_head_dim % 16:  # the CPU recurrence runs the state in 16-lane tiles (ops/deltanet/cpu.py)
         raise ModelFileError(f"{hp.path}: Gated DeltaNet value heads of {ssm.v_head_dim} dims (ssm.inner_size / "
                              "ssm.time_step_rank) are not supported: cupyllm needs a multiple of 16")
+    shared = hp.integer(f"{arch}.expert_shared_feed_forward_length", lo=1) if arch == "qwen35moe" else 0
     return ModelConfig(**common, attn_scale=1.0 / math.sqrt(common["head_dim"]), qk_norm=True, activation="silu",
                        recurrent_layers=tuple((il + 1) % interval != 0 for il in range(n_layer)), ssm=ssm,
-                       attn_output_gate=True)
+                       attn_output_gate=True, shared_expert_ffn=shared)

@@ -170,7 +170,8 @@ _KNOWN_GLOBAL = {"token_embd.weight", "output.weight", "output_norm.weight", "ro
 _KNOWN_BLOCK = {
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q.bias",
     "attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias",
-    "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight",
+    "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight", "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight", "ffn_down_shexp.weight",
     "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
     "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight",
     "layer_output_scale.weight", "inp_gate.weight", "proj.weight", "post_norm.weight", "ffn_gate_inp.weight",
@@ -221,7 +222,8 @@ def expected_tensors(gguf: GGUFFile, cfg, layer_ffn: tuple[int, ...],
     for il in range(cfg.n_layer):
         p = f"blk.{il}."
         if cfg.ssm is not None:
-            table.update({p + name: spec for name, spec in _hybrid_layer_tensors(cfg, il, layer_ffn[il]).items()})
+            rows = _hybrid_layer_tensors(cfg, il, layer_ffn[il], expert_ffn[il], gguf)
+            table.update({p + name: spec for name, spec in rows.items()})
             continue
         hd, vhd, nkv, nh = cfg.head_dim_of(il), cfg.v_head_dim_of(il), cfg.n_kv_head_of(il), cfg.n_head
         has_kv = cfg.kv_source(il) == il
@@ -264,15 +266,28 @@ def expected_tensors(gguf: GGUFFile, cfg, layer_ffn: tuple[int, ...],
     return table
 
 
-def _hybrid_layer_tensors(cfg, il: int, ffn: int) -> dict[str, Expected]:
+def _hybrid_layer_tensors(cfg, il: int, ffn: int, expert_ffn: int, gguf: GGUFFile) -> dict[str, Expected]:
     """Qwen3.5's layer il as llama.cpp's converter writes it: the norm before the token mixer (`attn_norm`) and
     before the MLP (`post_attention_norm`), a SwiGLU MLP, and either the Gated DeltaNet (q|k|v projection
     `attn_qkv`, its output gate `attn_gate`, the decay and write-strength projections `ssm_alpha` / `ssm_beta`,
     `ssm_a` = -exp(A_log), `ssm_dt.bias`, the conv `ssm_conv1d` [channels, taps], the gated norm `ssm_norm` over
-    a value head, `ssm_out`) or full attention whose `attn_q` gives each head's q and its output gate."""
+    a value head, `ssm_out`) or full attention whose `attn_q` gives each head's q and its output gate. The MoE
+    model's MLP: the router, the experts' gate, up and down, and a shared expert with its gate (`_shexp`)."""
     d, f, s = cfg.d_model, ffn, cfg.ssm
-    rows = {"attn_norm.weight": Expected((d,)), "post_attention_norm.weight": Expected((d,)),
-            "ffn_gate.weight": Expected((f, d)), "ffn_up.weight": Expected((f, d)), "ffn_down.weight": Expected((d, f))}
+    rows = {"attn_norm.weight": Expected((d,)), "post_attention_norm.weight": Expected((d,))}
+    if cfg.n_expert:
+        e, fe, fs = cfg.n_expert, expert_ffn, cfg.shared_expert_ffn
+        shared_gate = gguf.tensors.get(f"blk.{il}.ffn_gate_inp_shexp.weight")
+        rows.update({"ffn_gate_inp.weight": Expected((e, d)), "ffn_gate_exps.weight": Expected((e, fe, d)),
+                     "ffn_up_exps.weight": Expected((e, fe, d)), "ffn_down_exps.weight": Expected((e, d, fe)),
+                     "ffn_gate_shexp.weight": Expected((fs, d)), "ffn_up_shexp.weight": Expected((fs, d)),
+                     "ffn_down_shexp.weight": Expected((d, fs)),
+                     # [1, d] as the converter writes HF's shared_expert_gate; llama.cpp also reads [d]
+                     "ffn_gate_inp_shexp.weight": Expected((d,) if shared_gate is not None
+                                                           and len(shared_gate.shape) == 1 else (1, d))})
+    else:
+        rows.update({"ffn_gate.weight": Expected((f, d)), "ffn_up.weight": Expected((f, d)),
+                     "ffn_down.weight": Expected((d, f))})
     if cfg.is_recurrent(il):
         value = s.n_v_heads * s.v_head_dim
         rows.update({"attn_qkv.weight": Expected((s.conv_channels, d)), "attn_gate.weight": Expected((value, d)),

@@ -25,8 +25,10 @@ from .qwen35 import qwen35_block, qwen35_layer_weights
 from .residual import ResidualStream
 
 BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "qwen3moe": qwen_block,
-                               "gemma3": gemma_block, "gemma4": gemma_block, "qwen35": qwen35_block}
-LAYER_WEIGHTS: dict[str, Callable] = {"qwen35": qwen35_layer_weights}  # the others: LayerWeights.from_gguf
+                               "gemma3": gemma_block, "gemma4": gemma_block, "qwen35": qwen35_block,
+                               "qwen35moe": qwen35_block}
+# the others: LayerWeights.from_gguf
+LAYER_WEIGHTS: dict[str, Callable] = {"qwen35": qwen35_layer_weights, "qwen35moe": qwen35_layer_weights}
 
 
 @dataclass

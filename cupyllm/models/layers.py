@@ -42,6 +42,7 @@ class LayerWeights:
     post_dense_norm: np.ndarray | None = None
     post_experts_norm: np.ndarray | None = None
     deltanet: object | None = None  # Qwen3.5's linear-attention layers: models/qwen35.py DeltaNetWeights
+    shared_expert_gate: Weight | None = None  # Qwen3.5-MoE: [1, d], the shared expert's (w_gate/up/down) gate
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, layer: int, cfg: ModelConfig | None = None) -> "LayerWeights":

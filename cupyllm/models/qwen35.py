@@ -1,8 +1,9 @@
-"""Qwen3.5 (dense): pre-norm blocks with SwiGLU whose token mixer is, at every `full_attention_interval`-th layer,
-gated full attention, and elsewhere a Gated DeltaNet (linear attention with a fixed-size state).
+"""Qwen3.5 (dense and MoE): pre-norm blocks with SwiGLU whose token mixer is, at every `full_attention_interval`-th
+layer, gated full attention, and elsewhere a Gated DeltaNet (linear attention with a fixed-size state).
 
     h = x + Mixer(RMSNorm(x))
     y = h + W_down( SiLU(W_gate RMSNorm(h)) * W_up RMSNorm(h) )
+    MoE: y = h + sum_{e in top-k(router(n))} p_e Expert_e(n) + sigmoid(w_shexp . n) SharedExpert(n),  n = RMSNorm(h)
 
 Gated attention (full-attention layers): q's projection gives each head its q and an output gate.
     [q | gate] = W_q n,  k = W_k n,  v = W_v n
@@ -26,7 +27,7 @@ import numpy as np
 from ..files.config import ModelConfig
 from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache, RecurrentState
-from .layers import LayerWeights, default_attention, gated_mlp
+from .layers import LayerWeights, MoEWeights, default_attention, gated_mlp, moe_mlp
 from .residual import ResidualStream
 from .weights import Weight, load_matrix, load_vector
 
@@ -64,10 +65,16 @@ def qwen35_layer_weights(gguf: GGUFFile, layer: int, cfg: ModelConfig) -> LayerW
     head_dim, d]: per head its q rows, then its gate rows). `ffn_norm` is the GGUF's post_attention_norm (HF's
     post_attention_layernorm, the norm before the MLP)."""
     p = f"blk.{layer}."
+    mlp = "_shexp" if cfg.n_expert else ""  # MoE: the dense MLP's place is the shared expert's
     common = dict(attn_norm=load_vector(gguf, p + "attn_norm.weight"),
                   ffn_norm=load_vector(gguf, p + "post_attention_norm.weight"),
-                  w_gate=load_matrix(gguf, p + "ffn_gate.weight"), w_up=load_matrix(gguf, p + "ffn_up.weight"),
-                  w_down=load_matrix(gguf, p + "ffn_down.weight"))
+                  w_gate=load_matrix(gguf, p + f"ffn_gate{mlp}.weight"),
+                  w_up=load_matrix(gguf, p + f"ffn_up{mlp}.weight"),
+                  w_down=load_matrix(gguf, p + f"ffn_down{mlp}.weight"))
+    if cfg.n_expert:
+        gate = load_matrix(gguf, p + "ffn_gate_inp_shexp.weight")
+        common.update(moe=MoEWeights.from_gguf(gguf, layer),
+                      shared_expert_gate=Weight(gate.name, gate.fmt, (1, cfg.d_model), gate.data))
     if cfg.is_recurrent(layer):
         return LayerWeights(wq=None, wk=None, wv=None, wo=None, deltanet=DeltaNetWeights.from_gguf(gguf, layer),
                             **common)
@@ -84,7 +91,12 @@ def qwen35_block(ops, cfg, w, layer, x: ResidualStream, positions, cache: KVCach
         x.add(gated_deltanet(ops, cfg, w.deltanet, n, cache.layers[layer], positions))
     else:
         x.add(gated_attention(ops, cfg, w, layer, n, positions, cache, attention))
-    x.add(gated_mlp(ops, w, x.norm(w.ffn_norm), cfg.activation))
+    n = x.norm(w.ffn_norm)
+    mlp = gated_mlp(ops, w, n, cfg.activation)
+    if w.moe is not None:  # the gated MLP is the shared expert
+        gate = _sigmoid(ops.xp, ops.linear(n, w.shared_expert_gate))
+        mlp = moe_mlp(ops, cfg, w.moe, n, router_input=n) + mlp * gate
+    x.add(mlp)
 
 
 def _sigmoid(xp, x):

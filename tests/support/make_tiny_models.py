@@ -34,7 +34,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 ARCHES = ("qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe")
-HYBRID_ARCHES = ("qwen35",)  # Gated DeltaNet layers between full-attention ones (CPU only so far)
+HYBRID_ARCHES = ("qwen35", "qwen35-moe")  # Gated DeltaNet layers between full-attention ones (CPU only so far)
 GEMMA4_LAYER_TYPES = (True, True, False, True, False, True, False)  # sliding? per layer
 
 
@@ -78,10 +78,11 @@ class TinySpec:
     ssm_v_dim: int = 0
     conv_kernel: int = 4
     n_rot: int = 0  # rotated dims per head (0: all)
+    shared_expert_ffn_dim: int = 0  # Qwen3.5-MoE's shared expert
 
     @property
     def gguf_arch(self) -> str:
-        return {"gemma4-moe": "gemma4", "qwen3-moe": "qwen3moe"}.get(self.arch, self.arch)
+        return {"gemma4-moe": "gemma4", "qwen3-moe": "qwen3moe", "qwen35-moe": "qwen35moe"}.get(self.arch, self.arch)
 
 
 _Q4_K_M_QWEN = {"token_embd.weight": T.Q4_K, "output.weight": T.Q6_K, "attn_q.weight": T.Q4_K,
@@ -130,6 +131,13 @@ def tiny_spec(arch: str) -> TinySpec:
                         # codes of a quantized q|k|v projection move this tiny model's logits by up to 2.5e-3
                         types={"attn_q.weight": T.Q8_0, "attn_qkv.weight": T.F16, "attn_gate.weight": T.Q8_0,
                                "ssm_out.weight": T.Q5_0, "ffn_up.weight": T.BF16, "ffn_gate.weight": T.Q5_0})
+    if arch == "qwen35-moe":  # Qwen3.5-35B-A3B-like: the dense one's layers, routed experts and a shared expert
+        spec = tiny_spec("qwen35")
+        spec.arch, spec.n_expert, spec.n_expert_used, spec.expert_ffn_dim = "qwen35-moe", 4, 2, 32
+        spec.shared_expert_ffn_dim, spec.seed = 48, 1
+        spec.types = {**spec.types, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0,
+                      "ffn_gate_shexp.weight": T.Q8_0}
+        return spec
     if arch == "qwen3-moe":  # Qwen3-30B-A3B-like
         return TinySpec("qwen3-moe", n_expert=4, n_expert_used=2, expert_ffn_dim=32,
                         types={"attn_q.weight": T.Q8_0, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0})
@@ -302,6 +310,7 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
     """GGUF tensors (name -> (stored array, type)) and the float32 values they decode to."""
     rng = np.random.default_rng(spec.seed)
     vocab = len({"qwen2": qwen_vocab, "qwen3": qwen_vocab, "qwen3moe": qwen_vocab, "qwen35": qwen_vocab,
+                 "qwen35moe": qwen_vocab,
                  "gemma3": gemma_vocab,
                  "gemma4": gemma4_vocab}[spec.gguf_arch]()[0])
     vocab = max(vocab, spec.n_vocab or 0)
@@ -311,9 +320,9 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
         shapes["output.weight"] = (vocab, d)  # Gemma ties its output head to the embedding
     if spec.gguf_arch == "gemma4":
         shapes.update(_gemma4_shapes(spec, vocab))
-    if spec.arch == "qwen35":
+    if spec.arch in HYBRID_ARCHES:
         shapes.update(_qwen35_shapes(spec))
-    for il in range(spec.n_layer if spec.gguf_arch not in ("gemma4", "qwen35") else 0):
+    for il in range(spec.n_layer if spec.gguf_arch not in ("gemma4", "qwen35", "qwen35moe") else 0):
         p = f"blk.{il}."
         shapes.update({
             p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_k.weight": (nkv * hd, d),
@@ -375,8 +384,15 @@ def _qwen35_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for il in range(spec.n_layer):
         p = f"blk.{il}."
-        shapes.update({p + "attn_norm.weight": (d,), p + "post_attention_norm.weight": (d,),
-                       p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d), p + "ffn_down.weight": (d, ff)})
+        shapes.update({p + "attn_norm.weight": (d,), p + "post_attention_norm.weight": (d,)})
+        if spec.n_expert:  # routed experts (the converter splits HF's gate_up_proj) and the gated shared expert
+            e, fe, fs = spec.n_expert, spec.expert_ffn_dim, spec.shared_expert_ffn_dim
+            shapes.update({p + "ffn_gate_inp.weight": (e, d), p + "ffn_gate_exps.weight": (e, fe, d),
+                           p + "ffn_up_exps.weight": (e, fe, d), p + "ffn_down_exps.weight": (e, d, fe),
+                           p + "ffn_gate_inp_shexp.weight": (1, d), p + "ffn_gate_shexp.weight": (fs, d),
+                           p + "ffn_up_shexp.weight": (fs, d), p + "ffn_down_shexp.weight": (d, fs)})
+        else:
+            shapes.update({p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d), p + "ffn_down.weight": (d, ff)})
         if qwen35_recurrent(spec, il):
             shapes.update({p + "attn_qkv.weight": (channels, d), p + "attn_gate.weight": (nv * dv, d),
                            p + "ssm_alpha.weight": (nv, d), p + "ssm_beta.weight": (nv, d), p + "ssm_a": (nv,),
@@ -502,8 +518,10 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_head_count_kv(spec.n_kv_head)
         writer.add_key_length(spec.head_dim)
         writer.add_value_length(spec.head_dim)
-    if spec.arch == "qwen35":
+    if spec.arch in HYBRID_ARCHES:
         _write_qwen35_metadata(writer, spec)
+    if spec.shared_expert_ffn_dim:
+        writer.add_expert_shared_feed_forward_length(spec.shared_expert_ffn_dim)
     if spec.n_expert:
         writer.add_expert_count(spec.n_expert)
         writer.add_expert_used_count(spec.n_expert_used)
@@ -577,18 +595,23 @@ def hf_config(spec: TinySpec, n_vocab: int):
                                   attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=True)
         return config, Gemma3ForCausalLM
     rope = {"rope_type": "default", "rope_theta": spec.rope_base}
-    if spec.arch == "qwen35":
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    if spec.arch in HYBRID_ARCHES:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
         layer_types = ["linear_attention" if qwen35_recurrent(spec, il) else "full_attention"
                        for il in range(spec.n_layer)]
-        config = Qwen3_5TextConfig(
-            **common, layer_types=layer_types, linear_conv_kernel_dim=spec.conv_kernel,
+        moe = dict(num_experts=spec.n_expert, num_experts_per_tok=spec.n_expert_used,
+                   moe_intermediate_size=spec.expert_ffn_dim,
+                   shared_expert_intermediate_size=spec.shared_expert_ffn_dim) if spec.n_expert else {}
+        if moe:
+            del common["intermediate_size"]
+        config = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(
+            **common, **moe, layer_types=layer_types, linear_conv_kernel_dim=spec.conv_kernel,
             linear_key_head_dim=spec.ssm_k_dim, linear_value_head_dim=spec.ssm_v_dim,
             linear_num_key_heads=spec.ssm_k_heads, linear_num_value_heads=spec.ssm_v_heads, tie_word_embeddings=False,
             rope_parameters={**rope, "partial_rotary_factor": spec.n_rot / spec.head_dim,
                              "mrope_section": list(QWEN35_MROPE_SECTIONS)})
-        return config, Qwen3_5ForCausalLM
+        return config, Qwen3_5MoeForCausalLM if moe else Qwen3_5ForCausalLM
     if spec.arch == "qwen3-moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
         config = Qwen3MoeConfig(**common, rope_parameters=rope, tie_word_embeddings=False, num_experts=spec.n_expert,
@@ -659,7 +682,11 @@ def qwen35_hf_state(spec: TinySpec, decoded: dict[str, np.ndarray]) -> dict[str,
              "ffn_down.weight": "mlp.down_proj.weight", "attn_q.weight": "self_attn.q_proj.weight",
              "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
              "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
-             "attn_k_norm.weight": "self_attn.k_norm.weight"}
+             "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+             "ffn_down_exps.weight": "mlp.experts.down_proj", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+             "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+             "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+             "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
     def qkv(x):  # q and k keep their order, v's heads were reordered
         return np.concatenate([x[:qk], _grouped_heads(x[qk:], 0, nk, dv)])
     delta = {"attn_qkv.weight": ("in_proj_qkv.weight", qkv),
@@ -677,6 +704,11 @@ def qwen35_hf_state(spec: TinySpec, decoded: dict[str, np.ndarray]) -> dict[str,
         if not g_name.startswith("blk."):
             continue
         _, il, part = g_name.split(".", 2)
+        if part in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):  # HF keeps them fused: [gate; up] per expert
+            if part == "ffn_gate_exps.weight":
+                state[f"model.layers.{il}.mlp.experts.gate_up_proj"] = np.concatenate(
+                    [values, decoded[g_name.replace("gate_exps", "up_exps")]], axis=1)
+            continue
         if part in delta:
             h_name, convert = delta[part]
             state[f"model.layers.{il}.linear_attn.{h_name}"] = convert(values).astype(np.float32)
@@ -693,7 +725,7 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
     model = cls(config)
     names, norm_offset = hf_names(spec)
     state = {}
-    if spec.arch == "qwen35":
+    if spec.arch in HYBRID_ARCHES:
         state = {name: torch.from_numpy(np.ascontiguousarray(values))
                  for name, values in qwen35_hf_state(spec, decoded).items()}
         decoded = {}
