@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Runs in a fresh process, so that only numba's on-disk cache can spare it compiling: every numba compile event
 # of the runs is counted. The runs differ from one another (and from the precompile's tiny calls) in what could
 # make a kernel compile again: prompt length (decode GEMV, prefill GEMM, more than one prefill chunk), KV types
-# (scalar, rotated, trellis-coded, the float32 mirror), threads, model family and weight formats.
+# (scalar, rotated, trellis-coded, the float32 mirror), threads, model family (with Qwen3.5's Gated DeltaNet
+# layers) and weight formats.
 RUNS = r"""
 import json, sys
 from numba.core import event
@@ -35,10 +36,11 @@ from cupyllm.backend import precompile
 
 assert precompile.is_compiled()  # (else the backend would compile in its worker processes, unseen here)
 
-runs = [("gemma3", 3, "f16", "f16", None, False), ("gemma3", 21, "q8_0", "turbo3", 1, False),
-        ("qwen3", 40, "turbo3_tcq", "q4_0", None, False), ("qwen3", 5, "q8_0", "turbo2", 1, True)]
-for arch, n_prompt, kv_k, kv_v, threads, mirror in runs:
-    model = cupyllm.load(sys.argv[1 + (arch == "qwen3")], device="cpu", kv_type_k=kv_k, kv_type_v=kv_v,
+runs = [(1, 3, "f16", "f16", None, False), (1, 21, "q8_0", "turbo3", 1, False),
+        (2, 40, "turbo3_tcq", "q4_0", None, False), (2, 5, "q8_0", "turbo2", 1, True), (3, 20, "q8_0", "f16", 1, False),
+        (3, 2, "f16", "f16", None, False)]
+for model_arg, n_prompt, kv_k, kv_v, threads, mirror in runs:
+    model = cupyllm.load(sys.argv[model_arg], device="cpu", kv_type_k=kv_k, kv_type_v=kv_v,
                          threads=threads, kv_mirror=mirror, max_chunk=16)
     model.generate([1 + i % 50 for i in range(n_prompt)], max_tokens=3, temperature=0)
 print(json.dumps(compiled))
@@ -46,15 +48,17 @@ print(json.dumps(compiled))
 
 
 def test_a_run_after_the_precompile_compiles_nothing(tiny_model):
-    """Compile events counted in a process that runs tiny models with prompts of 3 to 40 tokens (chunks of 16),
-    six KV formats and the mirror, 1 and all threads, after the precompile filled the cache: none."""
+    """Compile events counted in a process that runs tiny Gemma 3, Qwen3 and Qwen3.5 (Gated DeltaNet) models
+    with prompts of 2 to 40 tokens (chunks of 16), six KV formats and the mirror, 1 and all threads, after the
+    precompile filled the cache: none. (The cache is the suite's own, which earlier tests fill too; the strict
+    form of this check, on a fresh NUMBA_CACHE_DIR, takes the whole precompile: docs/benchmarks.md#cpu-first-run.)"""
     from cupyllm.backend import precompile
 
     precompile.ensure_compiled()  # (normally done already: by the first CPU backend of the test session)
     assert precompile.is_compiled()
-    gemma, qwen = tiny_model("gemma3")[0], tiny_model("qwen3")[0]
-    out = subprocess.run([sys.executable, "-c", RUNS, str(gemma), str(qwen)], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600)
+    models = [str(tiny_model(arch)[0]) for arch in ("gemma3", "qwen3", "qwen35")]
+    out = subprocess.run([sys.executable, "-c", RUNS, *models], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 

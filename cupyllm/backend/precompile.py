@@ -103,9 +103,21 @@ def _elementwise() -> None:
     rope_rows(x3, table, table, True, np.empty_like(x3))
 
 
+def _deltanet() -> None:
+    from .cpu import CPUBackend  # (its static methods: an instance would start a precompile of its own)
+    n, channels, width = 3, 48, 4
+    x = np.ones((n, channels), np.float32)
+    CPUBackend.causal_conv1d_silu(x, np.ones((channels, width), np.float32), np.zeros((width - 1, channels),
+                                                                                      np.float32))
+    q, v, g = np.ones((n, 1, 16), np.float32), np.ones((n, 2, 16), np.float32), np.ones((n, 2), np.float32)
+    CPUBackend.gated_delta_rule(q, q, v, g, g, np.zeros((2, 16, 16), np.float32))
+    CPUBackend.gated_rms_norm(v, v, np.ones(16, np.float32), 1e-6)
+
+
 # longest first: with one job a process, the last to start should be short
-JOBS = {"attention": _attention, "prefill matmul": _gemm, "decode matmul": _gemv, "KV rows": _kv_rows,
-        "TCQ encoder": _tcq_encode, "weight rows": _weight_rows, "norms and rope": _elementwise}
+JOBS = {"prefill matmul": _gemm, "attention": _attention, "decode matmul": _gemv, "KV rows": _kv_rows,
+        "Gated DeltaNet": _deltanet, "weight rows": _weight_rows, "TCQ encoder": _tcq_encode,
+        "norms and rope": _elementwise}
 
 
 def _run_job(name: str) -> tuple[str, float]:
