@@ -104,14 +104,16 @@ def _elementwise() -> None:
 
 
 def _deltanet() -> None:
-    from .cpu import CPUBackend  # (its static methods: an instance would start a precompile of its own)
+    # (the kernels as backend/cpu.py's causal_conv1d_silu, gated_delta_rule and gated_rms_norm call them)
+    from ..ops.deltanet.cpu import conv1d_silu_rows, gated_delta_tokens, gated_rms_norm_rows
     n, channels, width = 3, 48, 4
     x = np.ones((n, channels), np.float32)
-    CPUBackend.causal_conv1d_silu(x, np.ones((channels, width), np.float32), np.zeros((width - 1, channels),
-                                                                                      np.float32))
-    q, v, g = np.ones((n, 1, 16), np.float32), np.ones((n, 2, 16), np.float32), np.ones((n, 2), np.float32)
-    CPUBackend.gated_delta_rule(q, q, v, g, g, np.zeros((2, 16, 16), np.float32))
-    CPUBackend.gated_rms_norm(v, v, np.ones(16, np.float32), 1e-6)
+    conv1d_silu_rows(x, np.ones((channels, width), np.float32), np.zeros((width - 1, channels), np.float32),
+                     np.empty_like(x))
+    q, v, g = np.ones((n, 2, 16), np.float32), np.ones((n, 2, 16), np.float32), np.ones((n, 2), np.float32)
+    gated_delta_tokens(q, q, v, g, g, np.zeros((2, 16, 16), np.float32), np.empty_like(v))
+    rows = v.reshape(-1, 16)
+    gated_rms_norm_rows(rows, rows, np.ones(16, np.float32), np.float32(1e-6), np.empty_like(rows))
 
 
 # longest first: with one job a process, the last to start should be short
