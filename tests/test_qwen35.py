@@ -1,5 +1,6 @@
-"""Qwen3.5 (GGUF architectures `qwen35`, `qwen35moe`): Gated DeltaNet layers between full-attention ones. The
-logits against transformers are in tests/test_forward_tiny.py (the tiny models are among its architectures); here: the
+"""Qwen3.5 and Qwen3-Next (GGUF architectures `qwen35`, `qwen35moe`, `qwen3next`): Gated DeltaNet layers between
+full-attention ones. The logits against transformers are in tests/test_forward_tiny.py (the tiny models are among
+its architectures); here: the
 configuration and its checks, the cache of a hybrid model (fixed-size states at the linear-attention layers),
 the DeltaNet block against the float64 definition (ops/deltanet/reference.py), prompt caching, and the device
 choice (CPU only so far)."""
@@ -89,20 +90,28 @@ def test_the_moe_config(tiny_model, tmp_path):
         cupyllm.load(path, device="cpu", progress=False)
 
 
+def test_the_qwen3next_config(tiny_model):
+    """Qwen3-Next: the MoE model with HF's grouped value heads and alpha / beta fused in ssm_ba."""
+    cfg = config_from_gguf(read_gguf(tiny_model("qwen3next")[0]))
+    assert (cfg.arch, cfg.n_expert, cfg.shared_expert_ffn, cfg.ssm.grouped_v_heads) == ("qwen3next", 4, 48, True)
+    assert not config_from_gguf(read_gguf(tiny_model("qwen35-moe")[0])).ssm.grouped_v_heads
+
+
 def test_rope_dimension_count_must_fit_the_head(tmp_path):
     path = _gguf_with(tmp_path, "rot", add_rope_dimension_count=33)
     with pytest.raises(ModelFileError, match="rope.dimension_count"):
         cupyllm.load(path, device="cpu", progress=False)
 
 
-def test_the_deltanet_block_is_the_definition(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen35", "qwen3next"])
+def test_the_deltanet_block_is_the_definition(tiny_model, arch):
     """Layer 0's token mixer on random inputs, in two pieces (the state carried between them), against the float64
-    reference with the decoded weights; the GGUF's tiled value heads mapped to key heads by hand (head h reads
-    key head h % Hk)."""
+    reference with the decoded weights; value heads mapped to key heads by hand: Qwen3.5's tiled order (head h
+    reads key head h % Hk), Qwen3-Next's grouped one (h // (Hv / Hk)) with beta and alpha from ssm_ba."""
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.models.qwen35 import DeltaNetWeights, gated_deltanet
 
-    path, spec, decoded = tiny_model("qwen35")
+    path, spec, decoded = tiny_model(arch)
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
     ops = CPUBackend(threads=1)
@@ -119,10 +128,16 @@ def test_the_deltanet_block_is_the_definition(tiny_model):
     qkv, _ = reference.causal_conv1d_silu(xd @ decoded[p + "attn_qkv.weight"].T, decoded[p + "ssm_conv1d.weight"])
     q, k = qkv[:, :nk * dk].reshape(11, nk, dk), qkv[:, nk * dk:2 * nk * dk].reshape(11, nk, dk)
     v = qkv[:, 2 * nk * dk:].reshape(11, nv, dv)
-    tiled = [h % nk for h in range(nv)]  # as the reference repeats nothing, give it one key head per value head
-    g = decoded[p + "ssm_a"] * reference.softplus(xd @ decoded[p + "ssm_alpha.weight"].T + decoded[p + "ssm_dt.bias"])
-    beta = 1 / (1 + np.exp(-(xd @ decoded[p + "ssm_beta.weight"].T)))
-    o, final = reference.gated_delta_rule(q[:, tiled], k[:, tiled], v, g, beta)
+    if arch == "qwen35":
+        heads = [h % nk for h in range(nv)]  # the reference repeats nothing: one key head per value head
+        alpha_in, beta_in = xd @ decoded[p + "ssm_alpha.weight"].T, xd @ decoded[p + "ssm_beta.weight"].T
+    else:
+        heads = [h // (nv // nk) for h in range(nv)]
+        beta_alpha = (xd @ decoded[p + "ssm_ba.weight"].T).reshape(11, nk, 2, nv // nk)
+        beta_in, alpha_in = beta_alpha[:, :, 0].reshape(11, nv), beta_alpha[:, :, 1].reshape(11, nv)
+    g = decoded[p + "ssm_a"] * reference.softplus(alpha_in + decoded[p + "ssm_dt.bias"])
+    beta = 1 / (1 + np.exp(-beta_in))
+    o, final = reference.gated_delta_rule(q[:, heads], k[:, heads], v, g, beta)
     z = (xd @ decoded[p + "attn_gate.weight"].T).reshape(11, nv, dv)
     want = reference.gated_rms_norm(o, z, decoded[p + "ssm_norm.weight"]).reshape(11, -1) @ \
         decoded[p + "ssm_out.weight"].T.astype(np.float64)

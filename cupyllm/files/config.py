@@ -20,8 +20,8 @@ from ..errors import ModelFileError
 from .gguf import GGUFFile
 from .validate import Hyperparameters, check_block_count, check_tensors, check_tokenizer_metadata
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "qwen35", "qwen35moe")
-HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe")  # Gated DeltaNet layers between full-attention ones
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "qwen3moe", "gemma3", "gemma4", "qwen35", "qwen35moe", "qwen3next")
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")  # Gated DeltaNet layers between full-attention ones
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class SSMConfig:
     n_v_heads: int  # ssm.time_step_rank: value heads (each with its own decay and state)
     k_head_dim: int  # ssm.state_size
     v_head_dim: int  # ssm.inner_size / time_step_rank
+    grouped_v_heads: bool = False  # value head h reads key head h // (Hv / Hk) (Qwen3-Next); else h % Hk (Qwen3.5)
 
     @property
     def conv_channels(self) -> int:
@@ -164,7 +165,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)} (Qwen2/2.5, Qwen3, Qwen3-MoE, Gemma 3, Gemma 4, "
-                             "Qwen3.5 dense and MoE)")
+                             "Qwen3.5 dense and MoE, Qwen3-Next)")
     hp = Hyperparameters(gguf, arch)
     n_layer = hp.integer(f"{arch}.block_count", lo=1)
     check_block_count(gguf, f"{arch}.block_count", n_layer)  # before anything is sized by it
@@ -251,7 +252,7 @@ def _experts(gguf: GGUFFile, hp: Hyperparameters, arch: str, n_layer: int) -> tu
     """(experts per MoE layer, experts each token uses, each layer's expert width); (0, 0, zeros) for a dense
     model. Without `expert_feed_forward_length` the width is the first layer's down projection's (its shape
     is then checked in every layer)."""
-    n_expert = hp.integer(f"{arch}.expert_count", 0, lo=1 if arch in ("qwen3moe", "qwen35moe") else 0)
+    n_expert = hp.integer(f"{arch}.expert_count", 0, lo=1 if arch in ("qwen3moe", "qwen35moe", "qwen3next") else 0)
     if not n_expert:
         return 0, 0, (0,) * n_layer
     n_expert_used = hp.integer(f"{arch}.expert_used_count", 0)
@@ -339,7 +340,9 @@ def _qwen35_config(hp: Hyperparameters, common: dict) -> ModelConfig:
     full attention where (il + 1) % full_attention_interval == 0 (default 4), Gated DeltaNet elsewhere; full
     attention with q/k RMSNorm, partial NEOX rope (the text positions of its interleaved M-RoPE are equal in all
     sections, so `rope.dimension_sections` changes nothing for text) and a sigmoid output gate from q's
-    projection. The GGUF's norm weights already hold Qwen3.5's 1 + w (all but the DeltaNet's gated norm)."""
+    projection. The GGUF's norm weights already hold Qwen3.5's 1 + w (all but the DeltaNet's gated norm).
+    Qwen3-Next (`qwen3next`) is the MoE model with its value heads grouped by key head (its converter does not
+    reorder them) and the DeltaNet's beta and alpha projections in one tensor (`ssm_ba`)."""
     arch, n_layer = common["arch"], common["n_layer"]
     interval = hp.integer(f"{arch}.full_attention_interval", 4, lo=1, hi=n_layer)
     sections = hp.gguf.get(f"{arch}.rope.dimension_sections")
@@ -355,11 +358,11 @@ def _qwen35_config(hp: Hyperparameters, common: dict) -> ModelConfig:
         raise hp.fail(f"{arch}.ssm.inner_size", inner, f"a multiple of ssm.time_step_rank ({n_v_heads})")
     ssm = SSMConfig(conv_kernel=hp.integer(f"{arch}.ssm.conv_kernel", lo=2, hi=64), n_k_heads=n_k_heads,
                     n_v_heads=n_v_heads, k_head_dim=hp.integer(f"{arch}.ssm.state_size", lo=1, hi=4096),
-                    v_head_dim=inner // n_v_heads)
+                    v_head_dim=inner // n_v_heads, grouped_v_heads=arch == "qwen3next")
     if ssm.v_head_dim % 16:  # the CPU recurrence runs the state in 16-lane tiles (ops/deltanet/cpu.py)
         raise ModelFileError(f"{hp.path}: Gated DeltaNet value heads of {ssm.v_head_dim} dims (ssm.inner_size / "
                              "ssm.time_step_rank) are not supported: cupyllm needs a multiple of 16")
-    shared = hp.integer(f"{arch}.expert_shared_feed_forward_length", lo=1) if arch == "qwen35moe" else 0
+    shared = hp.integer(f"{arch}.expert_shared_feed_forward_length", lo=1) if common["n_expert"] else 0
     return ModelConfig(**common, attn_scale=1.0 / math.sqrt(common["head_dim"]), qk_norm=True, activation="silu",
                        recurrent_layers=tuple((il + 1) % interval != 0 for il in range(n_layer)), ssm=ssm,
                        attn_output_gate=True, shared_expert_ffn=shared)

@@ -170,7 +170,8 @@ _KNOWN_GLOBAL = {"token_embd.weight", "output.weight", "output_norm.weight", "ro
 _KNOWN_BLOCK = {
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q.bias",
     "attn_qkv.weight", "attn_gate.weight", "ssm_alpha.weight", "ssm_beta.weight", "ssm_a", "ssm_dt.bias",
-    "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight", "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight",
+    "ssm_conv1d.weight", "ssm_norm.weight", "ssm_out.weight", "ssm_ba.weight", "ffn_gate_inp_shexp.weight",
+    "ffn_gate_shexp.weight",
     "ffn_up_shexp.weight", "ffn_down_shexp.weight",
     "attn_k.bias", "attn_v.bias", "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
     "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight",
@@ -290,8 +291,11 @@ def _hybrid_layer_tensors(cfg, il: int, ffn: int, expert_ffn: int, gguf: GGUFFil
                      "ffn_down.weight": Expected((d, f))})
     if cfg.is_recurrent(il):
         value = s.n_v_heads * s.v_head_dim
+        if cfg.arch == "qwen3next":  # per key head: its value heads' beta inputs, then their alpha inputs
+            rows["ssm_ba.weight"] = Expected((2 * s.n_v_heads, d))
+        else:
+            rows.update({"ssm_alpha.weight": Expected((s.n_v_heads, d)), "ssm_beta.weight": Expected((s.n_v_heads, d))})
         rows.update({"attn_qkv.weight": Expected((s.conv_channels, d)), "attn_gate.weight": Expected((value, d)),
-                     "ssm_alpha.weight": Expected((s.n_v_heads, d)), "ssm_beta.weight": Expected((s.n_v_heads, d)),
                      "ssm_a": Expected((s.n_v_heads,)), "ssm_dt.bias": Expected((s.n_v_heads,)),
                      "ssm_conv1d.weight": Expected((s.conv_channels, s.conv_kernel)),
                      "ssm_norm.weight": Expected((s.v_head_dim,)), "ssm_out.weight": Expected((d, value))})

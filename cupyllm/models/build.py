@@ -26,9 +26,9 @@ from .residual import ResidualStream
 
 BLOCKS: dict[str, Callable] = {"qwen2": qwen_block, "qwen3": qwen_block, "qwen3moe": qwen_block,
                                "gemma3": gemma_block, "gemma4": gemma_block, "qwen35": qwen35_block,
-                               "qwen35moe": qwen35_block}
+                               "qwen35moe": qwen35_block, "qwen3next": qwen35_block}
 # the others: LayerWeights.from_gguf
-LAYER_WEIGHTS: dict[str, Callable] = {"qwen35": qwen35_layer_weights, "qwen35moe": qwen35_layer_weights}
+LAYER_WEIGHTS: dict[str, Callable] = {arch: qwen35_layer_weights for arch in ("qwen35", "qwen35moe", "qwen3next")}
 
 
 @dataclass

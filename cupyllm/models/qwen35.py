@@ -16,7 +16,10 @@ Gated DeltaNet (linear-attention layers; ops/deltanet/reference.py defines the c
     o = DeltaRule(q, k, v, g, beta; S)                  (S [Hv, Dk, Dv] carried in the cache)
     Mixer = W_out( RMSNorm(o; ssm_norm) * SiLU(W_gate n) )   (per value head)
 
-Value head h reads key head h % Hk: llama.cpp's converter stores the value heads in that (tiled) order.
+Value head h reads key head h % Hk: llama.cpp's converter stores Qwen3.5's value heads in that (tiled) order.
+Qwen3-Next (`qwen3next`, MoE) is the same model with HF's grouped order (value head h reads key head
+h // (Hv / Hk)) and W_beta, W_alpha in one projection (`ssm_ba`: per key head, its value heads' beta rows, then
+their alpha rows).
 """
 from __future__ import annotations
 
@@ -38,26 +41,32 @@ class DeltaNetWeights:
 
     qkv: Weight  # attn_qkv [2 Hk Dk + Hv Dv, d]
     gate: Weight  # attn_gate [Hv Dv, d]: z, the output gate
-    alpha: Weight  # ssm_alpha [Hv, d]: the decay's input
-    beta: Weight  # ssm_beta [Hv, d]: the write strength's input
+    alpha: Weight | None  # ssm_alpha [Hv, d]: the decay's input
+    beta: Weight | None  # ssm_beta [Hv, d]: the write strength's input
     a: np.ndarray  # ssm_a [Hv]: -exp(A_log)
     dt_bias: np.ndarray  # ssm_dt.bias [Hv]
     conv: np.ndarray  # ssm_conv1d [C, K]
     norm: np.ndarray  # ssm_norm [Dv]
     out: Weight  # ssm_out [d, Hv Dv]
+    beta_alpha: Weight | None = None  # Qwen3-Next's ssm_ba [2 Hv, d] in place of ssm_beta and ssm_alpha
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, layer: int) -> "DeltaNetWeights":
         p = f"blk.{layer}."
+        fused = p + "ssm_ba.weight" in gguf.tensors
         return cls(qkv=load_matrix(gguf, p + "attn_qkv.weight"), gate=load_matrix(gguf, p + "attn_gate.weight"),
-                   alpha=load_matrix(gguf, p + "ssm_alpha.weight"), beta=load_matrix(gguf, p + "ssm_beta.weight"),
+                   alpha=None if fused else load_matrix(gguf, p + "ssm_alpha.weight"),
+                   beta=None if fused else load_matrix(gguf, p + "ssm_beta.weight"),
+                   beta_alpha=load_matrix(gguf, p + "ssm_ba.weight") if fused else None,
                    a=load_vector(gguf, p + "ssm_a"), dt_bias=load_vector(gguf, p + "ssm_dt.bias"),
                    conv=np.ascontiguousarray(load_vector(gguf, p + "ssm_conv1d.weight")),
                    norm=load_vector(gguf, p + "ssm_norm.weight"), out=load_matrix(gguf, p + "ssm_out.weight"))
 
     def on(self, backend) -> "DeltaNetWeights":
-        return type(self)(**{name: backend.upload(value) if isinstance(value, Weight) else backend.asarray(value)
-                             for name, value in self.__dict__.items()})
+        def move(value):
+            return value if value is None else backend.upload(value) if isinstance(value, Weight) \
+                else backend.asarray(value)
+        return type(self)(**{name: move(value) for name, value in self.__dict__.items()})
 
 
 def qwen35_layer_weights(gguf: GGUFFile, layer: int, cfg: ModelConfig) -> LayerWeights:
@@ -118,12 +127,20 @@ def gated_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, x, posit
 def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, state: RecurrentState, positions: np.ndarray):
     """The Gated DeltaNet token mixer over x [n, d], advancing the layer's conv and recurrent state."""
     s, n, xp = cfg.ssm, x.shape[0], ops.xp
-    qkv, z, alpha, beta = ops.linear_many(x, [w.qkv, w.gate, w.alpha, w.beta])
+    per_key_head = s.n_v_heads // s.n_k_heads
+    if w.beta_alpha is None:
+        qkv, z, alpha, beta = ops.linear_many(x, [w.qkv, w.gate, w.alpha, w.beta])
+    else:
+        qkv, z, beta_alpha = ops.linear_many(x, [w.qkv, w.gate, w.beta_alpha])
+        beta_alpha = beta_alpha.reshape(n, s.n_k_heads, 2, per_key_head)
+        beta, alpha = beta_alpha[:, :, 0].reshape(n, s.n_v_heads), beta_alpha[:, :, 1].reshape(n, s.n_v_heads)
     qkv = ops.causal_conv1d_silu(qkv, w.conv, state.conv)
     key_width = s.n_k_heads * s.k_head_dim
     q = qkv[:, :key_width].reshape(n, s.n_k_heads, s.k_head_dim)
     k = qkv[:, key_width:2 * key_width].reshape(n, s.n_k_heads, s.k_head_dim)
     v = qkv[:, 2 * key_width:].reshape(n, s.n_v_heads, s.v_head_dim)
+    if s.grouped_v_heads and per_key_head > 1:  # one key head per value head, in the order the backend reads
+        q, k = xp.repeat(q, per_key_head, axis=1), xp.repeat(k, per_key_head, axis=1)
     g = w.a * xp.logaddexp(np.float32(0.0), alpha + w.dt_bias)  # softplus, without overflow
     o = ops.gated_delta_rule(q, k, v, g, _sigmoid(xp, beta), state.recurrent)
     o = ops.gated_rms_norm(o, z.reshape(n, s.n_v_heads, s.v_head_dim), w.norm, cfg.norm_eps)

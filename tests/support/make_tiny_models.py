@@ -34,7 +34,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 ARCHES = ("qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe")
-HYBRID_ARCHES = ("qwen35", "qwen35-moe")  # Gated DeltaNet layers between full-attention ones (CPU only so far)
+HYBRID_ARCHES = ("qwen35", "qwen35-moe", "qwen3next")  # Gated DeltaNet layers between full-attention ones (CPU only so far)
 GEMMA4_LAYER_TYPES = (True, True, False, True, False, True, False)  # sliding? per layer
 
 
@@ -137,6 +137,13 @@ def tiny_spec(arch: str) -> TinySpec:
         spec.shared_expert_ffn_dim, spec.seed = 48, 1
         spec.types = {**spec.types, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0,
                       "ffn_gate_shexp.weight": T.Q8_0}
+        return spec
+    if arch == "qwen3next":  # Qwen3-Next-80B-A3B-like: the MoE one with grouped value heads and a fused ssm_ba
+        spec = tiny_spec("qwen35-moe")
+        spec.arch, spec.seed = "qwen3next", 4
+        # its DeltaNet projections F32: with them quantized, the activation codes moved these logits by 3e-3
+        spec.types = {"attn_q.weight": T.Q8_0, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0,
+                      "ffn_gate_shexp.weight": T.Q8_0, "ffn_up.weight": T.BF16}
         return spec
     if arch == "qwen3-moe":  # Qwen3-30B-A3B-like
         return TinySpec("qwen3-moe", n_expert=4, n_expert_used=2, expert_ffn_dim=32,
@@ -310,7 +317,7 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
     """GGUF tensors (name -> (stored array, type)) and the float32 values they decode to."""
     rng = np.random.default_rng(spec.seed)
     vocab = len({"qwen2": qwen_vocab, "qwen3": qwen_vocab, "qwen3moe": qwen_vocab, "qwen35": qwen_vocab,
-                 "qwen35moe": qwen_vocab,
+                 "qwen35moe": qwen_vocab, "qwen3next": qwen_vocab,
                  "gemma3": gemma_vocab,
                  "gemma4": gemma4_vocab}[spec.gguf_arch]()[0])
     vocab = max(vocab, spec.n_vocab or 0)
@@ -322,7 +329,7 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
         shapes.update(_gemma4_shapes(spec, vocab))
     if spec.arch in HYBRID_ARCHES:
         shapes.update(_qwen35_shapes(spec))
-    for il in range(spec.n_layer if spec.gguf_arch not in ("gemma4", "qwen35", "qwen35moe") else 0):
+    for il in range(spec.n_layer if spec.gguf_arch != "gemma4" and spec.arch not in HYBRID_ARCHES else 0):
         p = f"blk.{il}."
         shapes.update({
             p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_k.weight": (nkv * hd, d),
@@ -394,8 +401,12 @@ def _qwen35_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
         else:
             shapes.update({p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d), p + "ffn_down.weight": (d, ff)})
         if qwen35_recurrent(spec, il):
-            shapes.update({p + "attn_qkv.weight": (channels, d), p + "attn_gate.weight": (nv * dv, d),
-                           p + "ssm_alpha.weight": (nv, d), p + "ssm_beta.weight": (nv, d), p + "ssm_a": (nv,),
+            shapes.update({p + "attn_qkv.weight": (channels, d), p + "attn_gate.weight": (nv * dv, d)})
+            if spec.arch == "qwen3next":  # in_proj_ba as it is: per key head, r beta rows then r alpha rows
+                shapes[p + "ssm_ba.weight"] = (2 * nv, d)
+            else:
+                shapes.update({p + "ssm_alpha.weight": (nv, d), p + "ssm_beta.weight": (nv, d)})
+            shapes.update({p + "ssm_a": (nv,),
                            p + "ssm_dt.bias": (nv,), p + "ssm_conv1d.weight": (channels, spec.conv_kernel),
                            p + "ssm_norm.weight": (dv,), p + "ssm_out.weight": (d, nv * dv)})
         else:
@@ -413,7 +424,8 @@ def _write_qwen35_metadata(writer, spec: TinySpec) -> None:
     writer.add_ssm_inner_size(spec.ssm_v_dim * spec.ssm_v_heads)
     writer.add_full_attention_interval(spec.full_attn_interval)
     writer.add_rope_dimension_count(spec.n_rot)
-    writer.add_rope_dimension_sections(list(QWEN35_MROPE_SECTIONS) + [0])
+    if spec.arch != "qwen3next":  # Qwen3-Next's rope is plain NEOX
+        writer.add_rope_dimension_sections(list(QWEN35_MROPE_SECTIONS) + [0])
 
 
 QWEN35_MROPE_SECTIONS = (3, 3, 2)  # t, h, w pairs of the tiny model's 8 rotated pairs (text: all alike)
@@ -596,13 +608,22 @@ def hf_config(spec: TinySpec, n_vocab: int):
         return config, Gemma3ForCausalLM
     rope = {"rope_type": "default", "rope_theta": spec.rope_base}
     if spec.arch in HYBRID_ARCHES:
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+        from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig,
+                                  Qwen3NextConfig, Qwen3NextForCausalLM)
 
         layer_types = ["linear_attention" if qwen35_recurrent(spec, il) else "full_attention"
                        for il in range(spec.n_layer)]
         moe = dict(num_experts=spec.n_expert, num_experts_per_tok=spec.n_expert_used,
                    moe_intermediate_size=spec.expert_ffn_dim,
                    shared_expert_intermediate_size=spec.shared_expert_ffn_dim) if spec.n_expert else {}
+        if spec.arch == "qwen3next":
+            config = Qwen3NextConfig(
+                **common, **moe, layer_types=layer_types, linear_conv_kernel_dim=spec.conv_kernel,
+                linear_key_head_dim=spec.ssm_k_dim, linear_value_head_dim=spec.ssm_v_dim,
+                linear_num_key_heads=spec.ssm_k_heads, linear_num_value_heads=spec.ssm_v_heads,
+                tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                rope_parameters={**rope, "partial_rotary_factor": spec.n_rot / spec.head_dim})
+            return config, Qwen3NextForCausalLM
         if moe:
             del common["intermediate_size"]
         config = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(
@@ -698,6 +719,17 @@ def qwen35_hf_state(spec: TinySpec, decoded: dict[str, np.ndarray]) -> dict[str,
              "ssm_conv1d.weight": ("conv1d.weight", lambda x: qkv(x)[:, None, :]),  # HF: [C, 1, K]
              "ssm_norm.weight": ("norm.weight", lambda x: x),
              "ssm_out.weight": ("out_proj.weight", lambda x: _grouped_heads(x, 1, nk, dv))}
+    if spec.arch == "qwen3next":  # HF's order: no value-head reorder; q|k|v and z interleaved per key head
+        def qkvz_of(layer: str) -> np.ndarray:
+            qkv, z = decoded[layer + "attn_qkv.weight"], decoded[layer + "attn_gate.weight"]
+            d = qkv.shape[1]
+            q, k, v = qkv[:nk * dk], qkv[nk * dk:qk], qkv[qk:]
+            parts = [t.reshape(nk, -1, d) for t in (q, k, v, z)]
+            return np.concatenate(parts, axis=1).reshape(-1, d)
+        delta = {part: (name, (lambda x: x) if part != "ssm_a" else (lambda x: np.log(-x)))
+                 for part, (name, _) in delta.items()}
+        delta["ssm_conv1d.weight"] = ("conv1d.weight", lambda x: x[:, None, :])
+        delta["ssm_ba.weight"] = ("in_proj_ba.weight", lambda x: x)
     state = {"model.embed_tokens.weight": decoded["token_embd.weight"], "lm_head.weight": decoded["output.weight"],
              "model.norm.weight": decoded["output_norm.weight"] - 1.0}
     for g_name, values in decoded.items():
@@ -708,6 +740,10 @@ def qwen35_hf_state(spec: TinySpec, decoded: dict[str, np.ndarray]) -> dict[str,
             if part == "ffn_gate_exps.weight":
                 state[f"model.layers.{il}.mlp.experts.gate_up_proj"] = np.concatenate(
                     [values, decoded[g_name.replace("gate_exps", "up_exps")]], axis=1)
+            continue
+        if spec.arch == "qwen3next" and part in ("attn_qkv.weight", "attn_gate.weight"):
+            if part == "attn_qkv.weight":
+                state[f"model.layers.{il}.linear_attn.in_proj_qkvz.weight"] = qkvz_of(f"blk.{il}.")
             continue
         if part in delta:
             h_name, convert = delta[part]
