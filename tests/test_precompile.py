@@ -38,7 +38,7 @@ assert precompile.is_compiled()  # (else the backend would compile in its worker
 
 runs = [(1, 3, "f16", "f16", None, False), (1, 21, "q8_0", "turbo3", 1, False),
         (2, 40, "turbo3_tcq", "q4_0", None, False), (2, 5, "q8_0", "turbo2", 1, True), (3, 20, "q8_0", "f16", 1, False),
-        (3, 2, "f16", "f16", None, False)]
+        (3, 2, "f16", "f16", None, False), (4, 9, "q8_0", "q8_0", None, False)]
 for model_arg, n_prompt, kv_k, kv_v, threads, mirror in runs:
     model = cupyllm.load(sys.argv[model_arg], device="cpu", kv_type_k=kv_k, kv_type_v=kv_v,
                          threads=threads, kv_mirror=mirror, max_chunk=16)
@@ -48,15 +48,16 @@ print(json.dumps(compiled))
 
 
 def test_a_run_after_the_precompile_compiles_nothing(tiny_model):
-    """Compile events counted in a process that runs tiny Gemma 3, Qwen3 and Qwen3.5 (Gated DeltaNet) models
-    with prompts of 2 to 40 tokens (chunks of 16), six KV formats and the mirror, 1 and all threads, after the
-    precompile filled the cache: none. (The cache is the suite's own, which earlier tests fill too; the strict
-    form of this check, on a fresh NUMBA_CACHE_DIR, takes the whole precompile: docs/benchmarks.md#cpu-first-run.)"""
+    """Compile events counted in a process that runs tiny Gemma 3, Qwen3, Qwen3.5 (Gated DeltaNet) and
+    Qwen3.5-MoE models with prompts of 2 to 40 tokens (chunks of 16), six KV formats and the mirror, 1 and all
+    threads, after the precompile filled the cache: none. (The cache is the suite's own, which earlier tests
+    fill too; the strict form of this check, on a fresh NUMBA_CACHE_DIR, takes the whole precompile:
+    docs/benchmarks.md#cpu-first-run.)"""
     from cupyllm.backend import precompile
 
     precompile.ensure_compiled()  # (normally done already: by the first CPU backend of the test session)
     assert precompile.is_compiled()
-    models = [str(tiny_model(arch)[0]) for arch in ("gemma3", "qwen3", "qwen35")]
+    models = [str(tiny_model(arch)[0]) for arch in ("gemma3", "qwen3", "qwen35", "qwen35-moe")]
     out = subprocess.run([sys.executable, "-c", RUNS, *models], capture_output=True, text=True, cwd=ROOT,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
