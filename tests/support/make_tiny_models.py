@@ -127,23 +127,18 @@ def tiny_spec(arch: str) -> TinySpec:
     if arch == "qwen35":  # Qwen3.5-like: DeltaNet, full attention, DeltaNet, full attention; 2 key heads for 4 value
         return TinySpec("qwen35", n_layer=4, full_attn_interval=2, ssm_k_heads=2, ssm_v_heads=4, ssm_k_dim=16,
                         ssm_v_dim=16, n_rot=16, rope_base=1_000_000.0,
-                        # attn_qkv F16: through the conv, the L2 norm and the recurrence, the 16-bit activation
-                        # codes of a quantized q|k|v projection move this tiny model's logits by up to 2.5e-3
-                        types={"attn_q.weight": T.Q8_0, "attn_qkv.weight": T.F16, "attn_gate.weight": T.Q8_0,
+                        types={"attn_q.weight": T.Q8_0, "attn_qkv.weight": T.Q8_0, "attn_gate.weight": T.Q8_0,
                                "ssm_out.weight": T.Q5_0, "ffn_up.weight": T.BF16, "ffn_gate.weight": T.Q5_0})
     if arch == "qwen35-moe":  # Qwen3.5-35B-A3B-like: the dense one's layers, routed experts and a shared expert
         spec = tiny_spec("qwen35")
         spec.arch, spec.n_expert, spec.n_expert_used, spec.expert_ffn_dim = "qwen35-moe", 4, 2, 32
-        spec.shared_expert_ffn_dim, spec.seed = 48, 1
+        spec.shared_expert_ffn_dim = 48
         spec.types = {**spec.types, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0,
                       "ffn_gate_shexp.weight": T.Q8_0}
         return spec
     if arch == "qwen3next":  # Qwen3-Next-80B-A3B-like: the MoE one with grouped value heads and a fused ssm_ba
         spec = tiny_spec("qwen35-moe")
-        spec.arch, spec.seed = "qwen3next", 4
-        # its DeltaNet projections F32: with them quantized, the activation codes moved these logits by 3e-3
-        spec.types = {"attn_q.weight": T.Q8_0, "ffn_down_exps.weight": T.Q8_0, "ffn_up_exps.weight": T.Q5_0,
-                      "ffn_gate_shexp.weight": T.Q8_0, "ffn_up.weight": T.BF16}
+        spec.arch = "qwen3next"
         return spec
     if arch == "qwen3-moe":  # Qwen3-30B-A3B-like
         return TinySpec("qwen3-moe", n_expert=4, n_expert_used=2, expert_ffn_dim=32,
