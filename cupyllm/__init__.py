@@ -2,9 +2,9 @@
 kernels on the GPU). Start with `cupyllm.load()`."""
 from .api import Model, load
 from .errors import (BudgetError, ContextOverflowError, ContextPastTrainingWarning, CupyllmError, DeviceError,
-                     InputError, ModelFileError)
+                     InputError, ModelFileError, ModelFileWarning)
 from .kv.prompt_cache import PromptCache
 
 __all__ = ["load", "Model", "PromptCache", "CupyllmError", "InputError", "ModelFileError", "ContextOverflowError",
-           "BudgetError", "DeviceError", "ContextPastTrainingWarning"]
+           "BudgetError", "DeviceError", "ContextPastTrainingWarning", "ModelFileWarning"]
 __version__ = "0.1.0"
