@@ -34,6 +34,7 @@ KERNEL_SET_PROVIDERS: tuple[str, ...] = (
     "cupyllm.ops.elementwise.gpu",
     "cupyllm.ops.matmul.gpu",
     "cupyllm.ops.attention.gpu",
+    "cupyllm.ops.deltanet.gpu",
 )
 
 
