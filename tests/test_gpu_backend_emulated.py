@@ -2,7 +2,8 @@
 a subprocess with CUPYLLM_EMULATE=1 (the NumPy-backed `cupy` must be imported before anything imports a real one).
 
 Run whole: the weight kernels (tests/ops/test_matmul_gpu.py: dequantization, every GEMV instantiation, the gated
-GEMV, the tensor-core prefill kernel, for every weight type) and the elementwise kernels (test_elementwise_gpu.py).
+GEMV, the tensor-core prefill kernel, for every weight type), the elementwise kernels (test_elementwise_gpu.py) and the
+Gated DeltaNet kernels (test_deltanet_gpu.py).
 Of the KV and attention files (whose format sweeps tests/test_emulated_kernels.py runs): the device cache's bytes and
 the backend's decoding attention path. Then the whole tiny Qwen2 model against the CPU engine. About 2.5 minutes
 on 2 cores with the emulator's build cache warm.
@@ -26,8 +27,8 @@ _CXX_OK, _CXX_WHY = emulator.cxx20_support()
 pytestmark = pytest.mark.skipif(not _CXX_OK, reason=f"the CUDA emulator needs a C++20 compiler: {_CXX_WHY}")
 
 OP_FILES = ["tests/ops/test_matmul_gpu.py", "tests/ops/test_elementwise_gpu.py", "tests/ops/test_kv_formats_gpu.py",
-            "tests/ops/test_attention_gpu.py", "tests/test_gpu_backend.py"]
-SUBSET = ("test_matmul_gpu or test_elementwise_gpu or test_device_cache_holds_the_cpu_cache_bytes "
+            "tests/ops/test_attention_gpu.py", "tests/test_gpu_backend.py", "tests/ops/test_deltanet_gpu.py"]
+SUBSET = ("test_matmul_gpu or test_elementwise_gpu or test_deltanet_gpu or test_device_cache_holds_the_cpu_cache_bytes "
           "or test_decode_attention_matches_reference or test_normalized_cache_attention "
           "or test_tiny_model_logits_match_the_cpu_engine and qwen2")
 
@@ -37,7 +38,7 @@ def test_gpu_ops_and_a_tiny_model_pass_on_the_emulator():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *OP_FILES, "-k", SUBSET]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert re.search(r"\b73 passed", result.stdout), result.stdout[-2000:]
+    assert re.search(r"\b81 passed", result.stdout), result.stdout[-2000:]
 
 
 def test_spilled_cache_passes_on_the_emulator():
