@@ -118,10 +118,11 @@ def test_gemma4_moe_without_expert_used_count_is_a_clear_error(tiny_dir):
         cupyllm.load(path, device="cpu", progress=False)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gemma4", "gemma4-moe", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4", "gemma4-moe", "qwen3-moe", *make_tiny_models.HYBRID_ARCHES])
 def test_tiny_f32_models_match_llama_cpp(arch, tmp_path):
     """The same tiny models with every tensor F32, against llama.cpp's logits stored by
-    tools/make_llama_cpp_reference.py (llama-cpp-python, F32 K/V): llama.cpp reads our Gemma 4 files as we do."""
+    tools/make_llama_cpp_reference.py (llama-cpp-python, F32 K/V): llama.cpp reads our Gemma 4 and hybrid Qwen3.5 /
+    Qwen3-Next files (Gated DeltaNet layers) as we do."""
     import make_llama_cpp_reference as reference
     stored = np.load(reference.OUT)
     key = arch.replace("-", "_")

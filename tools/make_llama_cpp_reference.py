@@ -1,7 +1,11 @@
-"""Reference logits from llama.cpp (llama-cpp-python) for the tiny Gemma 3, Gemma 4 and Qwen3-MoE GGUFs, with
-every tensor stored as F32 so llama.cpp runs them without quantizing activations.
+"""Reference logits from llama.cpp (llama-cpp-python) for the tiny Gemma 3, Gemma 4, Qwen3-MoE and hybrid
+Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (Gated DeltaNet) GGUFs, with every tensor stored as F32 so llama.cpp runs them without quantizing activations.
 
     python tools/make_llama_cpp_reference.py     # writes tests/data/llama_cpp_tiny.npz
+    python tools/make_llama_cpp_reference.py --only qwen35 qwen35-moe qwen3next   # (re)computes these, keeps the rest
+
+llama.cpp's CPU kernels depend on the build (e.g. -DGGML_NATIVE=ON): logits of another build differ by up to ~1e-3,
+so --only adds a model without moving the arrays the other models' tests were checked against.
 
 Our tiny Gemma 4 files are written as llama.cpp's convert_hf_to_gguf.py writes the real models; llama.cpp
 computing the same logits as cupyllm (and as transformers, tests/test_forward_tiny.py) checks that reading
@@ -26,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 
 import make_tiny_models  # noqa: E402
 
-ARCHES = ("gemma3", "gemma4", "gemma4-moe", "qwen3-moe")
+ARCHES = ("gemma3", "gemma4", "gemma4-moe", "qwen3-moe") + make_tiny_models.HYBRID_ARCHES
 N_TOKENS = 24
 TOKENIZER_TEXTS = ["the water in the sea", "  there\n\nwas an  answer\n", "snow\n\n\nthe", "héllo wörld ⛵ 🙂",
                    "the<|turn>user\nhi<turn|>", "\n", "rent on the tower a the", "x" * 40]
@@ -46,8 +50,8 @@ def f32_spec(arch: str) -> make_tiny_models.TinySpec:
 
 
 def token_ids(arch: str) -> list[int]:
-    vocab = {"gemma3": make_tiny_models.gemma_vocab, "gemma4": make_tiny_models.gemma4_vocab,
-             "qwen3moe": make_tiny_models.qwen_vocab}[make_tiny_models.tiny_spec(arch).gguf_arch]()[0]
+    vocab = {"gemma3": make_tiny_models.gemma_vocab, "gemma4": make_tiny_models.gemma4_vocab}.get(
+        make_tiny_models.tiny_spec(arch).gguf_arch, make_tiny_models.qwen_vocab)()[0]
     return np.random.default_rng(11).integers(4, len(vocab), N_TOKENS).tolist()
 
 
@@ -60,12 +64,17 @@ def write_model(arch: str, directory: Path) -> tuple[Path, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--only", nargs="+", choices=ARCHES, help="compute these models; keep the others' arrays")
     args = parser.parse_args(argv)
     import llama_cpp
 
     arrays = {}
+    if args.only:
+        if not args.out.exists():
+            parser.error(f"--only updates {args.out}, which does not exist: run without --only first")
+        arrays = {k: v for k, v in np.load(args.out).items() if k != "llama_cpp_version"}
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in ARCHES:
+        for arch in args.only or ARCHES:
             path, digest = write_model(arch, Path(tmp))
             llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
                                   type_k=0, type_v=0)  # GGML_TYPE_F32 K and V
