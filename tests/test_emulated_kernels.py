@@ -327,7 +327,8 @@ GPU_SUBSET = (
     "([q4_0-128-float32] or [turbo3_tcq-128-float32]) or test_other_trellis_sizes)) "
     "or (test_attention_gpu and (test_chunk_reader_is_bit_exact and 128] or test_vec_matches_reference and [128- "
     "or test_mma_matches_reference and [128- or test_mma_decode_matches_reference and [128- "
-    "or test_split_count or test_bad_arguments or test_dequant_bench_kernel)) or test_prompt_cache_on_the_device"
+    "or test_split_count or test_bad_arguments or test_dequant_bench_kernel)) or test_prompt_cache_on_the_device "
+    "or test_deltanet_gpu"
 )
 
 
@@ -345,8 +346,8 @@ def _run_emulated(files: list[str], subset: str, min_passed: int, order: str) ->
 
 @pytest.mark.parametrize("order", ("forward", "reverse"))
 def test_gpu_tests_pass_on_the_emulator(order):
-    _run_emulated(["tests/ops/test_kv_formats_gpu.py", "tests/ops/test_attention_gpu.py", "tests/test_gpu_backend.py"], GPU_SUBSET,
-                  70, order)
+    _run_emulated(["tests/ops/test_kv_formats_gpu.py", "tests/ops/test_attention_gpu.py", "tests/ops/test_deltanet_gpu.py",
+                   "tests/test_gpu_backend.py"], GPU_SUBSET, 78, order)
 
 
 # Fused Dual Chunk Attention (tests/ops/test_attention_dca_gpu.py): FA-VEC, MMA decode and MMA prefill at head dim 128 for
