@@ -1,9 +1,11 @@
 """End-to-end CPU speed: prefill (128-token prompt) and decode (64 tokens, greedy) on the two real models,
 beside llama.cpp (llama-cpp-python, n_threads=2) and HF transformers (float32) in the same run; and on a
 random-weight Gemma 4 E2B (tests/support/make_tiny_models.py preset `gemma4-e2b`, Q4_K blocks with the real shapes,
-written to ~/.cache/cupyllm/bench once: no Gemma 4 GGUF ships on PyPI) beside llama.cpp.
+written to ~/.cache/cupyllm/bench once: no Gemma 4 GGUF ships on PyPI) beside llama.cpp; likewise the hybrid
+Qwen3.5-0.8B (`qwen3.5-0.8b`) and 8 of Qwen3.6-35B-A3B's 40 layers (`qwen3.6-35b-a3b-8l`).
 
-    python bench/e2e_cpu.py [--models gemma qwen gemma4-e2b] [--skip-transformers] [--rounds 3]
+    python bench/e2e_cpu.py [--models gemma qwen gemma4-e2b qwen3.5-0.8b qwen3.6-35b-a3b-8l]
+                            [--skip-transformers] [--rounds 3]
                             [--out bench/results/e2e_cpu.json]
 
 Ratios are cupyllm / peer (above 1: cupyllm faster). The engines of a model are loaded together in one process
@@ -28,6 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 
 PROMPT_TOKENS, DECODE_TOKENS, THREADS = 128, 64, 2
+# random-weight presets of tests/support/make_tiny_models.py -> the size of their tokenizer's real vocabulary
+RANDOM_MODELS = {"gemma4-e2b": 280, "qwen3.5-0.8b": 272, "qwen3.6-35b-a3b-8l": 272}
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
         "metal type, oil-based ink and a wooden screw press into a system that could produce books far faster than "
         "scribes. Within fifty years presses had spread to more than two hundred cities across Europe, and the price "
@@ -150,7 +154,7 @@ def main(argv=None) -> int:
     from models import gemma_path, qwen_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["gemma", "qwen"], choices=["gemma", "qwen", "gemma4-e2b"])
+    parser.add_argument("--models", nargs="+", default=["gemma", "qwen"], choices=["gemma", "qwen", *RANDOM_MODELS])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per engine and model (median reported)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_cpu.json")
@@ -158,18 +162,18 @@ def main(argv=None) -> int:
 
     import cupyllm
 
-    paths = {"gemma": gemma_path, "qwen": qwen_path, "gemma4-e2b": lambda: preset_path("gemma4-e2b")}
+    paths = {"gemma": gemma_path, "qwen": qwen_path, **{m: (lambda m=m: preset_path(m)) for m in RANDOM_MODELS}}
     engines = {"cupyllm": cupyllm_engine, "llama.cpp": llama_cpp_engine}
     if not args.skip_transformers:
         engines["transformers"] = transformers_engine
     results = {}
     for name in tqdm(args.models, desc="e2e cpu bench", unit="model"):
         path = paths[name]()
-        if name.startswith("gemma4"):  # random weights: random ids of its small real vocabulary
-            ids = np.random.default_rng(0).integers(4, 280, PROMPT_TOKENS).tolist()
+        if name in RANDOM_MODELS:  # random weights: random ids of its small real vocabulary
+            ids = np.random.default_rng(0).integers(4, RANDOM_MODELS[name], PROMPT_TOKENS).tolist()
         else:
             ids = prompt_ids(cupyllm.load(path, device="cpu", ctx=64, progress=False))
-        loaded = {e: engines[e](path, ids) for e in engines if not (name.startswith("gemma4") and e == "transformers")}
+        loaded = {e: engines[e](path, ids) for e in engines if not (name in RANDOM_MODELS and e == "transformers")}
         runs = {e: [] for e in loaded}
         for r in tqdm(range(args.rounds), desc=name, unit="round", leave=False):
             for engine in (list(loaded) if r % 2 == 0 else list(loaded)[::-1]):

@@ -116,6 +116,27 @@ PRESETS: dict[str, TinySpec] = {
                            types={**_Q4_K_M_QWEN, "per_layer_token_embd.weight": T.Q4_K,
                                   "per_layer_model_proj.weight": T.Q4_K, "inp_gate.weight": T.Q4_K,
                                   "proj.weight": T.Q4_K}),
+    # Qwen/Qwen3.5-0.8B's text model: 24 layers (3 Gated DeltaNet : 1 gated attention), hidden 1024, attention
+    # 8 q / 2 kv heads of 256 with 64 rotated dims, DeltaNet 16 key / 16 value heads of 128, MLP 3584 (its output
+    # head is tied to the embedding; here a separate one of the same shape: the same work per token)
+    "qwen3.5-0.8b": TinySpec("qwen35", n_layer=24, d_model=1024, n_head=8, n_kv_head=2, head_dim=256, ffn_dim=3584,
+                             full_attn_interval=4, ssm_k_heads=16, ssm_v_heads=16, ssm_k_dim=128, ssm_v_dim=128,
+                             n_rot=64, ctx_train=262144, rope_base=10_000_000.0, n_vocab=248320, random_blocks=True,
+                             types={**_Q4_K_M_QWEN, "attn_qkv.weight": T.Q4_K, "attn_gate.weight": T.Q4_K,
+                                    "ssm_out.weight": T.Q4_K}),
+    # Qwen/Qwen3.6-35B-A3B's layers (hidden 2048, attention 16 q / 2 kv heads of 256, DeltaNet 16 key / 32 value
+    # heads of 128, 256 experts of 512, 8 used, a shared expert of 512), 8 of its 40 layers (4.8 GB): all 40 are
+    # ~24 GB with these types, more than a 24 GB machine shared with other work holds beside a second engine
+    "qwen3.6-35b-a3b-8l": TinySpec("qwen35-moe", n_layer=8, d_model=2048, n_head=16, n_kv_head=2, head_dim=256,
+                                   full_attn_interval=4, ssm_k_heads=16, ssm_v_heads=32, ssm_k_dim=128,
+                                   ssm_v_dim=128, n_rot=64, n_expert=256, n_expert_used=8, expert_ffn_dim=512,
+                                   shared_expert_ffn_dim=512, ctx_train=262144, rope_base=10_000_000.0,
+                                   n_vocab=248320, random_blocks=True,
+                                   types={**_Q4_K_M_QWEN, "attn_qkv.weight": T.Q4_K, "attn_gate.weight": T.Q4_K,
+                                          "ssm_out.weight": T.Q4_K, "ffn_gate_exps.weight": T.Q4_K,
+                                          "ffn_up_exps.weight": T.Q4_K, "ffn_down_exps.weight": (T.Q6_K, T.Q4_K),
+                                          "ffn_gate_shexp.weight": T.Q4_K, "ffn_up_shexp.weight": T.Q4_K,
+                                          "ffn_down_shexp.weight": (T.Q6_K, T.Q4_K)}),
 }
 
 
@@ -350,8 +371,10 @@ def build_tensors(spec: TinySpec) -> tuple[dict[str, tuple[np.ndarray, T]], dict
             qtype = qtype[int(name.split(".")[1]) % len(qtype)] if name.startswith("blk.") else qtype[0]
         if len(shape) == 1 or shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
             qtype = T.F32
-        if spec.random_blocks and len(shape) == 2:  # presets: no float values, no decoded copy
-            stored[name] = (random_blocks(qtype, shape, rng, 1.0 / np.sqrt(shape[-1])), qtype)
+        if spec.random_blocks and len(shape) >= 2 and qtype != T.F32:  # presets: no decoded copy (F32: the values)
+            rows = int(np.prod(shape[:-1]))  # experts' matrices stacked
+            raw = random_blocks(qtype, (rows, shape[-1]), rng, 1.0 / np.sqrt(shape[-1]))
+            stored[name] = (raw.reshape(*shape[:-1], -1), qtype)
             continue
         if name == "rope_freqs.weight":  # not random: the proportional rope of Gemma 4's global layers
             values = _gemma4_rope_freqs(spec)
