@@ -54,6 +54,10 @@ class Backend(Protocol):
     def linear_many(self, x: Array, weights: Sequence, biases: Sequence | None = None) -> list[Array]:
         """[linear(x, w, b) for w, b in zip(weights, biases)]: q, k and v from one input."""
 
+    def linear_each(self, xs: Array, weights: Sequence, x_of) -> Array:
+        """Rows [linear(xs[x_of[i]], w_i) for each weight w_i] (x_of: host ints; weights of one shape): a decode
+        step's chosen experts, each reading its own row."""
+
     def gated_linear(self, x: Array, w_gate, activation: str, w_up=None, up: Array | None = None) -> Array:
         """act(x @ w_gate.T) * (x @ w_up.T), or * up when the up values are given (activation: silu | gelu_tanh)."""
 

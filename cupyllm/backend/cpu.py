@@ -15,7 +15,7 @@ from ..ops.elementwise.cpu import gelu_tanh_times, rms_norm_rows, rope_rows, sil
 from ..ops.deltanet.cpu import conv1d_silu_rows, gated_delta_tokens, gated_rms_norm_rows
 from .cpu_threads import RowThreads
 from ..errors import CupyllmError
-from ..ops.matmul.cpu import matmul, matmul_many
+from ..ops.matmul.cpu import matmul, matmul_each, matmul_many
 from ..ops.matmul.cpu_gemv import dequantize_ids
 from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
 from ..models.weights import Weight
@@ -82,6 +82,10 @@ class CPUBackend:
             if bias is not None:
                 y += bias
         return ys
+
+    def linear_each(self, xs: np.ndarray, weights, x_of) -> np.ndarray:
+        """[linear(xs[x_of[i]], w_i) for each i] as rows [len(weights), n_out]: one parallel GEMV for all."""
+        return np.stack(matmul_each(xs, [(w.data, w.fmt) for w in weights], x_of, weights[0].shape[-1]))
 
     def embed(self, weight: Weight, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -160,6 +160,10 @@ class GPUBackend:
         y = matmul_f16_f32(cp, x16, w16)
         return y + bias if bias is not None else y
 
+    def linear_each(self, xs, weights, x_of):
+        """linear weight by weight, as the experts ran before this op (a grouped GPU launch is not written)."""
+        return self.cp.stack([self.linear(xs[int(r):int(r) + 1], w)[0] for w, r in zip(weights, x_of)])
+
     def linear_many(self, x, weights, biases=None):
         """[linear(x, w, b) for w, b in zip(weights, biases)]; for a few tokens the matrices of one type and
         width share a GEMV launch (q / k / v, gate / up)."""

@@ -48,6 +48,8 @@ def _gemv() -> None:
     from ..ops.matmul.cpu import matmul_many
     data, fmt = _quantized_weight(4, 256)
     matmul_many(np.ones((1, 256), np.float32), [(data, fmt)], 256)
+    from ..ops.matmul.cpu import matmul_each
+    matmul_each(np.ones((2, 256), np.float32), [(data, fmt)] * 2, np.arange(2), 256)  # a decode's chosen experts
 
 
 def _gemm() -> None:

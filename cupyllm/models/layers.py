@@ -201,6 +201,8 @@ def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, x, router_input):
     top = np.argsort(-probs, axis=-1, kind="stable")[:, :cfg.n_expert_used]
     weights = np.take_along_axis(probs, top, axis=-1)
     weights = weights / weights.sum(axis=-1, keepdims=True) * moe.expert_scale[top]
+    if x.shape[0] == 1:  # decode: the chosen experts' products in one op each, not expert by expert
+        return _experts_of_one_token(ops, cfg, moe, x, top[0], weights[0])
     out = ops.xp.zeros_like(x)
     for expert in np.unique(top):
         rows, slot = np.nonzero(top == expert)
@@ -214,6 +216,27 @@ def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, x, router_input):
             hidden = ops.gated_linear(routed, moe.gate[expert], cfg.activation, w_up=moe.up[expert])
         y = ops.linear(hidden, moe.down[expert])
         out[rows_on_device] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
+    return out
+
+
+def _experts_of_one_token(ops, cfg: ModelConfig, moe: MoEWeights, x, experts: np.ndarray, weights: np.ndarray):
+    """moe_mlp's sum for one token x [1, d], its k chosen experts' gate / up in one ops.linear_each and their
+    down in another; summed in ascending expert order, as moe_mlp's loop sums (the same float32 additions)."""
+    order = np.argsort(experts, kind="stable")
+    experts, weights, k = experts[order], weights[order], len(experts)
+    if moe.gate_up is not None:
+        gate_up = ops.linear_each(x, [moe.gate_up[e] for e in experts], np.zeros(k, np.int64))
+        gate, up = gate_up[:, :gate_up.shape[-1] // 2], gate_up[:, gate_up.shape[-1] // 2:]
+    else:
+        gate_up = ops.linear_each(x, [moe.gate[e] for e in experts] + [moe.up[e] for e in experts],
+                                  np.zeros(2 * k, np.int64))
+        gate, up = gate_up[:k], gate_up[k:]
+    hidden = ops.gated_act(gate, up, cfg.activation)
+    y = ops.linear_each(hidden, [moe.down[e] for e in experts], np.arange(k))
+    y = y * ops.asarray(weights.astype(np.float32))[:, None]
+    out = ops.xp.zeros_like(x)
+    for j in range(k):
+        out += y[j]
     return out
 
 

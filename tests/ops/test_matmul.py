@@ -13,7 +13,7 @@ from cupyllm.ops import simd
 from cupyllm.ops.matmul import cpu as cpu_linear, cpu_gemm
 from cupyllm.ops.matmul.activation_codes import (ACTIVATION_LEVELS, dequantize_activations, quantize_activations,
                                                  round_activations)
-from cupyllm.ops.matmul.cpu import matmul, matmul_many
+from cupyllm.ops.matmul.cpu import matmul, matmul_each, matmul_many
 from cupyllm.ops.matmul.cpu_gemm import gemm_many
 from cupyllm.ops.matmul.cpu_gemv import (F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks,
                                          quantize_activation_row)
@@ -176,6 +176,24 @@ def test_matmul_many_equals_one_matmul_per_weight(n_tok):
     x = np.random.default_rng(7).standard_normal((n_tok, 512)).astype(np.float32)
     for got, (rows, fmt) in zip(matmul_many(x, weights, 512), weights):
         np.testing.assert_array_equal(got, matmul(x, rows, fmt, 512))
+
+
+@pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
+@pytest.mark.parametrize("n_chosen", [3, 20])  # one grouped launch; more weights than one launch takes
+def test_grouped_expert_gemv_equals_one_matmul_per_expert(qtype, n_chosen):
+    """A decode step's chosen experts (views of one stacked [n_expert, n_out, row_bytes] tensor, as the GGUF's
+    expert tensors are held), each reading its own row of xs, in one call: the values of one matmul per expert."""
+    n_expert, n_out, n_in = 24, 40, 512
+    stacked = random_rows(qtype, n_expert * n_out, n_in, seed=3).reshape(n_expert, n_out, -1)
+    stacked.flags.writeable = False
+    fmt = WEIGHT_FORMATS[qtype]
+    chosen = np.random.default_rng(5).permutation(n_expert)[:n_chosen]
+    xs = np.random.default_rng(6).standard_normal((4, n_in)).astype(np.float32)
+    x_of = np.arange(n_chosen) % 4
+    got = matmul_each(xs, [(stacked[e], fmt) for e in chosen], x_of, n_in)
+    assert len(got) == n_chosen
+    for y, e, r in zip(got, chosen, x_of):
+        np.testing.assert_array_equal(y, matmul(xs[r:r + 1], stacked[e], fmt, n_in)[0])
 
 
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)

@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from .cpu_gemm import GEMM_CODES, gemm_many
-from .cpu_gemv import F16_TABLE, dequantize_rows, gemv_many, weight_rows
+from .cpu_gemv import F16_TABLE, dequantize_rows, gemv_each, gemv_many, weight_rows
 from .reference import WeightFormat
 
 # up to this many tokens stream the quantized rows once per token; more go through the GEMM, which pads them to
@@ -50,6 +50,17 @@ def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n
     if kernel == "gemm":
         return gemm_many(x, weights)
     return [matmul(x, data, fmt, n_in) for data, fmt in weights]
+
+
+def matmul_each(xs: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], x_of, n_in: int) -> list[np.ndarray]:
+    """[xs[x_of[i]] @ W_i.T for each weight W_i] (one row each): a decode step's chosen experts through one
+    parallel GEMV when the GEMV takes them all and their arrays share a numba type; else weight by weight."""
+    xs = np.ascontiguousarray(xs, dtype=np.float32)
+    kernel = _kernel(1, [fmt for _, fmt in weights])
+    one_type = len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d, _ in weights}) == 1
+    if kernel == "gemv" and one_type:
+        return gemv_each(xs, weights, x_of)
+    return [matmul(xs[r:r + 1], data, fmt, n_in)[0] for (data, fmt), r in zip(weights, x_of)]
 
 
 def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:

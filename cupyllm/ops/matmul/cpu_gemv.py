@@ -637,6 +637,55 @@ def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> 
     return outs
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahead=PREFETCH_BYTES):
+    """outs[i][n] = sum_k x_hat[k] * W_i[n, k] with x = xs[x_of[i]]: gemv_blocks where each weight reads its own
+    activation row (a mixture of experts' chosen experts: gate / up read the token, down its expert's hidden
+    row), all in ONE parallel region. Each row of xs is rounded once, as gemv_blocks rounds its x, and each row's
+    dot product is gemv_blocks' own, so the values are the same bit for bit."""
+    n_rows_x, n_in = xs.shape
+    n_blocks = n_in // ACTIVATION_BLOCK + 8  # + 8: Q6_K loads 8 lanes to use its last 4
+    xq = np.empty((n_rows_x, n_in), np.int16)
+    xd = np.empty((n_rows_x, n_blocks), np.float32)
+    xsum = np.empty_like(xd)
+    if n_in % ACTIVATION_BLOCK == 0:
+        for r in range(n_rows_x):
+            quantize_activation_row(xs[r], xq[r], xd[r], xsum[r])
+    n_weights = len(datas)
+    chunk_start = np.empty(n_weights + 1, np.int64)
+    chunk_start[0] = 0
+    for i in range(n_weights):
+        chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 256)
+    for c in prange(chunk_start[n_weights]):
+        i = 0
+        while c >= chunk_start[i + 1]:
+            i += 1
+        data, out, code, r = datas[i], outs[i], codes[i], x_of[i]
+        n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
+        for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
+            out[n] = _dot_row(code, data[n], xs[r], xq[r], xd[r], xsum[r], f16, ahead, wide)
+
+
+# gemv_each passes this many weights a call (numba compiles once per tuple length): 8 experts' gate and up
+EACH_WEIGHTS = 16
+
+
+def gemv_each(xs: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], x_of: np.ndarray) -> list[np.ndarray]:
+    """[x_hat_i @ W_i.T] with x_i = xs[x_of[i]] (xs: f32 [rows, n_in] contiguous; the weights' arrays all of one
+    type): gemv_many where each weight reads its own row, EACH_WEIGHTS weights a parallel launch."""
+    x_of = np.asarray(x_of, np.int64)
+    if len(weights) > EACH_WEIGHTS:
+        return [y for i in range(0, len(weights), EACH_WEIGHTS)
+                for y in gemv_each(xs, weights[i:i + EACH_WEIGHTS], x_of[i:i + EACH_WEIGHTS])]
+    n_pad = EACH_WEIGHTS - len(weights)
+    datas = tuple([weight_rows(data) for data, _ in weights] + [_NO_ROWS] * n_pad)
+    codes = np.array([fmt.code for _, fmt in weights] + [0] * n_pad, np.int64)
+    outs = [np.empty(data.shape[0], np.float32) for data, _ in weights]
+    gemv_blocks_each(codes, datas, np.concatenate([x_of, np.zeros(n_pad, np.int64)]), xs,
+                     tuple(outs + [_NO_OUT] * n_pad), F16_TABLE)
+    return outs
+
+
 def dequantize_numba(data: np.ndarray, fmt: WeightFormat, n_in: int, rows: slice | None = None) -> np.ndarray:
     start, stop = (0, data.shape[0]) if rows is None else (rows.start or 0, rows.stop)
     out = np.empty((stop - start, n_in), np.float32)
