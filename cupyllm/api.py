@@ -249,8 +249,10 @@ class Model:
     @functools.cached_property
     def _decode_forward(self):
         """The forward pass with one-token steps replayed as CUDA graphs on the GPU (unchanged on the CPU, and where
-        a step needs the host: a mixture of experts routes there, a spilled cache copies rows both ways)."""
-        if self.kv_spec.spilled or any(layer.moe is not None for layer in self.transformer.layers):
+        a step needs the host: a mixture of experts routes there, a spilled cache copies rows both ways, a
+        linear-attention layer counts its positions there; graphs of the hybrids are not tried yet)."""
+        if (self.kv_spec.spilled or self.transformer.cfg.ssm is not None
+                or any(layer.moe is not None for layer in self.transformer.layers)):
             return self.transformer.forward
         return self.transformer.ops.decode_forward(self.transformer.forward)
 
@@ -303,7 +305,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         get_format(kv_type_k, head_dim=head_dim)
         get_format(kv_type_v, head_dim=head_dim)
     budget = parse_bytes(kv_budget) if kv_budget is not None else None
-    if cfg.ssm is not None and device == "auto":  # the Gated DeltaNet layers have CPU kernels only (so far)
+    from .backend.gpu import deltanet_problem  # imports no CuPy
+    if device == "auto" and deltanet_problem(cfg) is not None:  # DeltaNet shapes the GPU kernels do not take
         device = "cpu"
     backend = select_backend(device, threads=threads)
     if kv_mirror and not backend.can_mirror_kv:

@@ -82,6 +82,92 @@ def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch, monkeypatch):
 
 
 @pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory):
+    """The tiny Qwen3.5 hybrids with DeltaNet key and value head dims 32 (the tiny models' 16 is below the
+    smallest the GPU kernels take: ops/deltanet/gpu.py KEY_HEAD_DIMS)."""
+    import dataclasses
+
+    import make_tiny_models
+    out = {}
+    for arch in ("qwen35", "qwen35-moe", "qwen3next"):
+        path = tmp_path_factory.mktemp("hybrid") / f"tiny-{arch}-32.gguf"
+        spec = dataclasses.replace(make_tiny_models.tiny_spec(arch), ssm_k_dim=32, ssm_v_dim=32)
+        make_tiny_models.write_gguf(spec, path)
+        out[arch] = path
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35-moe", "qwen3next"])
+def test_hybrid_logits_match_the_cpu_engine(hybrid_models, arch, monkeypatch):
+    """The Gated DeltaNet layers on the GPU kernels (conv state and recurrent state on the device, carried
+    across prefill chunks and decode steps), against the CPU engine; tolerances as for the other tiny models."""
+    from cupyllm.backend.cpu import CPUBackend
+    from cupyllm.backend.gpu import GPUBackend
+    from cupyllm.ops.matmul import cpu as cpu_linear
+    path = hybrid_models[arch]
+    ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
+    steps = [9, 120, 4]
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_linear, "ACTIVATION_CODES", False)
+        want = _run(CPUBackend(), path, ids, chunk=4, decode_steps=steps)
+    scale = np.abs(want).max()
+    got = _run(GPUBackend(attention="decode"), path, ids, chunk=4, decode_steps=steps)
+    assert np.abs(got - want).max() <= 2e-4 * scale
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    if arch != "qwen35":
+        return  # MoE: f16 activations can flip a near-tied expert choice (as above)
+    got = _run(GPUBackend(prefill="cublas", attention="decode"), path, ids, chunk=len(ids))
+    assert np.abs(got - want[:len(ids)]).max() <= 5e-3 * scale
+
+
+def test_hybrid_generates_as_the_cpu_engine_and_with_a_prompt_cache(hybrid_models):
+    """cupyllm.load(device="gpu") on a hybrid: greedy text as the CPU engine's, and again from a prompt cache
+    (the device states copied to the host and restored)."""
+    import cupyllm
+    path = hybrid_models["qwen35"]
+    prefix, tail = list(range(5, 60)), [7, 8, 9]
+    gpu = cupyllm.load(path, device="gpu", ctx=128, max_chunk=16, progress=False)
+    cpu = cupyllm.load(path, device="cpu", ctx=128, max_chunk=16, progress=False)
+    fresh = gpu.generate(prefix + tail, max_tokens=6, temperature=0)
+    assert fresh == cpu.generate(prefix + tail, max_tokens=6, temperature=0)
+    cached = gpu.cache_prompt(prefix)
+    assert gpu.generate(prefix + tail, max_tokens=6, temperature=0, prompt_cache=cached) == fresh
+    # the restored device states give the tail the logits of the cache they were taken from
+    ops, transformer = gpu.transformer.ops, gpu.transformer
+    forward = _numpy_forward(ops, transformer)
+    source, restored, empty = (ops.new_cache(gpu.cfg, gpu.kv_spec) for _ in range(3))
+    forward(np.array(prefix), np.arange(len(prefix)), source)
+    source.n_past = len(prefix)
+    restored.restore(source.state(), len(prefix))
+    positions = np.arange(len(prefix), len(prefix) + len(tail))
+    want = forward(np.array(tail), positions, source, all_logits=True)
+    np.testing.assert_array_equal(forward(np.array(tail), positions, restored, all_logits=True), want)
+    assert np.abs(forward(np.array(tail), positions, empty, all_logits=True) - want).max() > 1e-3  # states matter
+
+
+def test_hybrid_device_states_are_zeroed_float32_and_counted(hybrid_models):
+    """GPUBackend.new_cache: each linear-attention layer's conv [K - 1, C] and recurrent [Hv, Dk, Dv] states are
+    zeroed float32 device arrays, counted in the cache's bytes as kv_bytes plans them."""
+    from cupyllm.backend.gpu import GPUBackend
+    from cupyllm.files.config import config_from_gguf
+    from cupyllm.files.gguf import read_gguf
+    from cupyllm.kv.cache import KVCache, KVSpec, kv_bytes
+    from cupyllm.kv.gpu_cache import DeviceRecurrentState
+    ops = GPUBackend()
+    cfg = config_from_gguf(read_gguf(hybrid_models["qwen35"]))
+    spec = KVSpec(ctx=64, kv_type_k="f16", kv_type_v="f16", max_chunk=8)
+    cache = ops.new_cache(cfg, spec)
+    s = cfg.ssm
+    states = [layer for layer in cache.layers if isinstance(layer, DeviceRecurrentState)]
+    assert len(states) == sum(cfg.is_recurrent(il) for il in range(cfg.n_layer)) == 2
+    for state in states:
+        assert state.conv.shape == (s.conv_kernel - 1, s.conv_channels) and state.conv.dtype == np.float32
+        assert state.recurrent.shape == (s.n_v_heads, 32, 32) and state.recurrent.dtype == np.float32
+        assert not ops.to_numpy(state.conv).any() and not ops.to_numpy(state.recurrent).any()
+    assert cache.nbytes == KVCache.for_model(cfg, spec).nbytes == kv_bytes(cfg, spec)
+
+
+@pytest.fixture(scope="module")
 def flash_sized_models(tmp_path_factory):
     """Tiny models with head_dim 64 (Gemma 4: 64 on sliding layers, 128 on global ones), sizes the
     flash-attention kernels (ops/attention/gpu_dispatch.py) cover. Gemma 3's gate and up of one type (as the real

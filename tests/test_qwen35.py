@@ -3,7 +3,7 @@ full-attention ones. The logits against transformers are in tests/test_forward_t
 its architectures); here: the
 configuration and its checks, the cache of a hybrid model (fixed-size states at the linear-attention layers),
 the DeltaNet block against the float64 definition (ops/deltanet/reference.py), prompt caching, and the device
-choice (CPU only so far)."""
+choice (the GPU where its DeltaNet kernels take the model's shapes)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 
 import cupyllm
 import make_tiny_models
+from cupyllm.backend.cpu import CPUBackend
 from cupyllm.errors import DeviceError, ModelFileError
 from cupyllm.files.config import config_from_gguf
 from cupyllm.files.gguf import read_gguf
@@ -178,11 +179,27 @@ def test_the_prompt_cache_survives_a_file(tiny_model, tmp_path):
         model.generate(PREFIX + TAIL, max_tokens=5, prompt_cache=broken)
 
 
-def test_auto_picks_the_cpu_and_the_gpu_backend_refuses(tiny_model):
-    from cupyllm.backend.gpu import GPUBackend
+def test_the_gpu_backend_refuses_deltanet_shapes_its_kernels_lack(tiny_model, tmp_path, monkeypatch):
+    """The tiny models' DeltaNet key head dim (16) is below the GPU kernels' smallest (32): device='auto' picks
+    the CPU even where a GPU is usable, and the GPU backend's cache refuses before it touches the device. A key
+    head dim of 32 is taken (tests/test_gpu_backend.py runs those on the GPU backend)."""
+    import dataclasses
+
+    from cupyllm import api
+    from cupyllm.backend.gpu import GPUBackend, deltanet_problem
 
     path = tiny_model("qwen35")[0]
-    assert cupyllm.load(path, ctx=32, progress=False).device == "cpu"
+    asked = []
+    monkeypatch.setattr(api, "select_backend", lambda device, threads=None: asked.append(device) or CPUBackend())
+    cupyllm.load(path, ctx=32, progress=False)
+    wide_path = tmp_path / "tiny-qwen35-32.gguf"
+    make_tiny_models.write_gguf(dataclasses.replace(make_tiny_models.tiny_spec("qwen35"), ssm_k_dim=32,
+                                                    ssm_v_dim=32), wide_path)
+    cupyllm.load(wide_path, ctx=32, progress=False)
+    assert asked == ["cpu", "auto"]  # "auto": the GPU where one is usable
     cfg = config_from_gguf(read_gguf(path))
-    with pytest.raises(DeviceError, match="CPU only"):
-        GPUBackend.new_cache(None, cfg, None)  # before it touches the device
+    with pytest.raises(DeviceError, match="key head dims .* this model's is 16.*device='cpu'"):
+        GPUBackend.new_cache(None, cfg, None)
+    wider = dataclasses.replace(cfg, ssm=dataclasses.replace(cfg.ssm, k_head_dim=32))
+    assert deltanet_problem(wider) is None and deltanet_problem(config_from_gguf(read_gguf(tiny_model("qwen3")[0]))) \
+        is None

@@ -26,13 +26,14 @@ import numpy as np
 
 from ..cuda.registry import KernelRegistry, require_cupy
 from ..errors import CupyllmError, DeviceError
-from ..kv.cache import KVCache, KVSpec
+from ..kv.cache import KVCache, KVSpec, RecurrentState
 from ..ops.matmul.reference import WEIGHT_FORMATS, dequantize
 from ..ops.elementwise.reference import inverse_frequencies
 from ..models.weights import Weight
 from ..ops.attention.gpu_decoded import attend_decoded
 from ..ops.matmul.gpu_blas import matmul_f16_f32
-from ..kv.gpu_cache import device_layer_factory
+from ..kv.gpu_cache import DeviceRecurrentState, device_layer_factory
+from ..ops.deltanet.gpu import CONV_WIDTHS, KEY_HEAD_DIMS, DeltaNetKernels
 from .gpu_inputs import DeviceInputs
 from ..ops.elementwise.gpu import ElementwiseKernels
 from ..ops.matmul.gpu import GEMV_GROUP, GEMV_MAX_TOKENS, WeightKernels, kernel_format_fits, mma_fits
@@ -92,6 +93,7 @@ class GPUBackend:
             raise DeviceError("attention='dispatch' needs cupyllm.ops.attention.gpu_dispatch.gpu_attention, which is "
                               "not installed")
         self._rope_tables: dict = {}
+        self._deltanet = DeltaNetKernels(self.registry)
         self._uploads: dict[int, tuple] = {}  # id(host blocks) -> (host blocks, device Weight)
 
     # --- arrays -----------------------------------------------------------------------------------
@@ -124,14 +126,22 @@ class GPUBackend:
 
     def new_cache(self, cfg, spec: KVSpec) -> KVCache:
         """A KV cache whose layers live on this device (encoded with kv_encode.cu)."""
-        if cfg.ssm is not None:
-            _cpu_only()
+        problem = deltanet_problem(cfg)
+        if problem is not None:
+            raise DeviceError(f"{problem}: load the model with device='cpu' (--device cpu)")
+        if cfg.ssm is not None and spec.spilled:
+            raise CupyllmError("kv_spill (--kv-spill) is not implemented for the Qwen3.5 hybrids on the GPU: drop "
+                               "it (their linear-attention layers keep a fixed-size state; only the full-attention "
+                               "layers have a KV cache)")
         from ..ops.kv_formats.gpu import GpuKVCodec
 
         def codec(fmt, head_dim, n_kv):
             return GpuKVCodec(fmt, head_dim, n_kv, registry=self.registry)
 
         cache = KVCache.for_model(cfg, spec, mirror=False, make_layer=device_layer_factory(codec, self.inputs))
+        for il, layer in enumerate(cache.layers):  # linear-attention layers: their float32 states on the device
+            if isinstance(layer, RecurrentState):
+                cache.layers[il] = DeviceRecurrentState.from_host(layer, self.cp)
         if spec.spilled:  # global layers: the device ring of the window, older positions on the host
             from ..kv.gpu_spill import SpilledLayerKV
             spilled: dict[int, SpilledLayerKV] = {}
@@ -268,15 +278,20 @@ class GPUBackend:
         return self._attend(q_intra, q_pos, layer_kv, scale=scale, softcap=softcap, dca=dca,
                             dca_queries=(q_successive, q_inter))
 
-    # Gated DeltaNet: no CUDA kernels yet
+    # Gated DeltaNet: kernels_cu/deltanet/deltanet.cu through ops/deltanet/gpu.py, states in place
     def causal_conv1d_silu(self, x, weight, conv_state):
-        _cpu_only()
+        return self._deltanet.conv1d_silu(x, weight, conv_state)
 
     def gated_delta_rule(self, q, k, v, g, beta, state):
-        _cpu_only()
+        """(base.py) The kernel reads key head h // (Hv / Hk); the contract's value head h reads key head
+        h % Hk, so the key heads are tiled to one per value head first, as the CPU backend does."""
+        n_rep = v.shape[1] // q.shape[1]
+        if n_rep > 1:
+            q, k = self.cp.tile(q, (1, n_rep, 1)), self.cp.tile(k, (1, n_rep, 1))
+        return self._deltanet.gated_delta_rule(q, k, v, g, beta, state)
 
     def gated_rms_norm(self, x, z, weight, eps: float):
-        _cpu_only()
+        return self._deltanet.gated_rms_norm(x, z, weight, eps)
 
     def _attend(self, q, q_pos, layer_kv, **options):
         """The in-register flash kernels, or, for caches they have no kernels for (e.g. head dims outside their
@@ -317,6 +332,15 @@ class GPUBackend:
         return DecodeGraphs(forward, self, min_bucket=min_bucket)
 
 
-def _cpu_only():
-    raise DeviceError("qwen35 linear-attention layers run on the CPU only for now: load the model with "
-                      "device='cpu' (--device cpu)")
+def deltanet_problem(cfg) -> str | None:
+    """Why the GPU DeltaNet kernels cannot run `cfg`'s linear-attention layers, or None (also None for a model
+    without them). Needs no device."""
+    if cfg.ssm is None:
+        return None
+    s = cfg.ssm
+    if s.k_head_dim not in KEY_HEAD_DIMS:
+        return (f"the GPU Gated DeltaNet kernels take key head dims {KEY_HEAD_DIMS}, and this model's is "
+                f"{s.k_head_dim}")
+    if s.conv_kernel not in CONV_WIDTHS:
+        return f"the GPU Gated DeltaNet kernels take conv widths {CONV_WIDTHS}, and this model's is {s.conv_kernel}"
+    return None
