@@ -34,7 +34,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 ARCHES = ("qwen2", "qwen3", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe")
-HYBRID_ARCHES = ("qwen35", "qwen35-moe", "qwen3next")  # Gated DeltaNet layers between full-attention ones (CPU only so far)
+HYBRID_ARCHES = ("qwen35", "qwen35-moe", "qwen3next")  # Gated DeltaNet layers between full-attention ones
 GEMMA4_LAYER_TYPES = (True, True, False, True, False, True, False)  # sliding? per layer
 
 
