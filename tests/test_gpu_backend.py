@@ -61,10 +61,17 @@ def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch, monkeypatch):
     engine; then both prefill paths (f16 W and x) over the whole prompt. The CPU engine runs every matmul through
     its float32 tiles here (ACTIVATION_CODES off): the GPU's GEMVs multiply float32 activations, the CPU's
     16-bit codes, and a near-tied expert choice of the MoE models can flip on that difference."""
+    path, _, _ = tiny_model(arch)
+    # MoE: f16 activations can flip a near-tied expert choice, a jump no tolerance covers; GEMVs are f32
+    _assert_matches_the_cpu_engine(path, monkeypatch, () if arch.endswith("-moe") else ("cublas", "mma"))
+
+
+def _assert_matches_the_cpu_engine(path, monkeypatch, prefill_paths) -> None:
+    """GPU decode path (chunks of 4, then one-token steps) within 2e-4 of the CPU engine on float32 activations,
+    with its argmax; then each of `prefill_paths` over the whole prompt within 5e-3."""
     from cupyllm.backend.cpu import CPUBackend
     from cupyllm.backend.gpu import GPUBackend
     from cupyllm.ops.matmul import cpu as cpu_linear
-    path, _, _ = tiny_model(arch)
     ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
     steps = [9, 120, 4]
     with monkeypatch.context() as patch:
@@ -74,9 +81,7 @@ def test_tiny_model_logits_match_the_cpu_engine(tiny_model, arch, monkeypatch):
     got = _run(GPUBackend(attention="decode"), path, ids, chunk=4, decode_steps=steps)
     assert np.abs(got - want).max() <= 2e-4 * scale
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
-    if arch.endswith("-moe"):
-        return  # f16 activations can flip a near-tied expert choice, a jump no tolerance covers; GEMVs are f32
-    for prefill_path in ("cublas", "mma"):
+    for prefill_path in prefill_paths:
         got = _run(GPUBackend(prefill=prefill_path, attention="decode"), path, ids, chunk=len(ids))
         assert np.abs(got - want[:len(ids)]).max() <= 5e-3 * scale, prefill_path
 
@@ -101,23 +106,8 @@ def hybrid_models(tmp_path_factory):
 def test_hybrid_logits_match_the_cpu_engine(hybrid_models, arch, monkeypatch):
     """The Gated DeltaNet layers on the GPU kernels (conv state and recurrent state on the device, carried
     across prefill chunks and decode steps), against the CPU engine; tolerances as for the other tiny models."""
-    from cupyllm.backend.cpu import CPUBackend
-    from cupyllm.backend.gpu import GPUBackend
-    from cupyllm.ops.matmul import cpu as cpu_linear
-    path = hybrid_models[arch]
-    ids = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77]
-    steps = [9, 120, 4]
-    with monkeypatch.context() as patch:
-        patch.setattr(cpu_linear, "ACTIVATION_CODES", False)
-        want = _run(CPUBackend(), path, ids, chunk=4, decode_steps=steps)
-    scale = np.abs(want).max()
-    got = _run(GPUBackend(attention="decode"), path, ids, chunk=4, decode_steps=steps)
-    assert np.abs(got - want).max() <= 2e-4 * scale
-    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
-    if arch != "qwen35":
-        return  # MoE: f16 activations can flip a near-tied expert choice (as above)
-    got = _run(GPUBackend(prefill="cublas", attention="decode"), path, ids, chunk=len(ids))
-    assert np.abs(got - want[:len(ids)]).max() <= 5e-3 * scale
+    # MoE: f16 activations can flip a near-tied expert choice (as above)
+    _assert_matches_the_cpu_engine(hybrid_models[arch], monkeypatch, ("cublas",) if arch == "qwen35" else ())
 
 
 def test_hybrid_generates_as_the_cpu_engine_and_with_a_prompt_cache(hybrid_models):
