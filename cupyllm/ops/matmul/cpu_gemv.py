@@ -572,6 +572,17 @@ def quantize_activation_row(x, xq, xd, xsum):
         xsum[b] = total * scale
 
 
+@njit(inline="always")
+def _row_chunk_starts(datas):
+    """The parallel tasks of a multi-weight GEMV: weight i's rows in min(rows, 256) chunks, its tasks
+    [starts[i], starts[i + 1])."""
+    starts = np.empty(len(datas) + 1, np.int64)
+    starts[0] = 0
+    for i in range(len(datas)):
+        starts[i + 1] = starts[i] + min(datas[i].shape[0], 256)
+    return starts
+
+
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
 def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahead=PREFETCH_BYTES):
     """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
@@ -588,10 +599,7 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahea
     if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
         quantize_activation_row(x, xq, xd, xsum)
     n_weights = len(datas)
-    chunk_start = np.empty(n_weights + 1, np.int64)  # row chunks of weight i: [chunk_start[i], chunk_start[i+1])
-    chunk_start[0] = 0
-    for i in range(n_weights):
-        chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 256)
+    chunk_start = _row_chunk_starts(datas)
     for c in prange(chunk_start[n_weights]):
         i = 0
         while c >= chunk_start[i + 1]:
@@ -652,10 +660,7 @@ def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=MACHINE_HAS_512_BIT
         for r in range(n_rows_x):
             quantize_activation_row(xs[r], xq[r], xd[r], xsum[r])
     n_weights = len(datas)
-    chunk_start = np.empty(n_weights + 1, np.int64)
-    chunk_start[0] = 0
-    for i in range(n_weights):
-        chunk_start[i + 1] = chunk_start[i] + min(datas[i].shape[0], 256)
+    chunk_start = _row_chunk_starts(datas)
     for c in prange(chunk_start[n_weights]):
         i = 0
         while c >= chunk_start[i + 1]:
