@@ -583,6 +583,16 @@ def _row_chunk_starts(datas):
     return starts
 
 
+@njit(inline="always")
+def _task_rows(c, starts, datas):
+    """Task c of _row_chunk_starts' layout: (its weight i, the first row and the end of its rows)."""
+    i = 0
+    while c >= starts[i + 1]:
+        i += 1
+    n_rows, n_chunks, k = datas[i].shape[0], starts[i + 1] - starts[i], c - starts[i]
+    return i, k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks
+
+
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
 def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahead=PREFETCH_BYTES):
     """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
@@ -601,12 +611,9 @@ def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahea
     n_weights = len(datas)
     chunk_start = _row_chunk_starts(datas)
     for c in prange(chunk_start[n_weights]):
-        i = 0
-        while c >= chunk_start[i + 1]:
-            i += 1
+        i, first, end = _task_rows(c, chunk_start, datas)
         data, out, code = datas[i], outs[i], codes[i]
-        n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
-        for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
+        for n in range(first, end):
             out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, ahead, wide)
 
 
@@ -662,12 +669,9 @@ def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=MACHINE_HAS_512_BIT
     n_weights = len(datas)
     chunk_start = _row_chunk_starts(datas)
     for c in prange(chunk_start[n_weights]):
-        i = 0
-        while c >= chunk_start[i + 1]:
-            i += 1
+        i, first, end = _task_rows(c, chunk_start, datas)
         data, out, code, r = datas[i], outs[i], codes[i], x_of[i]
-        n_rows, n_chunks, k = data.shape[0], chunk_start[i + 1] - chunk_start[i], c - chunk_start[i]
-        for n in range(k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks):
+        for n in range(first, end):
             out[n] = _dot_row(code, data[n], xs[r], xq[r], xd[r], xsum[r], f16, ahead, wide)
 
 
