@@ -41,7 +41,7 @@ class LayerWeights:
     experts_norm: np.ndarray | None = None
     post_dense_norm: np.ndarray | None = None
     post_experts_norm: np.ndarray | None = None
-    deltanet: object | None = None  # Qwen3.5's linear-attention layers: models/qwen35.py DeltaNetWeights
+    deltanet: WeightGroup | None = None  # Qwen3.5's linear-attention layers: models/qwen35.py DeltaNetWeights
     shared_expert_gate: Weight | None = None  # Qwen3.5-MoE: [1, d], the shared expert's (w_gate/up/down) gate
 
     @classmethod
@@ -86,7 +86,7 @@ def _move(w, backend):
         return None
     if isinstance(w, Weight):
         return backend.upload(w)
-    if isinstance(w, MoEWeights) or hasattr(w, "on"):  # MoEWeights, DeltaNetWeights
+    if isinstance(w, WeightGroup):
         return w.on(backend)
     return backend.asarray(w)
 
@@ -157,8 +157,15 @@ def gated_mlp(ops, w: LayerWeights, x, activation: str):
     return ops.linear(ops.gated_linear(x, w.w_gate, activation, w_up=w.w_up), w.w_down)
 
 
+class WeightGroup:
+    """Several weights a block uses together (a mixture of experts, a DeltaNet layer): moved to a backend as one."""
+
+    def on(self, backend) -> "WeightGroup":
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class MoEWeights:
+class MoEWeights(WeightGroup):
     """A mixture of experts: a router [n_expert, d] and per expert a gated MLP, its gate and up either fused
     (`gate_up` [2 * ffn, d], Gemma 4) or apart (`gate`, `up` [ffn, d], Qwen3-MoE), `down` [d, ffn], and a
     per-expert output scale (Gemma 4; ones elsewhere)."""

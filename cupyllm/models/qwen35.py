@@ -30,13 +30,13 @@ import numpy as np
 from ..files.config import ModelConfig
 from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache, RecurrentState
-from .layers import LayerWeights, MoEWeights, default_attention, gated_mlp, moe_mlp
+from .layers import LayerWeights, MoEWeights, WeightGroup, default_attention, gated_mlp, moe_mlp
 from .residual import ResidualStream
 from .weights import Weight, load_matrix, load_vector
 
 
 @dataclass(frozen=True)
-class DeltaNetWeights:
+class DeltaNetWeights(WeightGroup):
     """One Gated DeltaNet layer, as llama.cpp's converter names and lays it out."""
 
     qkv: Weight  # attn_qkv [2 Hk Dk + Hv Dv, d]
