@@ -23,6 +23,8 @@ from ..ops.matmul.cpu_gemv import dequantize_ids
 from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
 from ..models.weights import Weight
 
+NARROW_F32_ROWS = 1024  # float32 weights this narrow run BLAS on one thread in a prefill too (cheap there)
+
 KEY_CHUNK = 4096  # cache slots decoded and scored at a time
 
 
@@ -73,10 +75,13 @@ class CPUBackend:
 
     # --- linear algebra ---------------------------------------------------------------------------
     def _one_blas_thread_for(self, x: np.ndarray, weights):
-        """BLAS on one thread for a decode step's float32 weights (a router, DeltaNet's alpha / beta): woken,
-        its workers spin on after the call and take the cores from numba's GEMVs (measured, Qwen3.6-35B-A3B
-        shapes: a [256, 2048] router took 2.8 ms a call, 0.02 ms alone, and the expert GEMVs after it x4)."""
-        if x.shape[0] > TOKENS_PER_GEMV or all(w.fmt.qtype != T.F32 for w in weights):
+        """BLAS on one thread for a decode step's float32 weights, and for a prefill's narrow ones (a router,
+        DeltaNet's alpha / beta: up to NARROW_F32_ROWS rows): woken, its workers spin on after the call and take
+        the cores from numba's GEMVs and GEMMs (measured, Qwen3.6-35B-A3B shapes: a [256, 2048] router took
+        2.8 ms a decode call, 0.02 ms alone, and the expert GEMVs after it x4; a Qwen3.5-0.8B prefill
+        took twice as long beside its [16, 1024] alpha / beta on two BLAS threads)."""
+        f32 = [w for w in weights if w.fmt.qtype == T.F32]
+        if not f32 or (x.shape[0] > TOKENS_PER_GEMV and any(w.shape[0] > NARROW_F32_ROWS for w in f32)):
             return contextlib.nullcontext()
         if self._blas is None:  # (finding the loaded BLAS libraries takes milliseconds: once)
             self._blas = ThreadpoolController()
