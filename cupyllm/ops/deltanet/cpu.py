@@ -1,7 +1,9 @@
 """The Gated DeltaNet layer core on the CPU, float32 (the state too, as HF keeps it): numba kernels for the causal
-conv (its SiLU in NumPy), the recurrence over a prompt or one token (`gated_delta_tokens`, `decode`) and the gated
-RMSNorm; and the chunked form (`gated_delta_chunked`: NumPy BLAS products around a numba triangular inverse).
-`reference.py` is the definition (float64); shapes and the state layout [Hv, Dk, Dv] are its.
+conv, the recurrence over a prompt or one token (`gated_delta_tokens`, `decode`) and the gated RMSNorm (their
+SiLUs in NumPy); and the chunked form (`gated_delta_chunked`: NumPy BLAS products around a numba triangular
+inverse). `reference.py` is the definition (float64); shapes and the state layout [Hv, Dk, Dv] are its.
+A prompt's conv rows, q / k heads and norm rows are split over numba's threads; a decode step's few stay on the
+calling thread, where a parallel region's wake-up would cost more than the work (the sums are the same).
 
 A prompt runs through the token loop (`_delta_tiles`): each task carries a [Dk, 16] tile of one head's state
 through every token in L1, in SIMD registers' width (ops/simd.py), one pass over the tile per token. At head dim
@@ -23,26 +25,46 @@ from .reference import CHUNK_SIZE, L2_EPS
 LANES = simd.WIDE_LANES  # float32 lanes of one state tile: an AVX-512 register
 _TILE_FROM_TOKENS = 8  # fewer tokens (decode) update the state in place: copying a tile out costs more
 _CHUNKS_PER_BLOCK = 16  # chunks whose [C, C] products are held at once: bounds a long prompt's scratch memory
+_CONV_TOKENS_PER_TASK = 8  # conv rows a task; fewer than two tasks' tokens (decode) run on the calling thread
+_NORM_ROWS_ON_THREADS = 64  # gated-norm rows (tokens x value heads) from which the rows go to the threads
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _conv_row(x, taps, conv_state, t, row):
+    """Row t of the conv: row[c] = sum_j taps[j, c] * xx[t + j, c], the taps summed in order j = 0 .. K - 1, the
+    channel loop innermost (contiguous rows, vectorised)."""
+    hist = taps.shape[0] - 1
+    row[:] = 0.0
+    for j in range(taps.shape[0]):
+        src = t + j
+        xs = conv_state[src] if src < hist else x[src - hist]
+        w = taps[j]
+        for c in range(row.shape[0]):
+            row[c] += w[c] * xs[c]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _conv_token_blocks(x, taps, conv_state, out):
+    """_conv_row for every token, _CONV_TOKENS_PER_TASK tokens a task."""
+    n = x.shape[0]
+    for task in prange((n + _CONV_TOKENS_PER_TASK - 1) // _CONV_TOKENS_PER_TASK):
+        for t in range(task * _CONV_TOKENS_PER_TASK, min(n, (task + 1) * _CONV_TOKENS_PER_TASK)):
+            _conv_row(x, taps, conv_state, t, out[t])
 
 
 @njit(cache=True, nogil=True)
 def conv1d_rows(x, weight, conv_state, out):
     """out[t, c] = sum_j weight[c, j] * xx[t + j, c], xx = conv_state [K - 1, C] followed by x [T, C]; conv_state
-    becomes the last K - 1 rows of xx (in place). The channel loop is innermost (contiguous rows, vectorised),
-    the taps summed in order j = 0 .. K - 1."""
-    n, channels = x.shape
-    width = weight.shape[1]
-    hist = width - 1
+    becomes the last K - 1 rows of xx (in place). A prompt's tokens on the threads, a decode step's on this one
+    (the same sums either way)."""
+    n = x.shape[0]
+    hist = weight.shape[1] - 1
     taps = np.ascontiguousarray(weight.T)  # [K, C]
-    for t in range(n):
-        row = out[t]
-        row[:] = 0.0
-        for j in range(width):
-            src = t + j
-            xs = conv_state[src] if src < hist else x[src - hist]
-            w = taps[j]
-            for c in range(channels):
-                row[c] += w[c] * xs[c]
+    if n >= 2 * _CONV_TOKENS_PER_TASK:
+        _conv_token_blocks(x, taps, conv_state, out)
+    else:
+        for t in range(n):
+            _conv_row(x, taps, conv_state, t, out[t])
     if n >= hist:
         conv_state[:] = x[n - hist:]
     else:
@@ -63,31 +85,46 @@ def conv1d_silu_rows(x, weight, conv_state, out):
     return out
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _normalize_head(q, k, qn, kn, kq, h):
+    """normalize_qk's work for key head h, all tokens."""
+    dk = q.shape[2]
+    scale = np.float32(1.0) / np.sqrt(np.float32(dk))
+    eps = np.float32(L2_EPS)
+    for t in range(q.shape[0]):
+        sq = np.float32(0.0)
+        sk = np.float32(0.0)
+        for i in range(dk):
+            sq += q[t, h, i] * q[t, h, i]
+            sk += k[t, h, i] * k[t, h, i]
+        inv_q = np.float32(1.0) / np.sqrt(sq + eps)
+        inv_k = np.float32(1.0) / np.sqrt(sk + eps)
+        dot = np.float32(0.0)
+        for i in range(dk):
+            qi = (q[t, h, i] * inv_q) * scale
+            ki = k[t, h, i] * inv_k
+            qn[h, t, i] = qi
+            kn[h, t, i] = ki
+            dot += ki * qi
+        kq[h, t] = dot
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _normalize_heads(q, k, qn, kn, kq):
+    for h in prange(q.shape[1]):
+        _normalize_head(q, k, qn, kn, kq, h)
+
+
 @njit(cache=True, nogil=True)
 def normalize_qk(q, k, qn, kn, kq):
     """qn = l2norm(q) / sqrt(Dk), kn = l2norm(k) (HF's l2norm: x / sqrt(sum(x^2) + eps)), kq = kn . qn, for q, k
     [T, Hk, Dk] in any layout; written head-major, qn, kn [Hk, T, Dk] and kq [Hk, T], so that a head's tokens
-    are consecutive for the recurrence."""
-    n, n_k_heads, dk = q.shape
-    scale = np.float32(1.0) / np.sqrt(np.float32(dk))
-    eps = np.float32(L2_EPS)
-    for t in range(n):
-        for h in range(n_k_heads):
-            sq = np.float32(0.0)
-            sk = np.float32(0.0)
-            for i in range(dk):
-                sq += q[t, h, i] * q[t, h, i]
-                sk += k[t, h, i] * k[t, h, i]
-            inv_q = np.float32(1.0) / np.sqrt(sq + eps)
-            inv_k = np.float32(1.0) / np.sqrt(sk + eps)
-            dot = np.float32(0.0)
-            for i in range(dk):
-                qi = (q[t, h, i] * inv_q) * scale
-                ki = k[t, h, i] * inv_k
-                qn[h, t, i] = qi
-                kn[h, t, i] = ki
-                dot += ki * qi
-            kq[h, t] = dot
+    are consecutive for the recurrence. A prompt's heads on the threads, a decode step's on this one."""
+    if q.shape[0] >= _TILE_FROM_TOKENS:
+        _normalize_heads(q, k, qn, kn, kq)
+    else:
+        for h in range(q.shape[1]):
+            _normalize_head(q, k, qn, kn, kq, h)
 
 
 @njit(inline="always")
@@ -263,15 +300,39 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = CHUNK_SIZE):
     return np.swapaxes(out, 1, 2).reshape(n_chunks * chunk, n_heads, dv)[:n].copy()
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _gated_norm_row(x, gate, weight, eps, out, r):
+    d = x.shape[1]
+    ss = np.float32(0.0)
+    for c in range(d):
+        ss += x[r, c] * x[r, c]
+    inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
+    for c in range(d):
+        out[r, c] = ((x[r, c] * inv) * weight[c]) * gate[r, c]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _gated_norm_row_blocks(x, gate, weight, eps, out):
+    for r in prange(x.shape[0]):
+        _gated_norm_row(x, gate, weight, eps, out, r)
+
+
 @njit(cache=True, nogil=True)
+def _gated_norm(x, gate, weight, eps, out):
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight * gate[r]: a prompt's rows on the threads."""
+    if x.shape[0] >= _NORM_ROWS_ON_THREADS:
+        _gated_norm_row_blocks(x, gate, weight, eps, out)
+    else:
+        for r in range(x.shape[0]):
+            _gated_norm_row(x, gate, weight, eps, out, r)
+
+
 def gated_rms_norm_rows(x, z, weight, eps, out):
-    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight * silu(z[r]), rows [R, D] (`reference.gated_rms_norm`)."""
-    n, d = x.shape
-    for r in range(n):
-        ss = np.float32(0.0)
-        for c in range(d):
-            ss += x[r, c] * x[r, c]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + eps)
-        for c in range(d):
-            gate = z[r, c] / (np.float32(1.0) + np.exp(-z[r, c]))
-            out[r, c] = ((x[r, c] * inv) * weight[c]) * gate
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight * silu(z[r]), rows [R, D] (`reference.gated_rms_norm`).
+    silu(z) in NumPy first: its float32 exp is vectorised, numba's a scalar call per value (three times the
+    norm's own time)."""
+    gate = np.negative(z)
+    np.exp(gate, out=gate)
+    gate += np.float32(1.0)
+    np.divide(z, gate, out=gate)
+    _gated_norm(x, gate, weight, eps, out)
