@@ -128,11 +128,13 @@ def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, state: Recurren
     """The Gated DeltaNet token mixer over x [n, d], advancing the layer's conv and recurrent state."""
     s, n, xp = cfg.ssm, x.shape[0], ops.xp
     per_key_head = s.n_v_heads // s.n_k_heads
+    # (the gates' small float32 matrices apart: with them a call goes weight by weight, without one GEMV or one
+    # packing of x for both quantized projections)
+    qkv, z = ops.linear_many(x, [w.qkv, w.gate])
     if w.beta_alpha is None:
-        qkv, z, alpha, beta = ops.linear_many(x, [w.qkv, w.gate, w.alpha, w.beta])
+        alpha, beta = ops.linear_many(x, [w.alpha, w.beta])
     else:
-        qkv, z, beta_alpha = ops.linear_many(x, [w.qkv, w.gate, w.beta_alpha])
-        beta_alpha = beta_alpha.reshape(n, s.n_k_heads, 2, per_key_head)
+        beta_alpha = ops.linear(x, w.beta_alpha).reshape(n, s.n_k_heads, 2, per_key_head)
         beta, alpha = beta_alpha[:, :, 0].reshape(n, s.n_v_heads), beta_alpha[:, :, 1].reshape(n, s.n_v_heads)
     qkv = ops.causal_conv1d_silu(qkv, w.conv, state.conv)
     key_width = s.n_k_heads * s.k_head_dim
