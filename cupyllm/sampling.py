@@ -110,13 +110,54 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(None if params.seed is None or params.seed < 0 else params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int] | np.ndarray = ()) -> int:
+    def _penalized(self, logits: np.ndarray, history) -> np.ndarray:
         p = self.params
         logits = np.asarray(logits, dtype=np.float32)
         recent = np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else [], dtype=np.int64)
-        logits = apply_repeat_penalty(logits, recent, p.repeat_penalty)
-        if p.temperature <= 0.0:
-            return int(np.argmax(logits))
-        ids, vals = candidates(logits, p)
-        weights = np.exp((vals - vals[0]) / p.temperature)
-        return int(ids[self.rng.choice(len(ids), p=weights / weights.sum())])
+        return apply_repeat_penalty(logits, recent, p.repeat_penalty)
+
+    def distribution(self, logits: np.ndarray, history: list[int] | np.ndarray = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens a draw can give after `history` and their probabilities (float64, summing to 1): after the
+        repeat penalty, top-k, top-p, min-p and temperature; greedy: the argmax with probability 1."""
+        logits = self._penalized(logits, history)
+        if self.params.temperature <= 0.0:
+            return np.array([int(np.argmax(logits))]), np.ones(1)
+        ids, vals = candidates(logits, self.params)
+        weights = np.exp((vals - vals[0]) / self.params.temperature)
+        return ids, weights / weights.sum()
+
+    def __call__(self, logits: np.ndarray, history: list[int] | np.ndarray = ()) -> int:
+        ids, probs = self.distribution(logits, history)
+        if self.params.temperature <= 0.0:  # greedy: no draw, the random stream is not advanced
+            return int(ids[0])
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def verify(self, logits: np.ndarray, history: list[int] | np.ndarray, draft: int,
+               draft_probs: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, bool]:
+        """Speculative sampling's acceptance test (Leviathan et al. 2023, Chen et al. 2023) for a token `draft`
+        proposed after `history`: (the token to emit, whether it is the draft). The draft is kept with
+        probability min(1, p(draft) / q(draft)), p this sampler's distribution after `history` and q the
+        drafter's (`draft_probs` = (ids, probs); None: the drafter chose `draft` deterministically, q = 1 there);
+        otherwise the token is drawn from the residual max(0, p - q), renormalised. The emitted token is then
+        distributed exactly as a plain draw from p, whatever the drafter does. Greedy: the argmax, kept when it
+        is the draft."""
+        ids, probs = self.distribution(logits, history)
+        if self.params.temperature <= 0.0:
+            return int(ids[0]), int(ids[0]) == draft
+        p_draft = float(probs[ids == draft].sum())
+        q = np.zeros(len(ids))
+        if draft_probs is None:
+            q_draft = 1.0
+            q[ids == draft] = 1.0
+        else:
+            q_ids, q_probs = draft_probs
+            q_draft = float(q_probs[q_ids == draft].sum())
+            lookup = dict(zip(q_ids.tolist(), q_probs.tolist()))
+            q = np.array([lookup.get(t, 0.0) for t in ids.tolist()])
+        if q_draft > 0.0 and self.rng.random() * q_draft < p_draft:
+            return draft, True
+        residual = np.maximum(probs - q, 0.0)
+        total = residual.sum()
+        if total <= 0.0:  # p <= q everywhere p lives: only rounding can get here; p itself is then the residual
+            residual, total = probs, 1.0
+        return int(ids[self.rng.choice(len(ids), p=residual / total)]), False
