@@ -241,9 +241,27 @@ class RecurrentState:
     def can_truncate(self, n_keep: int) -> bool:
         return n_keep == self.n_seen
 
+    def snapshot(self) -> tuple:
+        """Copies of the states where they live (host or device), for rewinding to here (KVCache.mark)."""
+        return self.conv.copy(), self.recurrent.copy(), self.n_seen
+
+    def put_back(self, snapshot: tuple) -> None:
+        conv, recurrent, self.n_seen = snapshot
+        self.conv[...] = conv
+        self.recurrent[...] = recurrent
+
     def truncate(self, n_keep: int) -> None:
         if n_keep != self.n_seen:
             raise ValueError(f"a recurrent state after {self.n_seen} positions cannot be rewound to {n_keep}")
+
+
+@dataclass(frozen=True)
+class CacheMark:
+    """Where a cache stood (KVCache.mark): its n_past, and copies of the recurrent states, which cannot be cut
+    back to an earlier position as K/V rows can."""
+
+    n_past: int
+    recurrent: tuple  # (layer, RecurrentState.snapshot()) for each own recurrent layer
 
 
 def recurrent_bytes(cfg: ModelConfig) -> int:
@@ -363,6 +381,33 @@ class KVCache:
         for layer, state in zip(self.own_layers(), layer_states, strict=True):
             layer.restore(state)
         self.n_past = n_past
+
+    def mark(self) -> CacheMark:
+        """Remember where the cache stands, so that rewind() can forget what is written after it (speculative
+        decoding's rejected drafts). Copies only the recurrent states (nothing for a cache of K/V rows alone)."""
+        return CacheMark(self.n_past, tuple((layer, layer.snapshot()) for layer in self.own_layers()
+                                            if isinstance(layer, RecurrentState)))
+
+    def rewind(self, mark: CacheMark, n_keep: int) -> int:
+        """Forget every position from n_keep on, n_keep between mark.n_past and n_past. K/V rows are cut at
+        n_keep; recurrent states cannot be, so with any (a hybrid model) the whole cache goes back to the mark
+        and the caller runs positions [mark.n_past, n_keep) again. Returns the position the cache now holds
+        up to (n_keep, or mark.n_past after a hybrid's rewind)."""
+        if not mark.n_past <= n_keep <= self.n_past:
+            raise ValueError(f"cannot rewind a cache of {self.n_past} positions marked at {mark.n_past} to {n_keep}")
+        if n_keep == self.n_past:
+            return n_keep
+        cut = n_keep if not mark.recurrent else mark.n_past
+        kv_layers = [layer for layer in self.own_layers() if not isinstance(layer, RecurrentState)]
+        if not all(layer.can_truncate(cut) for layer in kv_layers):
+            raise ValueError(f"a sliding-window ring no longer holds the keys before position {cut}: more was written "
+                             "after the mark than the ring's spare slots (max_chunk)")
+        for layer in kv_layers:
+            layer.truncate(cut)
+        for layer, snapshot in mark.recurrent:
+            layer.put_back(snapshot)
+        self.n_past = cut
+        return cut
 
     def truncate(self, n_keep: int) -> bool:
         """Keep positions [0, n_keep) only; False, with nothing changed, when a sliding layer's ring has lost
