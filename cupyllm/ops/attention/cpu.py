@@ -436,7 +436,8 @@ def _merge_blocks(part_acc, part_max, part_sum):
     return out.astype(np.float32), lse.astype(np.float32)
 
 
-MAX_QUERIES = 4  # decode steps (and a few queries): this file's kernels; above this the reference's BLAS path
+MAX_QUERIES = 16  # decode steps and verify runs of drafts: this file's kernels, which give each query the same
+# values whatever the others (speculative decoding keeps greedy text unchanged); above this the reference's BLAS path
 
 
 def attend_few(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray, *, scale: float,
