@@ -34,6 +34,7 @@ from .models.layers import dca_attention
 from .kv.prompt_cache import PromptCache, layer_state_problem
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
+from .speculative import DraftLength, ModelDrafter, NgramDrafter, SpecConfig, check_same_vocabulary, spec_config
 
 DEFAULT_CTX = 4096
 
@@ -51,11 +52,14 @@ class Model:
     spill_plan: SpillPlan | None = None  # kv_spill: which positions live on the host
     dca: DCAConfig | None = None  # Dual Chunk Attention, when on
     threads: int | None = None  # CPU threads of the parallel work (None: every core)
+    spec: SpecConfig | None = None  # speculative decoding of every generate() (None: off)
+    draft: "Model | None" = None  # the draft model of spec type "draft"
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     last_prompt_cache: PromptCache | None = None  # generate(keep_cache=True): the prompt's and reply's cache
     _cache: KVCache | None = field(default=None, repr=False)
     _cache_holds: PromptCache | None = field(default=None, repr=False)  # the working cache holds exactly this one
     _warned_base_chat: bool = field(default=False, repr=False)  # chat on a base model: said once
+    _model_drafters: dict = field(default_factory=dict, repr=False)  # spec type -> ModelDrafter (its cache kept)
 
     # --- text <-> ids -----------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -102,17 +106,23 @@ class Model:
                  seed: int | None = None, stop: Sequence[str] | str | None = None, stream: bool = False,
                  chat: bool = False, chat_template_kwargs: dict | None = None,
                  progress: bool | None = None, prompt_cache: PromptCache | None = None,
-                 keep_cache: bool = False) -> str | Iterator[str]:
+                 keep_cache: bool = False, spec: SpecConfig | dict | str | bool | None = None) -> str | Iterator[str]:
         """Continue `prompt` (text, token ids, or with chat=True a message or list of messages, rendered with
         `chat_template_kwargs`). Returns the text, or with stream=True an iterator of text pieces. Stats land
         in `last_stats`. max_tokens=-1 generates until end of generation, a stop string or a full context.
         prompt_cache: a cache_prompt() result; the tokens `prompt` shares with its prompt are not prefilled again.
         keep_cache: when the text is done (or the stream closed), `last_prompt_cache` holds the cache of the
-        prompt and the reply: the next turn of a conversation prefills only what follows the reply."""
+        prompt and the reply: the next turn of a conversation prefills only what follows the reply.
+        spec: speculative decoding for this call (cupyllm.speculative.SpecConfig, a dict of its fields, or a type:
+        "ngram", "draft", "self"); None: load()'s; False: none. The text is the one plain decoding gives (the same
+        tokens when greedy, the same distribution when sampling), sooner where drafts are kept; the counts land
+        in last_stats.draft."""
         # every argument is checked before anything runs or changes (the CLI echoes the prompt after this returns)
         max_tokens = check_max_tokens(max_tokens)
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                          repeat_penalty=repeat_penalty, seed=seed))
+        spec = self.spec if spec is None else (None if spec is False else spec_config(spec))
+        self._check_spec(spec)
         ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
         need = len(ids) + (1 if max_tokens != 0 else 0)  # the first generated token needs its position
         if need > self.kv_spec.ctx:
@@ -132,8 +142,32 @@ class Model:
         pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids[reused:], cache, sampler,
                                  max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
                                  stats=self.last_stats, progress=progress, history=ids[:reused], logits=logits,
-                                 on_done=keep if keep_cache else None)
+                                 on_done=keep if keep_cache else None, drafter=self._drafter(spec),
+                                 draft_length=None if spec is None else DraftLength(spec.draft_max, spec.draft_min,
+                                                                                    spec.adaptive))
         return pieces if stream else "".join(pieces)
+
+    # --- speculative decoding (cupyllm/speculative) ---------------------------------------------------
+    def _check_spec(self, spec: SpecConfig | None) -> None:
+        if spec is not None and spec.type == "draft" and self.draft is None:
+            raise InputError("spec type 'draft' needs a draft model: load(..., draft_model=PATH) "
+                             "(-md/--model-draft FILE)")
+
+    def _drafter(self, spec: SpecConfig | None):
+        """The drafter of `spec`: a fresh n-gram index; the draft model's (or this model's second) cache, kept
+        between calls so that a conversation's next turn drafts after running only what is new."""
+        if spec is None:
+            return None
+        if spec.type == "ngram":
+            return NgramDrafter(spec.ngram_size, spec.ngram_min)
+        drafter = self._model_drafters.get(spec.type)
+        if drafter is None:
+            source = self if spec.type == "self" else self.draft
+            cache = source.transformer.ops.new_cache(source.cfg, source.kv_spec)  # (self: a second cache)
+            drafter = ModelDrafter(source._forward_numpy, cache, source.kv_spec.max_chunk, n_vocab=self.cfg.n_vocab)
+            self._model_drafters[spec.type] = drafter
+        drafter.p_min = 0.0 if spec.type == "self" else spec.draft_p_min  # (self: its drafts are what it would say)
+        return drafter
 
     # --- prompt caching (kv/prompt_cache.py) ---------------------------------------------------------
     def cache_prompt(self, prompt: str | Sequence[int] | Sequence[dict], *, chat: bool = False,
@@ -265,7 +299,9 @@ class Model:
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int | None = None,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
-         kv_mirror: bool | None = None, threads: int | None = None, progress: bool = True, **options) -> Model:
+         kv_mirror: bool | None = None, threads: int | None = None, progress: bool = True,
+         draft_model: "str | os.PathLike | Model | None" = None, spec: SpecConfig | dict | str | None = None,
+         draft_kv_type_k: str = "f16", draft_kv_type_v: str = "f16", **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold (default 4096, or
@@ -290,10 +326,18 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          prompt chunk (KVSpec.normalize_k, kv.cache.key_normalization). None (default): on for quantized K
          formats, off for f16/bf16/f32. Much better quantized K where some channels of K have large offsets
          or spreads (bench/results/kv_quality.md).
+    draft_model: a GGUF path (or a loaded Model) of the same vocabulary that drafts tokens for speculative
+         decoding, with its own cache of draft_kv_type_k / draft_kv_type_v and this model's ctx; spec then
+         defaults to "draft".
+    spec: speculative decoding for every generate() (cupyllm.speculative.SpecConfig, a dict of its fields, or a
+         type: "ngram" (prompt lookup), "draft", "self"); None: off (or "draft" with a draft_model).
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
     check_load_options(ctx=ctx, threads=threads, max_chunk=max_chunk, dca=dca)
+    spec = spec_config(spec) if spec is not None else (SpecConfig(type="draft") if draft_model is not None else None)
+    if spec is not None and spec.type == "draft" and draft_model is None:
+        raise InputError("spec type 'draft' needs a draft model: load(..., draft_model=PATH) (-md/--model-draft FILE)")
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
@@ -314,6 +358,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
                            f"on the {backend.name} the kernels read the encoded cache and keep none: drop it")
     mirror = bool(kv_mirror)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    if draft_model is not None:  # a draft model of another vocabulary fails before either model loads
+        draft_path = draft_model.path if isinstance(draft_model, Model) else Path(draft_model)
+        draft_tokens = draft_model.tokenizer.tokens if isinstance(draft_model, Model) else \
+            Tokenizer.from_metadata(read_gguf(draft_path).metadata).tokens
+        check_same_vocabulary(tokenizer.tokens, draft_tokens, draft_path.name)
     dca_cfg = _dca_config(dca, cfg)
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
     if dca_cfg is not None:
@@ -323,19 +372,24 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
                            "cache is in host memory already")
     if auto or kv_spill:
         budget = budget if budget is not None else int(0.9 * backend.memory_available())
-    kv_type_k, kv_type_v, kv_plan, spill_plan, spec = _fit_cache(
+    kv_type_k, kv_type_v, kv_plan, spill_plan, cache_spec = _fit_cache(
         cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=mirror, max_chunk=max_chunk,
         normalize_k=kv_normalize_k, float_mirror=mirror)
     if budget is None:  # no budget given: the cache must still fit the memory there is, checked before allocating
-        check_memory(cfg, spec, backend.memory_available(), backend.name, mirror=mirror)
+        check_memory(cfg, cache_spec, backend.memory_available(), backend.name, mirror=mirror)
     if dca_cfg is None and ctx > cfg.ctx_train:  # (warned only for a context that loads)
         warnings.warn(f"ctx {ctx} is past the {cfg.ctx_train} positions this model was trained on; beyond them "
                       "attention meets distances it never saw and retrieval fails (bench/results/niah.md); pass "
                       "dca=True (--dca) to keep every query-key distance in the trained range",
                       ContextPastTrainingWarning, stacklevel=2)
+    draft = None
+    if draft_model is not None:
+        draft = draft_model if isinstance(draft_model, Model) else load(
+            draft_model, device=backend.name, ctx=ctx, kv_type_k=draft_kv_type_k, kv_type_v=draft_kv_type_v,
+            max_chunk=max_chunk, threads=threads, progress=progress)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
-                 kv_spec=spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
-                 threads=threads)
+                 kv_spec=cache_spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
+                 threads=threads, spec=spec, draft=draft)
 
 
 def _is_count(value) -> bool:

@@ -57,6 +57,38 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> Non
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (the same text, sooner where drafts are kept; docs/speculative.md)")
+    g.add_argument("--spec-type", choices=("ngram", "draft", "self"), default=None,
+                   help="draft with: ngram (prompt lookup in the text so far), draft (the -md model), self (the model "
+                        "itself: a check of the loop). Default: draft with -md, else none")
+    g.add_argument("-md", "--model-draft", metavar="FILE", help="draft model GGUF of the same vocabulary")
+    g.add_argument("--draft-max", type=int, default=16, help="most tokens drafted per step (default 16)")
+    g.add_argument("--draft-min", type=int, default=0,
+                   help="fewest tokens drafted once drafting (default 0: stop drafting where drafts do not pay)")
+    g.add_argument("--draft-p-min", type=float, default=0.75,
+                   help="a draft model stops drafting where its top token's probability is below this (default 0.75)")
+    g.add_argument("--draft-fixed", action="store_true",
+                   help="always draft --draft-max tokens (default: as many as the measured acceptance pays for)")
+    g.add_argument("--spec-ngram-size", type=int, default=3, help="longest n-gram looked up (default 3)")
+    g.add_argument("--spec-ngram-min", type=int, default=2, help="shortest n-gram looked up (default 2)")
+    g.add_argument("-ctkd", "--cache-type-k-draft", default="f16", help="KV-cache type of K of the draft model")
+    g.add_argument("-ctvd", "--cache-type-v-draft", default="f16", help="KV-cache type of V of the draft model")
+
+
+def _spec_options(args):
+    """The speculative-decoding flags as load()'s spec (None: no drafting)."""
+    from .speculative import SpecConfig
+
+    if not hasattr(args, "spec_type"):
+        return None
+    kind = args.spec_type or ("draft" if args.model_draft else None)
+    if kind is None:
+        return None
+    return SpecConfig(type=kind, draft_max=args.draft_max, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
+                      ngram_size=args.spec_ngram_size, ngram_min=args.spec_ngram_min, adaptive=not args.draft_fixed)
+
+
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-encoding", default="utf-8", metavar="ENCODING",
                    help="text encoding of the prompt file and standard input (default utf-8; e.g. latin-1, cp1252)")
@@ -78,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_chat_args(gen)
+    _add_spec_args(gen)
     gen.add_argument("--prompt-cache", metavar="FILE",
                      help="keep the prompt's KV cache in FILE; a later prompt that begins the same way prefills "
                           "only the rest (llama.cpp's flag; made again when the model or KV settings differ)")
@@ -87,6 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     _add_chat_args(chat)
+    _add_spec_args(chat)
 
     info = sub.add_parser("info", help="architecture, shapes, tensor types and memory of a model")
     info.add_argument("model", nargs="?", help="GGUF model path (default: the default model)")
@@ -165,6 +199,9 @@ def _check_flags(args) -> None:
         check_max_tokens(args.max_tokens)
         SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                        repeat_penalty=args.repeat_penalty, seed=args.seed)
+    spec = _spec_options(args)
+    if spec is not None and spec.type == "draft" and not args.model_draft:
+        raise InputError("--spec-type draft needs a draft model: -md/--model-draft FILE")
     if hasattr(args, "prompt_encoding"):
         try:
             codecs.lookup(args.prompt_encoding)
@@ -191,7 +228,10 @@ def _load_model(args):
     dca = _dca_options(args)
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
                  kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget,
-                 kv_spill=args.kv_spill, kv_mirror=args.kv_mirror, threads=args.threads)
+                 kv_spill=args.kv_spill, kv_mirror=args.kv_mirror, threads=args.threads,
+                 spec=_spec_options(args), draft_model=getattr(args, "model_draft", None),
+                 draft_kv_type_k=getattr(args, "cache_type_k_draft", "f16"),
+                 draft_kv_type_v=getattr(args, "cache_type_v_draft", "f16"))
     for plan in (model.kv_plan, model.spill_plan):
         if plan is not None:
             print(f"[{model.device}] {plan.describe()}", file=sys.stderr)

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from .errors import InputError
 from .kv.cache import KVCache
 from .sampling import Sampler
+from .speculative.decoder import DraftLength, DraftStats, Drafter, TokenSource
 
 PROGRESS_MIN_TOKENS = 1024  # prompts at least this long show a prefill progress bar
 
@@ -32,6 +33,7 @@ class GenerationStats:
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     stop_reason: str = ""
+    draft: DraftStats | None = None  # speculative decoding's counts, when a drafter ran
 
     @property
     def prefill_tps(self) -> float:
@@ -43,9 +45,14 @@ class GenerationStats:
 
     def summary(self) -> str:
         cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
+        draft = ""
+        if self.draft is not None:
+            d = self.draft
+            draft = (f", drafts: {d.accepted}/{d.drafted} kept ({100 * d.acceptance:.0f}%), "
+                     f"{d.tokens_per_forward:.2f} tok/forward")
         return (f"prefill {self.prompt_tokens} tok{cached} in {self.prefill_seconds:.2f} s ({self.prefill_tps:.1f} tok/s), "
-                f"decode {self.generated_tokens} tok in {self.decode_seconds:.2f} s ({self.decode_tps:.1f} tok/s), "
-                f"stop: {self.stop_reason}")
+                f"decode {self.generated_tokens} tok in {self.decode_seconds:.2f} s ({self.decode_tps:.1f} tok/s)"
+                f"{draft}, stop: {self.stop_reason}")
 
 
 def prefill(forward: Callable, ids: Sequence[int], cache: KVCache, chunk: int, *, all_logits: bool = False,
@@ -100,13 +107,16 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
                     max_tokens: int, stop: Sequence[str] = (), chunk: int = 512,
                     stats: GenerationStats | None = None, progress: bool | None = None,
                     history: Sequence[int] = (), logits: np.ndarray | None = None,
-                    on_done: Callable[[list[int], np.ndarray], None] | None = None) -> Iterator[str]:
+                    on_done: Callable[[list[int], np.ndarray], None] | None = None,
+                    drafter: Drafter | None = None, draft_length: DraftLength | None = None) -> Iterator[str]:
     """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix: the
     tokens `history`, which the repeat penalty sees too). `logits`: those after the last cached token, when
     prompt_ids is empty (the whole prompt is cached). max_tokens=-1 (llama.cpp's -n -1) generates until an
     end-of-generation token, a stop string or a full context. `on_done(ids, logits)`: called when the
     stream ends or is closed between tokens, with the tokens the cache then holds (the last sampled token is
-    never run) and the logits after them; not after an error inside the model (the cache may be half written)."""
+    never run) and the logits after them; not after an error inside the model (the cache may be half written).
+    `drafter`: speculative decoding (cupyllm/speculative), `draft_length` choosing how much it drafts (None:
+    as much as fits); the text is the same as without, token for token where sampling is greedy."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     room = cache.spec.ctx - cache.n_past - len(prompt_ids)
@@ -118,14 +128,16 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
     stats.prefill_seconds = time.perf_counter() - t0
 
     history = list(history) + list(prompt_ids)
+    if drafter is not None:
+        stats.draft = DraftStats()
+    tokens = TokenSource(forward, cache, sampler, history, logits, drafter, draft_length, stats.draft)
     decoder = tokenizer.stream_decoder()
     matcher = StopMatcher(stop)
     stats.stop_reason = "max_tokens" if 0 <= max_tokens <= budget else "context full"
     t0 = time.perf_counter()
     try:
         for step in range(budget):
-            token = sampler(np.asarray(logits).reshape(-1), history)
-            history.append(token)
+            token = tokens.next(budget - step)
             stats.generated_tokens += 1
             if tokenizer.is_eog(token):
                 stats.stop_reason = "end of generation token"
@@ -136,19 +148,16 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
             if matcher.stopped:
                 stats.stop_reason = "stop string"
                 break
-            if step + 1 < budget:
-                positions = np.array([cache.n_past])
-                logits = forward(np.array([token]), positions, cache)
-                cache.n_past += 1
         if not matcher.stopped:
             tail = matcher.feed(decoder.flush()) + matcher.flush()
             if tail:
                 yield tail
     except GeneratorExit:  # closed at a yield: the cache is whole
         if on_done is not None:
-            on_done(history[:cache.n_past], logits)
+            on_done(history[:cache.n_past], tokens.settle())
         raise
     else:
+        logits = tokens.settle()
         if on_done is not None:
             on_done(history[:cache.n_past], logits)
     finally:
