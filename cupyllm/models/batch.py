@@ -1,0 +1,146 @@
+"""One forward pass over several sequences, each with its own KV cache (the server's continuous batching).
+
+The sequences' tokens are concatenated into one stream of rows, so every matmul reads each weight once for
+all of them (the GEMV / GEMM over n rows, the batched kernels on the GPU); attention is the only place a block
+looks at a cache, and it goes through Transformer.attention's hook (models/layers.py default_attention, or
+Dual Chunk Attention's): `SequenceAttention` splits q / k / v by sequence and calls that attention on each
+sequence's rows with that sequence's cache and positions, then concatenates the outputs. Everything else a
+block does (norms, RoPE inside attention, MLPs, Gemma 4's per-layer inputs, MoE routing) is per row.
+
+Gemma 4's KV-shared layers (k None) read the source layer of the sequence's own cache, as the cache aliases
+it; sliding-window layers mask by the sequence's own positions. The hybrid Qwen3.5 families keep DeltaNet
+states in cache.layers, read by the block itself (models/qwen35.py), so `batchable` is False for them and
+their sequences run one per forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from gguf import GGMLQuantizationType
+
+from ..kv.cache import KVCache
+from .build import BLOCKS, Transformer
+from .gemma import per_layer_inputs
+from .layers import default_attention
+from .residual import ResidualStream
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's part of a batched forward: its tokens, run from cache.n_past on, and whether it wants the
+    logits of every token (a drafted run being verified) or of its last one."""
+
+    tokens: np.ndarray
+    cache: KVCache
+    all_logits: bool = False
+
+
+def batchable(transformer: Transformer) -> bool:
+    """Whether several sequences can share a forward: every block reaches its cache only through attention."""
+    return transformer.cfg.ssm is None
+
+
+class RowwiseFloatOps:
+    """The backend, except that a float32 weight multiplies the rows one at a time, as a one-token step does.
+    The CPU sends float32 weights to BLAS, whose kernel for several rows rounds differently from its kernel for
+    one (other formats go through the GEMV, row by row up to TOKENS_PER_GEMV rows); the few float32 matrices
+    of the GGUFs (small ones, or the tiny test models' K / V) cost little this way, and a batched decode then
+    gives each sequence the very logits it gets alone."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def _rowwise(self, x, weight) -> bool:
+        return x.shape[0] > 1 and weight.fmt.qtype == GGMLQuantizationType.F32
+
+    def linear(self, x, weight, bias=None):
+        if not self._rowwise(x, weight):
+            return self._ops.linear(x, weight, bias)
+        return self._ops.xp.concatenate([self._ops.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+
+    def linear_many(self, x, weights, biases=None):
+        if not any(self._rowwise(x, w) for w in weights):
+            return self._ops.linear_many(x, weights, biases)
+        biases = list(biases or ()) + [None] * (len(weights) - len(biases or ()))
+        return [self.linear(x, w, b) for w, b in zip(weights, biases)]
+
+    def gated_linear(self, x, w_gate, activation, w_up=None, up=None):
+        gate, up = self.linear_many(x, (w_gate, w_up)) if w_up is not None else (self.linear(x, w_gate), up)
+        return self._ops.gated_act(gate, up, activation)
+
+
+class _NoSharedCache:
+    """What the blocks get as `cache` in a batched forward: there is no one cache; anything that reads it
+    outside the attention hook is a block this module does not know how to batch."""
+
+    def __getattr__(self, name):
+        raise TypeError(f"a block read cache.{name} outside attention: this architecture cannot be batched "
+                        "(models/batch.py batchable)")
+
+
+class SequenceAttention:
+    """The attention hook of a batched forward: rows [bounds[i], bounds[i + 1]) belong to caches[i]."""
+
+    def __init__(self, inner: Callable | None, bounds: Sequence[int], caches: Sequence[KVCache]):
+        self.inner = inner or default_attention
+        self.bounds, self.caches = list(bounds), list(caches)
+
+    def __call__(self, ops, cfg, w, layer, q, k, v, positions, cache):
+        outs = []
+        for i, seq_cache in enumerate(self.caches):
+            rows = slice(self.bounds[i], self.bounds[i + 1])
+            outs.append(self.inner(ops, cfg, w, layer, q[rows], None if k is None else k[rows],
+                                   None if v is None else v[rows], positions[rows], seq_cache))
+        return outs[0] if len(outs) == 1 else ops.xp.concatenate(outs, axis=0)
+
+
+def forward_batch(transformer: Transformer, segments: Sequence[Segment]) -> list[np.ndarray]:
+    """Run every segment's tokens at its cache's next positions in one forward; the caches' n_past advance.
+    Returns per segment its logits on the host, float32 [n_tokens or 1, n_vocab]. The same computation as
+    Transformer.forward on each segment alone (build.py), row for row."""
+    ops, cfg = transformer.ops, transformer.cfg
+    if len({id(s.cache) for s in segments}) != len(segments):
+        raise ValueError("each segment of a batched forward needs its own cache")
+    if len(segments) > 1 and not batchable(transformer):
+        raise ValueError(f"{cfg.arch} keeps recurrent states in its cache: one sequence per forward")
+    lengths = [len(s.tokens) for s in segments]
+    for s, n in zip(segments, lengths):
+        s.cache.check_room(n)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    tokens = np.concatenate([np.asarray(s.tokens, np.int64) for s in segments])
+    positions = np.concatenate([np.arange(s.cache.n_past, s.cache.n_past + n) for s, n in zip(segments, lengths)])
+    if len(segments) == 1:  # (the hybrids' blocks read their recurrent states from the cache itself)
+        attention, cache = transformer.attention, segments[0].cache
+    else:
+        attention, cache = SequenceAttention(transformer.attention, bounds, [s.cache for s in segments]), _NoSharedCache()
+        if transformer.ops.name == "cpu":
+            ops = RowwiseFloatOps(ops)
+
+    # Transformer.forward's body, with the output rows chosen per segment
+    block = BLOCKS[cfg.arch]
+    x = ops.embed(transformer.token_embd, tokens)
+    if cfg.embed_scale != 1.0:
+        x = x * np.float32(cfg.embed_scale)
+    per_layer = per_layer_inputs(ops, cfg, *transformer.per_layer, tokens, x) if transformer.per_layer else None
+    stream = ResidualStream(ops, x, cfg.norm_eps)
+    for layer, weights in enumerate(transformer.layers):
+        extra = {} if per_layer is None else {"per_layer_input": per_layer[:, layer]}
+        block(ops, cfg, weights, layer, stream, positions, cache, attention, **extra)
+    normed = stream.norm(transformer.output_norm)
+    rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) if s.all_logits else [bounds[i + 1] - 1]
+                           for i, s in enumerate(segments)]).astype(np.int64)
+    picked = normed if len(rows) == len(tokens) else normed[ops.asarray(rows)]
+    logits = ops.linear(picked, transformer.output)
+    if cfg.final_logit_softcap > 0.0:
+        logits = ops.softcap(logits, cfg.final_logit_softcap)
+    logits = np.asarray(ops.to_numpy(logits), dtype=np.float32)
+    for s, n in zip(segments, lengths):
+        s.cache.n_past += n
+    counts = [n if s.all_logits else 1 for s, n in zip(segments, lengths)]
+    return np.split(logits, np.cumsum(counts)[:-1])
