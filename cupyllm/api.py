@@ -221,10 +221,9 @@ class Model:
         if shared == len(ids) == len(prompt_cache.ids):
             return cache, shared, prompt_cache.logits
         keep = min(shared, len(ids) - 1)  # at least one token runs: its logits start the generation
-        if not cache.truncate(keep):  # a sliding window's keys before `keep` are gone: start afresh
-            cache.clear()
-            return cache, 0, None
-        return cache, keep, None
+        # K/V rows are cut at `keep`; a hybrid's recurrent states go back to their last checkpoint before it; a
+        # sliding window whose keys before `keep` are gone starts afresh (0)
+        return cache, cache.cut_to(keep), None
 
     def check_prompt_cache(self, prompt_cache: PromptCache) -> None:
         """InputError unless `prompt_cache` (from cache_prompt() or PromptCache.load()) was made by this model with

@@ -68,6 +68,7 @@ def prefill(forward: Callable, ids: Sequence[int], cache: KVCache, chunk: int, *
             positions = np.arange(cache.n_past, cache.n_past + len(part))
             logits = forward(part, positions, cache, all_logits=all_logits)
             cache.n_past += len(part)
+            cache.checkpoint()  # (recurrent states: a later prompt cut inside this prompt restarts from here)
             outputs.append(logits)
             bar.update(len(part))
     return np.concatenate(outputs) if all_logits else outputs[-1]

@@ -149,7 +149,8 @@ def test_the_deltanet_block_is_the_definition(tiny_model, arch):
 
 def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model):
     """The states are saved with the prompt and restored; a prompt that continues the cached one prefills only
-    its tail. A state cannot be rewound: a cache that ran past the shared part starts afresh, as it must."""
+    its tail. A state cannot be rewound to any position: a cache that ran past the shared part goes back to its
+    last checkpoint before the cut (a prefill chunk boundary: every 16 tokens here) and runs the rest again."""
     model = _load(tiny_model("qwen35")[0])
     cached = model.cache_prompt(PREFIX)
     np.testing.assert_allclose(cached.logits, model.logits(PREFIX)[-1], rtol=0, atol=1e-5)
@@ -157,11 +158,14 @@ def test_a_cached_prefix_gives_what_a_fresh_run_gives(tiny_model):
     model.generate(list(range(120, 200)), max_tokens=2, temperature=0)  # scribble over the working cache
     assert model.generate(PREFIX + TAIL, max_tokens=6, temperature=0, prompt_cache=cached) == fresh
     assert model.last_stats.cached_tokens == len(PREFIX) and model.last_stats.prompt_tokens == len(TAIL)
-    # shares only part of the cached prompt: the states hold all of it, so everything runs again
-    shorter = PREFIX[:30] + TAIL
-    want = model.generate(shorter, max_tokens=4, temperature=0)
-    assert model.generate(shorter, max_tokens=4, temperature=0, prompt_cache=cached) == want
-    assert model.last_stats.cached_tokens == 0
+    # shares only part of the cached prompt: back to the checkpoint at 16, the tokens from there run again
+    assert [layer["checkpoint_pos"].tolist() for layer in cached.layer_states if "conv" in layer][0] == \
+        [16, 32, 48, 55]
+    for cut, reused in ((30, 16), (48, 48), (10, 0)):
+        shorter = PREFIX[:cut] + TAIL
+        want = model.generate(shorter, max_tokens=4, temperature=0)
+        assert model.generate(shorter, max_tokens=4, temperature=0, prompt_cache=cached) == want
+        assert model.last_stats.cached_tokens == reused
 
 
 def test_the_prompt_cache_survives_a_file(tiny_model, tmp_path):
@@ -173,10 +177,19 @@ def test_the_prompt_cache_survives_a_file(tiny_model, tmp_path):
     loaded = PromptCache.load(tmp_path / "p.npz")
     fresh = model.generate(PREFIX + TAIL, max_tokens=5, temperature=0)
     assert model.generate(PREFIX + TAIL, max_tokens=5, temperature=0, prompt_cache=loaded) == fresh
+    want = model.generate(PREFIX[:40] + TAIL, max_tokens=5, temperature=0)
+    assert model.generate(PREFIX[:40] + TAIL, max_tokens=5, temperature=0, prompt_cache=loaded) == want
+    assert model.last_stats.cached_tokens == 32  # the checkpoints came through the file
     broken = PromptCache(ids=cached.ids[:-1], layer_states=cached.layer_states, logits=cached.logits,
                          key=cached.key)
     with pytest.raises(cupyllm.errors.InputError, match="n_seen"):
         model.generate(PREFIX + TAIL, max_tokens=5, prompt_cache=broken)
+    layers = [dict(layer) for layer in cached.layer_states]
+    first = next(i for i, layer in enumerate(layers) if "conv" in layer)
+    layers[first]["checkpoint_pos"] = layers[first]["checkpoint_pos"][::-1].copy()
+    with pytest.raises(cupyllm.errors.InputError, match="checkpoint_pos"):
+        model.generate(PREFIX + TAIL, max_tokens=5, prompt_cache=PromptCache(
+            ids=cached.ids, layer_states=layers, logits=cached.logits, key=cached.key))
 
 
 def test_the_gpu_backend_refuses_deltanet_shapes_its_kernels_lack(tiny_model, tmp_path, monkeypatch):

@@ -192,15 +192,21 @@ class LayerKV:
             self.n_used = min(self.n_used, n_keep)
 
 
+MAX_CHECKPOINTS = 8  # recurrent-state copies a hybrid's cache keeps at prefill chunk boundaries (the latest ones)
+
+
 @dataclass
 class RecurrentState:
     """A Gated DeltaNet layer's memory of everything before `n_seen` (Qwen3.5's linear-attention layers): the
     conv's last K - 1 inputs [K - 1, C] and the recurrent state [Hv, Dk, Dv], float32 (ops/deltanet's layouts).
-    Fixed in size, whatever the context; it cannot be rewound, so it truncates only to where it stands."""
+    Fixed in size, whatever the context. It cannot be rewound to an arbitrary position: it truncates to where it
+    stands, or to one of its `checkpoints` (host copies of it at earlier positions: prefill chunk boundaries, so
+    that a prompt cache cut to a shared prefix runs again only from the boundary before the cut)."""
 
     conv: np.ndarray
     recurrent: np.ndarray
     n_seen: int = 0  # positions [0, n_seen) are folded into the state
+    checkpoints: list = field(default_factory=list, repr=False)  # [(position, conv, recurrent)], host copies
 
     @classmethod
     def for_model(cls, cfg: ModelConfig) -> "RecurrentState":
@@ -216,18 +222,38 @@ class RecurrentState:
         self.conv[...] = 0.0
         self.recurrent[...] = 0.0
         self.n_seen = 0
+        self.checkpoints = []
+
+    def checkpoint(self) -> None:
+        """Keep a host copy of the state where it stands (the latest MAX_CHECKPOINTS are kept)."""
+        if self.checkpoints and self.checkpoints[-1][0] == self.n_seen:
+            return
+        self.checkpoints.append((self.n_seen, _host_copy(self.conv), _host_copy(self.recurrent)))
+        del self.checkpoints[:-MAX_CHECKPOINTS]
 
     def state(self) -> dict:
-        return {"conv": self.conv.copy(), "recurrent": self.recurrent.copy(), "n_seen": np.int64(self.n_seen)}
+        out = {"conv": _host_copy(self.conv), "recurrent": _host_copy(self.recurrent), "n_seen": np.int64(self.n_seen)}
+        if self.checkpoints:
+            out["checkpoint_pos"] = np.array([c[0] for c in self.checkpoints], np.int64)
+            out["checkpoint_conv"] = np.stack([c[1] for c in self.checkpoints])
+            out["checkpoint_recurrent"] = np.stack([c[2] for c in self.checkpoints])
+        return out
 
     def restore(self, state: dict) -> None:
-        self.conv[...] = state["conv"]
-        self.recurrent[...] = state["recurrent"]
+        self._put(state["conv"], state["recurrent"])
         self.n_seen = int(state["n_seen"])
+        self.checkpoints = [(int(p), np.asarray(c), np.asarray(r)) for p, c, r in
+                            zip(state.get("checkpoint_pos", ()), state.get("checkpoint_conv", ()),
+                                state.get("checkpoint_recurrent", ()))]
+
+    def _put(self, conv, recurrent) -> None:
+        self.conv[...] = conv
+        self.recurrent[...] = recurrent
 
     def state_problem(self, state: dict, n_past: int) -> str | None:
         """What keeps `state` (of a prompt cache of n_past tokens) from restoring into this layer, or None."""
-        if set(state) != {"conv", "recurrent", "n_seen"}:
+        known = {"conv", "recurrent", "n_seen", "checkpoint_pos", "checkpoint_conv", "checkpoint_recurrent"}
+        if not {"conv", "recurrent", "n_seen"} <= set(state) <= known:
             return f"arrays {sorted(state)}, expected conv, n_seen, recurrent (a linear-attention layer)"
         for name in ("conv", "recurrent"):
             value, like = np.asarray(state[name]), getattr(self, name)
@@ -236,10 +262,31 @@ class RecurrentState:
         seen = np.asarray(state["n_seen"])
         if seen.shape != () or seen.dtype.kind not in "iu" or int(seen) != n_past:
             return f"n_seen {seen!r} is not the prompt's {n_past} tokens"
+        if "checkpoint_pos" not in state:
+            return None if not set(state) - {"conv", "recurrent", "n_seen"} else "checkpoint arrays without positions"
+        pos = np.asarray(state["checkpoint_pos"])
+        if pos.ndim != 1 or pos.dtype.kind not in "iu" or not 0 < len(pos) <= MAX_CHECKPOINTS or \
+                not ((pos >= 0) & (pos <= n_past)).all() or (np.diff(pos) <= 0).any():
+            return f"checkpoint_pos {pos!r} is not up to {MAX_CHECKPOINTS} rising positions up to {n_past}"
+        for name in ("conv", "recurrent"):
+            value, like = np.asarray(state.get("checkpoint_" + name)), getattr(self, name)
+            if value.dtype != like.dtype or value.shape != (len(pos), *like.shape):
+                return f"checkpoint_{name} is {value.dtype} {value.shape}, expected {like.dtype} {(len(pos), *like.shape)}"
         return None
 
     def can_truncate(self, n_keep: int) -> bool:
         return n_keep == self.n_seen
+
+    def checkpoint_positions(self) -> list[int]:
+        return [c[0] for c in self.checkpoints]
+
+    def back_to_checkpoint(self, position: int) -> None:
+        """Put the state back to its checkpoint at `position` (later checkpoints are dropped)."""
+        index = self.checkpoint_positions().index(position)
+        _, conv, recurrent = self.checkpoints[index]
+        self._put(conv, recurrent)
+        self.n_seen = position
+        del self.checkpoints[index + 1:]
 
     def snapshot(self) -> tuple:
         """Copies of the states where they live (host or device), for rewinding to here (KVCache.mark)."""
@@ -411,13 +458,42 @@ class KVCache:
 
     def truncate(self, n_keep: int) -> bool:
         """Keep positions [0, n_keep) only; False, with nothing changed, when a sliding layer's ring has lost
-        keys that positions from n_keep on would read."""
+        keys that positions from n_keep on would read, or a recurrent state is past n_keep (cut_to goes back to
+        a checkpoint instead)."""
         if not all(layer.can_truncate(n_keep) for layer in self.own_layers()):
             return False
         for layer in self.own_layers():
             layer.truncate(n_keep)
         self.n_past = min(self.n_past, n_keep)
         return True
+
+    def checkpoint(self) -> None:
+        """Copy the recurrent states where they stand (a hybrid model's prefill calls it at each chunk boundary),
+        so that cut_to can later go back to here; nothing for a cache of K/V rows alone."""
+        for layer in self.own_layers():
+            if isinstance(layer, RecurrentState):
+                layer.checkpoint()
+
+    def cut_to(self, n_keep: int) -> int:
+        """Keep at most positions [0, n_keep) and return how many are kept: n_keep (K/V rows cut, or recurrent
+        states already there), else the latest recurrent checkpoint before it (the caller runs the rest again),
+        else 0 with the cache cleared."""
+        if self.truncate(n_keep):
+            return self.n_past
+        recurrent = [layer for layer in self.own_layers() if isinstance(layer, RecurrentState)]
+        kv_layers = [layer for layer in self.own_layers() if not isinstance(layer, RecurrentState)]
+        if recurrent:
+            common = set.intersection(*(set(layer.checkpoint_positions()) for layer in recurrent))
+            for position in sorted((p for p in common if p <= n_keep), reverse=True):
+                if all(layer.can_truncate(position) for layer in kv_layers):
+                    for layer in kv_layers:
+                        layer.truncate(position)
+                    for layer in recurrent:
+                        layer.back_to_checkpoint(position)
+                    self.n_past = position
+                    return position
+        self.clear()
+        return 0
 
 
 def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:

@@ -116,17 +116,13 @@ def device_layer_factory(codec_factory, inputs):
 class DeviceRecurrentState(RecurrentState):
     """A linear-attention layer's RecurrentState with its float32 conv [K - 1, C] and recurrent [Hv, Dk, Dv]
     states as device (CuPy) arrays, which the DeltaNet kernels advance in place. state() gives host copies and
-    restore() takes them, as a prompt cache stores them."""
+    restore() takes them, as a prompt cache stores them (checkpoints are host copies too)."""
 
     @classmethod
     def from_host(cls, host: RecurrentState, cp) -> "DeviceRecurrentState":
         return cls(cp.asarray(host.conv, dtype=cp.float32), cp.asarray(host.recurrent, dtype=cp.float32),
                    host.n_seen)
 
-    def state(self) -> dict:
-        return {"conv": self.conv.get(), "recurrent": self.recurrent.get(), "n_seen": np.int64(self.n_seen)}
-
-    def restore(self, state: dict) -> None:
-        self.conv.set(np.ascontiguousarray(state["conv"], dtype=np.float32))
-        self.recurrent.set(np.ascontiguousarray(state["recurrent"], dtype=np.float32))
-        self.n_seen = int(state["n_seen"])
+    def _put(self, conv, recurrent) -> None:
+        self.conv.set(np.ascontiguousarray(conv, dtype=np.float32))
+        self.recurrent.set(np.ascontiguousarray(recurrent, dtype=np.float32))
