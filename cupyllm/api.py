@@ -144,8 +144,22 @@ class Model:
                                  stats=self.last_stats, progress=progress, history=ids[:reused], logits=logits,
                                  on_done=keep if keep_cache else None, drafter=self._drafter(spec),
                                  draft_length=None if spec is None else DraftLength(spec.draft_max, spec.draft_min,
-                                                                                    spec.adaptive))
+                                                                                    spec.adaptive),
+                                 checkpoint_at=self._turn_start(prompt, ids, chat, chat_template_kwargs))
         return pieces if stream else "".join(pieces)
+
+    def _turn_start(self, prompt, ids: list[int], chat: bool, chat_template_kwargs: dict | None) -> list[int]:
+        """Where a hybrid model's chat prompt leaves the conversation for the generation prompt, as a checkpoint
+        position (the next turn renders this reply back after it, without its thought, so its prompt departs from
+        this one there: the recurrent states go back to here, not to the start). [] for other models."""
+        if not chat or self.cfg.ssm is None:
+            return []
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        closed = encode_chat(self.tokenizer, self.gguf.metadata, messages, add_generation_prompt=False,
+                             **(chat_template_kwargs or {}))
+        n = min(len(closed), len(ids))
+        differ = np.flatnonzero(np.asarray(closed[:n]) != np.asarray(ids[:n]))
+        return [int(differ[0]) if len(differ) else n]
 
     # --- speculative decoding (cupyllm/speculative) ---------------------------------------------------
     def _check_spec(self, spec: SpecConfig | None) -> None:

@@ -56,15 +56,20 @@ class GenerationStats:
 
 
 def prefill(forward: Callable, ids: Sequence[int], cache: KVCache, chunk: int, *, all_logits: bool = False,
-            progress: bool | None = None) -> np.ndarray:
-    """Run `ids` through the model from position cache.n_past in chunks; logits of the last token (or all)."""
+            progress: bool | None = None, checkpoint_at: Sequence[int] = ()) -> np.ndarray:
+    """Run `ids` through the model from position cache.n_past in chunks; logits of the last token (or all).
+    Each chunk's end is a checkpoint of a hybrid model's recurrent states (KVCache.checkpoint); `checkpoint_at`:
+    positions where a chunk ends too (the start of a chat's generation prompt: where the next turn's prompt,
+    which renders this reply back without its thought, leaves this one)."""
     ids = np.asarray(ids, dtype=np.int64)
     cache.check_room(len(ids))
     show = progress if progress is not None else len(ids) >= PROGRESS_MIN_TOKENS
     outputs = []
+    cuts = sorted({*range(0, len(ids), chunk), *(p - cache.n_past for p in checkpoint_at
+                                                 if 0 < p - cache.n_past < len(ids))})
     with tqdm(total=len(ids), desc="prefill", unit="tok", disable=not show, leave=False) as bar:
-        for start in range(0, len(ids), chunk):
-            part = ids[start:start + chunk]
+        for start, stop in zip(cuts, cuts[1:] + [len(ids)]):
+            part = ids[start:stop]
             positions = np.arange(cache.n_past, cache.n_past + len(part))
             logits = forward(part, positions, cache, all_logits=all_logits)
             cache.n_past += len(part)
@@ -109,15 +114,16 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
                     stats: GenerationStats | None = None, progress: bool | None = None,
                     history: Sequence[int] = (), logits: np.ndarray | None = None,
                     on_done: Callable[[list[int], np.ndarray], None] | None = None,
-                    drafter: Drafter | None = None, draft_length: DraftLength | None = None) -> Iterator[str]:
+                    drafter: Drafter | None = None, draft_length: DraftLength | None = None,
+                    checkpoint_at: Sequence[int] = ()) -> Iterator[str]:
     """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix: the
     tokens `history`, which the repeat penalty sees too). `logits`: those after the last cached token, when
     prompt_ids is empty (the whole prompt is cached). max_tokens=-1 (llama.cpp's -n -1) generates until an
     end-of-generation token, a stop string or a full context. `on_done(ids, logits)`: called when the
     stream ends or is closed between tokens, with the tokens the cache then holds (the last sampled token is
     never run) and the logits after them; not after an error inside the model (the cache may be half written).
-    `drafter`: speculative decoding (cupyllm/speculative), `draft_length` choosing how much it drafts (None:
-    as much as fits); the text is the same as without, token for token where sampling is greedy."""
+    `drafter`: speculative decoding (cupyllm/speculative), `draft_length` choosing how much it drafts; the text
+    is the same as without, token for token where sampling is greedy. `checkpoint_at`: as prefill's."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     room = cache.spec.ctx - cache.n_past - len(prompt_ids)
@@ -125,7 +131,7 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
     cache.check_room(len(prompt_ids) + (1 if max_tokens != 0 else 0))
     t0 = time.perf_counter()
     if len(prompt_ids) or logits is None:
-        logits = prefill(forward, prompt_ids, cache, chunk, progress=progress)
+        logits = prefill(forward, prompt_ids, cache, chunk, progress=progress, checkpoint_at=checkpoint_at)
     stats.prefill_seconds = time.perf_counter() - t0
 
     history = list(history) + list(prompt_ids)

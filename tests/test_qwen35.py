@@ -6,6 +6,9 @@ the DeltaNet block against the float64 definition (ops/deltanet/reference.py), p
 choice (the GPU where its DeltaNet kernels take the model's shapes)."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -216,3 +219,28 @@ def test_the_gpu_backend_refuses_deltanet_shapes_its_kernels_lack(tiny_model, tm
     wider = dataclasses.replace(cfg, ssm=dataclasses.replace(cfg.ssm, k_head_dim=32))
     assert deltanet_problem(wider) is None and deltanet_problem(config_from_gguf(read_gguf(tiny_model("qwen3")[0]))) \
         is None
+
+
+def test_chat_with_thinking_on_and_off_end_to_end(tiny_model):
+    """`cupyllm chat` on a hybrid model with its chat template (the tiny models carry one in Qwen3.5's form):
+    --think / --no-think reach the template's generation prompt, every turn replies, and each later turn reuses
+    the cache up to where the re-rendered conversation differs from what ran (the template drops the thought of
+    earlier replies: the states go back to the checkpoint at the end of the previous prompt)."""
+    path = tiny_model("qwen35")[0]
+    model = _load(path)
+    decode = model.tokenizer.decode
+    assert decode(model.chat_ids("hi")).endswith("<|im_start|>assistant\n<think>\n")
+    assert decode(model.chat_ids("hi", {"enable_thinking": False})).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    for flag in ("--think", "--no-think"):
+        out = subprocess.run([sys.executable, "-m", "cupyllm.cli", "chat", "-m", str(path), "-n", "6", "--temp", "0",
+                              "--device", "cpu", "-c", "256", flag], input="the sea\nand the sky\n/exit\n",
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        stats = [line for line in out.stderr.splitlines() if "prefill" in line and "decode" in line]
+        assert len(stats) == 2 and "cached)" in stats[1], out.stderr
+        first_turn = model.chat_ids([{"role": "user", "content": "the sea"}],
+                                    {"enable_thinking": flag == "--think"})
+        turn_start = model._turn_start("the sea", first_turn, True, {"enable_thinking": flag == "--think"})[0]
+        assert 0 < turn_start < len(first_turn)
+        assert int(stats[1].split("(+")[1].split(" cached)")[0]) >= turn_start

@@ -517,6 +517,16 @@ def _write_gemma4_metadata(writer, spec: TinySpec) -> None:
     writer.add_chat_template(GEMMA4_TEMPLATE)
 
 
+# A minimal template in Qwen3.5's form: ChatML turns, and a generation prompt that opens a thought (<think>) unless
+# enable_thinking is false, which closes an empty one; earlier assistant turns keep only what follows </think>
+QWEN35_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1] | trim }}{% else %}{{ m['content'] }}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n"
+    "{% endif %}{% endif %}")
+
+
 def _add_gemma_specials(writer) -> None:
     """Gemma's special-token ids (both vocabularies start <pad> <eos> <bos> <unk>) and flags."""
     writer.add_bos_token_id(2)
@@ -579,6 +589,8 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_eos_token_id(tokens.index("<|im_end|>"))
         writer.add_bos_token_id(tokens.index("<|endoftext|>"))
         writer.add_add_bos_token(False)
+        if spec.arch in HYBRID_ARCHES:
+            writer.add_chat_template(QWEN35_TEMPLATE)
     for name, (raw, qtype) in stored.items():
         if name in (override_types or {}):  # an arbitrary type (e.g. one we do not support): zero blocks
             qtype = override_types[name]
