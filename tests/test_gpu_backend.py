@@ -276,6 +276,22 @@ def test_prompt_cache_on_the_device(flash_sized_models, arch):
     assert model.last_stats.cached_tokens == len(prefix)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "qwen35"])
+def test_speculative_decoding_on_the_device(flash_sized_models, hybrid_models, arch):
+    """Drafts verified on the GPU backend (the verify runs take the multi-query paths, the plain steps the decode
+    kernels and graphs; rewinds cut device rings, the hybrid's device states go back to their mark): greedy text as
+    plain decoding's, with n-gram drafts and with the model drafting for itself."""
+    import cupyllm
+    path = hybrid_models[arch] if arch == "qwen35" else flash_sized_models[arch]
+    model = cupyllm.load(path, device="gpu", ctx=96, max_chunk=8, progress=False)
+    prompt = [5, 17, 99, 3, 42, 7, 5, 17, 99, 3, 11, 64]
+    plain = model.generate(prompt, max_tokens=24, temperature=0)
+    for spec in ({"type": "ngram", "ngram_min": 1, "draft_max": 4, "adaptive": False},
+                 {"type": "self", "draft_max": 4, "adaptive": False}):
+        assert model.generate(prompt, max_tokens=24, temperature=0, spec=spec) == plain, spec
+    assert model.last_stats.draft.drafted > 0
+
+
 def test_import_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
             "import cupyllm, cupyllm.backend.gpu as g, cupyllm.ops.matmul.gpu as k\n"
