@@ -1,4 +1,4 @@
-"""`cupyllm generate` and `cupyllm info`: argument parsing and printing; the work happens in api.py."""
+"""`cupyllm generate`, `chat`, `info` and `serve`: argument parsing and printing; the work happens in api.py."""
 from __future__ import annotations
 
 import argparse
@@ -130,6 +130,21 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--kv-tiers", action="store_true", help="list every KV tier's cache size at -c and its quality")
 
     sub.add_parser("compile", help="compile the CPU kernels into numba's cache now (a first CPU run does it itself)")
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                         "/props, /slots, /metrics; docs/server.md; needs the `serve` extra)")
+    _add_model_args(serve)
+    _add_spec_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    serve.add_argument("-np", "--parallel", type=int, default=1,
+                       help="slots: requests decoded together, each with its own KV cache of -c positions (default 1)")
+    serve.add_argument("--queue", type=int, default=16,
+                       help="requests that may wait for a slot; more are refused with 503 (default 16)")
+    serve.add_argument("--timeout", type=float, default=None,
+                       help="seconds a request may run before it ends with finish_reason length (default: none)")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    serve.add_argument("-a", "--alias", default=None, help="model name /v1/models reports (default: the file name)")
     return parser
 
 
@@ -371,6 +386,32 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Check the flags, load the model, serve until SIGINT / SIGTERM (uvicorn's graceful shutdown, then the
+    slots' streams are cancelled and their threads stopped)."""
+    _check_flags(args)
+    if args.parallel < 1:
+        raise InputError(f"-np/--parallel must be >= 1 slot, got {args.parallel}")
+    if args.queue < 0:
+        raise InputError(f"--queue must be >= 0, got {args.queue}")
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be 1 .. 65535, got {args.port}")
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as exc:
+        raise CupyllmError(f"cupyllm serve needs the `serve` extra ({exc.name} is missing): "
+                           "pip install 'cupyllm[serve]'") from None
+    model = _load_model(args)
+    app = create_app(model, parallel=args.parallel, api_key=args.api_key, queue_size=args.queue,
+                     time_limit=args.timeout, alias=args.alias)
+    print(f"[{model.device}] serving {model.path.name} on http://{args.host}:{args.port}/v1 with {args.parallel} "
+          f"slot(s) of {model.kv_spec.ctx} tokens", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    return 0
+
+
 def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
     print(f"cupyllm: warning: {message}", file=sys.stderr)
 
@@ -381,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning  # one line, like the errors, not Python's file:line form
             return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-                    "compile": cmd_compile}[args.command](args)
+                    "compile": cmd_compile, "serve": cmd_serve}[args.command](args)
     except CupyllmError as exc:
         print(f"cupyllm: error: {exc}", file=sys.stderr)
         return 1

@@ -43,15 +43,15 @@ def batchable(transformer: Transformer) -> bool:
     return transformer.cfg.ssm is None
 
 
-class RowwiseFloatOps:
-    """The backend, except that a float32 weight multiplies the rows one at a time, as a one-token step does.
-    The CPU sends float32 weights to BLAS, whose kernel for several rows rounds differently from its kernel for
-    one (other formats go through the GEMV, row by row up to TOKENS_PER_GEMV rows); the few float32 matrices
-    of the GGUFs (small ones, or the tiny test models' K / V) cost little this way, and a batched decode then
-    gives each sequence the very logits it gets alone."""
+class SegmentwiseFloatOps:
+    """The backend, except that a float32 weight multiplies each sequence's rows by themselves, as that
+    sequence's own forward does. The CPU sends float32 weights to BLAS, whose kernel for several rows rounds
+    differently from its kernel for one (other formats go through the GEMV, row by row up to TOKENS_PER_GEMV
+    rows); the few float32 matrices of the GGUFs (small ones, or the tiny test models' K / V) cost little this
+    way, and a batched decode then gives each sequence the very logits it gets alone."""
 
-    def __init__(self, ops):
-        self._ops = ops
+    def __init__(self, ops, bounds: Sequence[int]):
+        self._ops, self._bounds = ops, list(bounds)
 
     def __getattr__(self, name):
         return getattr(self._ops, name)
@@ -62,7 +62,11 @@ class RowwiseFloatOps:
     def linear(self, x, weight, bias=None):
         if not self._rowwise(x, weight):
             return self._ops.linear(x, weight, bias)
-        return self._ops.xp.concatenate([self._ops.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+        # all rows: each sequence's together; a subset (a mixture of experts' routed rows): row by row, as a
+        # one-token step multiplies its chosen experts
+        bounds = self._bounds if x.shape[0] == self._bounds[-1] else range(x.shape[0] + 1)
+        return self._ops.xp.concatenate([self._ops.linear(x[a:b], weight, bias)
+                                         for a, b in zip(bounds[:-1], bounds[1:])])
 
     def linear_many(self, x, weights, biases=None):
         if not any(self._rowwise(x, w) for w in weights):
@@ -101,9 +105,10 @@ class SequenceAttention:
 
 
 def forward_batch(transformer: Transformer, segments: Sequence[Segment]) -> list[np.ndarray]:
-    """Run every segment's tokens at its cache's next positions in one forward; the caches' n_past advance.
-    Returns per segment its logits on the host, float32 [n_tokens or 1, n_vocab]. The same computation as
-    Transformer.forward on each segment alone (build.py), row for row."""
+    """Run every segment's tokens at its cache's next positions (from cache.n_past) in one forward, writing
+    their K / V; as with Transformer.forward, the caller advances each cache's n_past. Returns per segment its
+    logits on the host, float32 [n_tokens or 1, n_vocab]. The same computation as Transformer.forward on each
+    segment alone (build.py), row for row."""
     ops, cfg = transformer.ops, transformer.cfg
     if len({id(s.cache) for s in segments}) != len(segments):
         raise ValueError("each segment of a batched forward needs its own cache")
@@ -120,7 +125,7 @@ def forward_batch(transformer: Transformer, segments: Sequence[Segment]) -> list
     else:
         attention, cache = SequenceAttention(transformer.attention, bounds, [s.cache for s in segments]), _NoSharedCache()
         if transformer.ops.name == "cpu":
-            ops = RowwiseFloatOps(ops)
+            ops = SegmentwiseFloatOps(ops, bounds)
 
     # Transformer.forward's body, with the output rows chosen per segment
     block = BLOCKS[cfg.arch]
@@ -136,11 +141,11 @@ def forward_batch(transformer: Transformer, segments: Sequence[Segment]) -> list
     rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) if s.all_logits else [bounds[i + 1] - 1]
                            for i, s in enumerate(segments)]).astype(np.int64)
     picked = normed if len(rows) == len(tokens) else normed[ops.asarray(rows)]
+    counts = [n if s.all_logits else 1 for s, n in zip(segments, lengths)]
+    if isinstance(ops, SegmentwiseFloatOps):
+        ops = SegmentwiseFloatOps(ops._ops, np.concatenate([[0], np.cumsum(counts)]))
     logits = ops.linear(picked, transformer.output)
     if cfg.final_logit_softcap > 0.0:
         logits = ops.softcap(logits, cfg.final_logit_softcap)
     logits = np.asarray(ops.to_numpy(logits), dtype=np.float32)
-    for s, n in zip(segments, lengths):
-        s.cache.n_past += n
-    counts = [n if s.all_logits else 1 for s, n in zip(segments, lengths)]
     return np.split(logits, np.cumsum(counts)[:-1])

@@ -1,0 +1,295 @@
+"""`cupyllm serve` (cupyllm/server/) through the official OpenAI client against uvicorn on a loopback port, on
+the tiny models: the texts are those Model.generate gives one request at a time; streamed deltas add up to the
+whole text; usage counts; every error body; concurrent requests batched into one forward; a client that goes
+away frees its slot; the metrics move. And models/batch.py's forward against Transformer.forward per sequence."""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import cupyllm  # noqa: E402
+from cupyllm.models.batch import Segment, batchable, forward_batch  # noqa: E402
+from cupyllm.server import create_app  # noqa: E402
+
+GREEDY = dict(temperature=0)
+PROMPTS = ["the cat sat on", "hello world, this is", "a b c d e f", "one two"]
+
+
+@contextlib.contextmanager
+def serving(model, **options):
+    """The app on a free loopback port, in a thread; yields its base URL."""
+    app = create_app(model, **options)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+LONG_REQUEST = {"prompt": "zz", "max_tokens": 60, "stream": True, "temperature": 0}
+
+
+@contextlib.contextmanager
+def slowed(model, seconds=0.02):
+    """Each forward of one sequence takes `seconds` longer, so that a LONG_REQUEST (which, greedy, runs its
+    60 tokens: checked) keeps its slot for over a second."""
+    model.generate(LONG_REQUEST["prompt"], max_tokens=LONG_REQUEST["max_tokens"], temperature=0)
+    assert model.last_stats.stop_reason == "max_tokens"
+    run = model._forward_numpy_graphed
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return run(*args, **kwargs)
+
+    model._forward_numpy_graphed = slow
+    try:
+        yield
+    finally:
+        del model._forward_numpy_graphed
+
+
+def client(url, api_key="none"):
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def metric(url, name) -> float:
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^cupyllm:{name} (\S+)$", text, re.M)
+    assert match, f"cupyllm:{name} missing from /metrics"
+    return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_model):
+    path, _, _ = tiny_model("qwen2")
+    return cupyllm.load(path, device="cpu", ctx=96, progress=False)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tiny_model):  # the tiny model with a chat template; sliding windows and KV-shared layers
+    path, _, _ = tiny_model("gemma4")
+    return cupyllm.load(path, device="cpu", ctx=96, progress=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe"])
+def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch):
+    """Prefill 3 prompts one by one, then 3 decode steps: the batched forward's logits are Transformer.forward's
+    on each sequence alone, bit for bit (attention over each sequence's own cache, its sliding window, Gemma 4's
+    shared caches)."""
+    path, _, _ = tiny_model(arch)
+    model = cupyllm.load(path, device="cpu", ctx=64, progress=False)
+    t = model.transformer
+    assert batchable(t)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (5, 11, 2)]
+    alone = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
+    batched = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
+    for ids, a, b in zip(prompts, alone, batched):
+        want = t.forward(ids, np.arange(len(ids)), a)
+        got, = forward_batch(t, [Segment(ids, b)])
+        a.n_past = b.n_past = len(ids)
+        np.testing.assert_array_equal(got, want)
+    for step in range(3):
+        tokens = [np.array([int(rng.integers(3, model.cfg.n_vocab))]) for _ in prompts]
+        # the last step: one sequence verifies a drafted run (all its logits); not with the tiny MoEs, whose
+        # float32 experts multiply the rows routed to them together, rounding unlike the sequence alone
+        draft_run = step == 2 and "moe" not in arch
+        if draft_run:
+            tokens[1] = rng.integers(3, model.cfg.n_vocab, size=3)
+        got = forward_batch(t, [Segment(tk, b, all_logits=draft_run and i == 1)
+                                for i, (tk, b) in enumerate(zip(tokens, batched))])
+        for i, (tk, a, b) in enumerate(zip(tokens, alone, batched)):
+            want = t.forward(tk, np.arange(a.n_past, a.n_past + len(tk)), a, all_logits=draft_run and i == 1)
+            a.n_past += len(tk)
+            b.n_past += len(tk)
+            np.testing.assert_array_equal(got[i], want)
+
+
+def test_hybrid_is_not_batched(tiny_model):
+    path, _, _ = tiny_model("qwen35")
+    model = cupyllm.load(path, device="cpu", ctx=64, progress=False)
+    assert not batchable(model.transformer)
+    caches = [model.transformer.ops.new_cache(model.cfg, model.kv_spec) for _ in range(2)]
+    with pytest.raises(ValueError, match="one sequence per forward"):
+        forward_batch(model.transformer, [Segment(np.array([5]), c) for c in caches])
+
+
+def test_completion_stream_usage_and_logprobs(qwen):
+    want = qwen.generate(PROMPTS[0], max_tokens=12, **GREEDY)
+    n_prompt = len(qwen.tokenize(PROMPTS[0]))
+    with serving(qwen, parallel=1) as url:
+        c = client(url)
+        r = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, logprobs=3, **GREEDY)
+        assert r.choices[0].text == want
+        assert r.choices[0].finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
+        lp = r.choices[0].logprobs
+        assert len(lp.token_logprobs) == 12 and all(x <= 0 for x in lp.token_logprobs)
+        # greedy: each chosen token is the most likely one
+        assert all(abs(max(top.values()) - x) < 1e-9 for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+        chunks = list(c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, stream=True,
+                                           stream_options={"include_usage": True}, **GREEDY))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        # the second request's prompt was held by the slot: all of it but its last token reused
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == n_prompt - 1
+        # a stop string ends the text before it
+        stop = want[3:5]
+        r = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, stop=[stop], **GREEDY)
+        assert r.choices[0].text == want[:want.index(stop)] and r.choices[0].finish_reason == "stop"
+        # the raw SSE ends with [DONE]
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_chat_matches_generate(gemma4):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    want = gemma4.generate(messages, chat=True, max_tokens=10, **GREEDY)
+    n_prompt = len(gemma4.chat_ids(messages))
+    with serving(gemma4, parallel=2) as url:
+        c = client(url)
+        r = c.chat.completions.create(model="m", messages=messages, max_tokens=10, logprobs=True, top_logprobs=2,
+                                      **GREEDY)
+        assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == n_prompt
+        assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+        chunks = list(c.chat.completions.create(model="m", messages=messages, max_tokens=10, stream=True,
+                                                stream_options={"include_usage": True}, **GREEDY))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+        # content parts are text too
+        parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]
+        r = c.chat.completions.create(model="m", messages=parts, max_tokens=10, **GREEDY)
+        assert r.choices[0].message.content == want
+        models = c.models.list().data
+        assert [m.id for m in models] == [gemma4.path.name]
+
+
+@pytest.mark.parametrize("name", ["qwen", "gemma4"])
+def test_concurrent_requests_equal_sequential_ones(name, request):
+    """4 requests at once on 4 slots: decoded together (more than one sequence per forward), each text the one
+    Model.generate gives alone (greedy, and seeded sampling)."""
+    model = request.getfixturevalue(name)
+    settings = [dict(temperature=0), dict(temperature=0), dict(temperature=0.9, seed=7, top_k=0, top_p=1.0,
+                                                                min_p=0.0), dict(temperature=0)]
+    want = [model.generate(p, max_tokens=16, **s) for p, s in zip(PROMPTS, settings)]
+    with serving(model, parallel=4) as url:
+        c = client(url)
+
+        def ask(i):
+            extra = {k: settings[i][k] for k in ("top_k", "min_p") if k in settings[i]}
+            plain = {k: v for k, v in settings[i].items() if k not in extra}
+            return c.completions.create(model="m", prompt=PROMPTS[i], max_tokens=16, extra_body=extra or None,
+                                        **plain).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(4)))
+        assert got == want
+        assert metric(url, "n_busy_slots_per_decode") > 1.0  # steps ran several slots' tokens in one forward
+        assert metric(url, "tokens_predicted_total") == 4 * 16
+        assert metric(url, "requests_processing") == 0
+
+
+def test_errors_are_openai_bodies(qwen):
+    with serving(qwen, parallel=1, queue_size=0) as url:
+        c = client(url)
+
+        def bad(status, call, match):
+            with pytest.raises(openai.APIStatusError) as info:
+                call()
+            assert info.value.status_code == status
+            error = info.value.body if "message" in (info.value.body or {}) else info.value.body["error"]
+            assert re.search(match, error["message"]), error["message"]
+            return info.value
+
+        done = lambda **kw: c.completions.create(model="m", **{"prompt": "x", "max_tokens": 2, **kw})  # noqa: E731
+        bad(400, lambda: done(extra_body={"top_k": -1}), "top-k")
+        bad(400, lambda: done(top_p=2.0), "top-p")
+        bad(400, lambda: c.completions.create(model="m", prompt="x", max_tokens=-5), "max_tokens")
+        bad(400, lambda: done(n=2), "n must be 1")
+        bad(400, lambda: done(extra_body={"bogus": 1}), "unknown parameter 'bogus'")
+        bad(400, lambda: done(temperature="hot"), "temperature")
+        too_long = bad(400, lambda: done(prompt=[5] * 200), "exceed the context")
+        assert too_long.code == "context_length_exceeded"
+        bad(400, lambda: done(prompt=[10 ** 9]), "not in the vocabulary")
+        bad(400, lambda: c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]),
+            "chat_template")
+        r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        # the server still serves after all that
+        assert done(**GREEDY).choices[0].text == qwen.generate("x", max_tokens=2, **GREEDY)
+        # one slot, no queue: a second request while a stream runs is refused with 503 and Retry-After
+        with slowed(qwen), httpx.stream("POST", url + "/v1/completions", json=LONG_REQUEST) as s:
+            next(line for line in s.iter_lines() if line.startswith("data: "))
+            r = httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "server_busy"
+        assert metric(url, "requests_rejected_total") == 1
+    with serving(qwen, parallel=1, api_key="sesame") as url:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, api_key="wrong").completions.create(model="m", prompt="x", max_tokens=2)
+        assert client(url, api_key="sesame").completions.create(model="m", prompt="x", max_tokens=2).choices
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/slots").status_code == 401
+
+
+def test_a_client_that_goes_away_frees_its_slot(qwen):
+    with serving(qwen, parallel=1) as url:
+        with slowed(qwen):
+            with httpx.stream("POST", url + "/v1/completions", json=LONG_REQUEST) as s:
+                next(line for line in s.iter_lines() if line.startswith("data: "))
+                assert httpx.get(url + "/slots").json()[0]["state"] == "processing"
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/slots").json()[0]["state"] != "idle":
+                assert time.monotonic() < deadline, "the slot stayed busy after its client left"
+                time.sleep(0.02)
+        assert metric(url, "requests_cancelled_total") == 1
+        assert metric(url, "tokens_predicted_total") < LONG_REQUEST["max_tokens"]
+        assert client(url).completions.create(model="m", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_metrics_props_and_slots(qwen):
+    with serving(qwen, parallel=2) as url:
+        before = metric(url, "prompt_tokens_total"), metric(url, "tokens_predicted_total")
+        c = client(url)
+        c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=5, **GREEDY)
+        n_prompt = len(qwen.tokenize(PROMPTS[1]))
+        assert metric(url, "prompt_tokens_total") == before[0] + n_prompt
+        assert metric(url, "tokens_predicted_total") == before[1] + 5
+        assert metric(url, "kv_cache_tokens") == n_prompt + 4  # (the last token is sampled, never run)
+        assert metric(url, "requests_deferred") == 0
+        props = httpx.get(url + "/props").json()
+        assert props["total_slots"] == 2 and props["n_ctx"] == 96 and props["kv"]["type_k"] == "f16"
+        slots = httpx.get(url + "/slots").json()
+        assert [s["id"] for s in slots] == [0, 1]
+        assert sorted(s["tokens_cached"] for s in slots) == [0, n_prompt + 4]
+        assert all(s["state"] == "idle" and s["n_ctx"] == 96 and s["kv_type_v"] == "f16" and s["dca"] is None
+                   for s in slots)
+        assert json.loads(json.dumps(slots)) == slots
