@@ -13,6 +13,7 @@ products are summed in another order than a float64 reference would.
 from __future__ import annotations
 
 import numpy as np
+import numba
 from numba import njit, prange
 
 from .activation_codes import ACTIVATION_BLOCK, ACTIVATION_LEVELS, SMALLEST_SCALE
@@ -38,6 +39,10 @@ C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
 # 2 KiB gained about half of what 4 KiB did, 1 KiB and less nothing (docs/benchmarks.md).
 PREFETCH_BYTES = 4096
 FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
+# The GEMV cuts a call's rows (all its weights' together) into this many equal shares unless told how many:
+# gemv_many and gemv_each pass the thread count, so that numba's parallel loop, which gives each thread an equal
+# run of iterations, gives each one share (an equal number of rows) and one call of the row loop per weight.
+ROW_SHARES = 64
 
 
 @njit(inline="always")
@@ -502,42 +507,6 @@ def _dot_plain(code, row, x, f16):
     return acc
 
 
-@njit(inline="always")
-def _dot_row(code, row, x, xq, xd, xsum, f16, ahead, wide):
-    """One row's dot product; `wide`: Q8_0, Q5_0 / Q5_1 and the K-quants in 512-bit registers; `ahead`: how many
-    bytes past each block to prefetch. (Each kernel takes its format's flags as constants, so that its loop is
-    compiled for that layout alone.)"""
-    if code == C_Q8_0:
-        if wide:
-            return _dot_q8_0_wide(row, xq, xd, xsum, f16, ahead)
-        return _dot_q8_0(row, xq, xd, xsum, f16, ahead)
-    if code == C_Q5_0:
-        if wide:
-            return _dot_q5_wide(row, xq, xd, xsum, f16, ahead, False)
-        return _dot_small(row, xq, xd, xsum, f16, ahead, False, True)
-    if code == C_Q4_K:
-        if wide:
-            return _dot_k_wide(row, xq, xd, xsum, f16, ahead, False)
-        return _dot_k(row, xq, xd, xsum, f16, ahead, False)
-    if code == C_Q6_K:
-        if wide:
-            return _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead)
-        return _dot_q6_k(row, xq, xd, xsum, f16, ahead)
-    if code == C_Q5_K:
-        if wide:
-            return _dot_k_wide(row, xq, xd, xsum, f16, ahead, True)
-        return _dot_k(row, xq, xd, xsum, f16, ahead, True)
-    if code == C_Q5_1:
-        if wide:
-            return _dot_q5_wide(row, xq, xd, xsum, f16, ahead, True)
-        return _dot_small(row, xq, xd, xsum, f16, ahead, True, True)
-    if code == C_Q4_0:
-        return _dot_small(row, xq, xd, xsum, f16, ahead, False, False)
-    if code == C_Q4_1:
-        return _dot_small(row, xq, xd, xsum, f16, ahead, True, False)
-    return _dot_plain(code, row, x, f16)
-
-
 # --- activation rounding (ops/matmul/activation_codes.py's definition, the same float32 operations) -------------
 
 @njit(inline="always")
@@ -573,48 +542,125 @@ def quantize_activation_row(x, xq, xd, xsum):
 
 
 @njit(inline="always")
-def _row_chunk_starts(datas):
-    """The parallel tasks of a multi-weight GEMV: weight i's rows in min(rows, 256) chunks, its tasks
-    [starts[i], starts[i + 1])."""
-    starts = np.empty(len(datas) + 1, np.int64)
-    starts[0] = 0
+def _share_rows(datas, share, n_shares):
+    """[first, stop) of the rows of share `share` of n_shares, counting all the weights' rows in order."""
+    total = 0
     for i in range(len(datas)):
-        starts[i + 1] = starts[i] + min(datas[i].shape[0], 256)
-    return starts
+        total += datas[i].shape[0]
+    return share * total // n_shares, (share + 1) * total // n_shares
 
 
 @njit(inline="always")
-def _task_rows(c, starts, datas):
-    """Task c of _row_chunk_starts' layout: (its weight i, the first row and the end of its rows)."""
-    i = 0
-    while c >= starts[i + 1]:
-        i += 1
-    n_rows, n_chunks, k = datas[i].shape[0], starts[i + 1] - starts[i], c - starts[i]
-    return i, k * n_rows // n_chunks, (k + 1) * n_rows // n_chunks
+def _rows_wide(code, data, first, end, x, xq, xd, xsum, out, f16, ahead):
+    """out[n] = row n's dot product for n in [first, end), Q8_0, Q5_0 / Q5_1 and the K-quants in 512-bit lanes.
+    (Each format's own row loop: with the format's branch inside one loop, numba's reference counts of the
+    inlined helpers' arrays stayed in it, a dozen calls a row. Each helper takes its format's flags as
+    constants, so that its loop is compiled for that layout alone.)"""
+    if code == C_Q8_0:
+        for n in range(first, end):
+            out[n] = _dot_q8_0_wide(data[n], xq, xd, xsum, f16, ahead)
+    elif code == C_Q4_K:
+        for n in range(first, end):
+            out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, False)
+    elif code == C_Q6_K:
+        for n in range(first, end):
+            out[n] = _dot_q6_k_wide(data[n], xq, xd, xsum, f16, ahead)
+    elif code == C_Q5_K:
+        for n in range(first, end):
+            out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, True)
+    elif code == C_Q5_0:
+        for n in range(first, end):
+            out[n] = _dot_q5_wide(data[n], xq, xd, xsum, f16, ahead, False)
+    elif code == C_Q5_1:
+        for n in range(first, end):
+            out[n] = _dot_q5_wide(data[n], xq, xd, xsum, f16, ahead, True)
+    else:  # (Q4_0 / Q4_1 stay narrow: see _dot_q5_wide)
+        _rows_either(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
+
+
+@njit(inline="always")
+def _rows_narrow(code, data, first, end, x, xq, xd, xsum, out, f16, ahead):
+    """_rows_wide in 256-bit lanes."""
+    if code == C_Q8_0:
+        for n in range(first, end):
+            out[n] = _dot_q8_0(data[n], xq, xd, xsum, f16, ahead)
+    elif code == C_Q4_K:
+        for n in range(first, end):
+            out[n] = _dot_k(data[n], xq, xd, xsum, f16, ahead, False)
+    elif code == C_Q6_K:
+        for n in range(first, end):
+            out[n] = _dot_q6_k(data[n], xq, xd, xsum, f16, ahead)
+    elif code == C_Q5_K:
+        for n in range(first, end):
+            out[n] = _dot_k(data[n], xq, xd, xsum, f16, ahead, True)
+    elif code == C_Q5_0:
+        for n in range(first, end):
+            out[n] = _dot_small(data[n], xq, xd, xsum, f16, ahead, False, True)
+    elif code == C_Q5_1:
+        for n in range(first, end):
+            out[n] = _dot_small(data[n], xq, xd, xsum, f16, ahead, True, True)
+    else:
+        _rows_either(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
+
+
+@njit(inline="always")
+def _rows_either(code, data, first, end, x, xq, xd, xsum, out, f16, ahead):
+    """_rows_wide and _rows_narrow's Q4_0, Q4_1 and float rows."""
+    if code == C_Q4_0:
+        for n in range(first, end):
+            out[n] = _dot_small(data[n], xq, xd, xsum, f16, ahead, False, False)
+    elif code == C_Q4_1:
+        for n in range(first, end):
+            out[n] = _dot_small(data[n], xq, xd, xsum, f16, ahead, True, False)
+    else:
+        for n in range(first, end):
+            out[n] = _dot_plain(code, data[n], x, f16)
+
+
+@njit(nogil=True)  # (no fastmath: see ops/simd.py)
+def _gemv_rows(code, data, first, end, x, xq, xd, xsum, out, f16, ahead, wide):
+    """out[n] = row n's dot product with x (x_hat: xq, xd, xsum) for n in [first, end): a thread's share of a
+    weight in gemv_blocks and gemv_blocks_each. Compiled on its own, not inlined into their parallel loops:
+    numba compiles the dot products once for both kernels, and its parallel passes do not copy and analyse
+    them (most of the compile time when they were inlined). `wide` None: the machine's kernels, and only those
+    are compiled (numba prunes a branch on `is None` by the argument's type)."""
+    if wide is None:
+        if MACHINE_HAS_512_BIT_LANES:
+            _rows_wide(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
+        else:
+            _rows_narrow(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
+    elif wide:
+        _rows_wide(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
+    else:
+        _rows_narrow(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
-def gemv_blocks(codes, datas, x, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahead=PREFETCH_BYTES):
+def gemv_blocks(codes, datas, x, outs, f16, wide=None, ahead=PREFETCH_BYTES, shares=ROW_SHARES):
     """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
     that reads the one activation vector x (x_hat: x rounded to 16-bit codes per 32 values; float weights
     take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
     decode step one thread wake-up per group, not one per weight. `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in
-    512-bit lanes (the machine's default; the narrow kernels give the same values up to float32 summation order);
-    `ahead`: the bytes past each block to prefetch (0: none). Weights of no rows add no work (gemv_many pads
-    the tuples to GEMV_WEIGHTS with them)."""
+    512-bit lanes (None, the default: where the machine has them, MACHINE_HAS_512_BIT_LANES; the narrow kernels
+    give the same values up to float32 summation order); `ahead`: the bytes past each block to prefetch (0:
+    none); `shares`: the equal shares of all the rows that the parallel loop hands out (ROW_SHARES; gemv_many
+    passes the thread count: a share a thread). Weights of no rows add no work (gemv_many pads the tuples to
+    GEMV_WEIGHTS with them)."""
     n_in = x.shape[0]
     xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
     xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
     xsum = np.empty_like(xd)
     if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
         quantize_activation_row(x, xq, xd, xsum)
-    n_weights = len(datas)
-    chunk_start = _row_chunk_starts(datas)
-    for c in prange(chunk_start[n_weights]):
-        i, first, end = _task_rows(c, chunk_start, datas)
-        data, out, code = datas[i], outs[i], codes[i]
-        for n in range(first, end):
-            out[n] = _dot_row(code, data[n], x, xq, xd, xsum, f16, ahead, wide)
+    for share in prange(shares):
+        first, stop = _share_rows(datas, share, shares)
+        offset = 0
+        for i in range(len(datas)):  # the weights' rows that fall in this thread's share
+            n_rows = datas[i].shape[0]
+            if max(first, offset) < min(stop, offset + n_rows):
+                _gemv_rows(codes[i], datas[i], max(first - offset, 0), min(stop - offset, n_rows), x, xq,
+                           xd, xsum, outs[i], f16, ahead, wide)
+            offset += n_rows
 
 
 # gemv_many passes this many weights a call, padding with empty ones: numba compiles gemv_blocks once per tuple
@@ -648,12 +694,13 @@ def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> 
     codes = np.array([fmt.code for _, fmt in weights] + [0] * n_pad, np.int64)
     outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data, _ in weights]
     for t in range(x.shape[0]):
-        gemv_blocks(codes, datas, x[t], tuple([out[t] for out in outs] + [_NO_OUT] * n_pad), F16_TABLE)
+        gemv_blocks(codes, datas, x[t], tuple([out[t] for out in outs] + [_NO_OUT] * n_pad), F16_TABLE, None,
+                    PREFETCH_BYTES, numba.get_num_threads())
     return outs
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=MACHINE_HAS_512_BIT_LANES, ahead=PREFETCH_BYTES):
+def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, shares=ROW_SHARES):
     """outs[i][n] = sum_k x_hat[k] * W_i[n, k] with x = xs[x_of[i]]: gemv_blocks where each weight reads its own
     activation row (a mixture of experts' chosen experts: gate / up read the token, down its expert's hidden
     row), all in ONE parallel region. Each row of xs is rounded once, as gemv_blocks rounds its x, and each row's
@@ -666,13 +713,15 @@ def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=MACHINE_HAS_512_BIT
     if n_in % ACTIVATION_BLOCK == 0:
         for r in range(n_rows_x):
             quantize_activation_row(xs[r], xq[r], xd[r], xsum[r])
-    n_weights = len(datas)
-    chunk_start = _row_chunk_starts(datas)
-    for c in prange(chunk_start[n_weights]):
-        i, first, end = _task_rows(c, chunk_start, datas)
-        data, out, code, r = datas[i], outs[i], codes[i], x_of[i]
-        for n in range(first, end):
-            out[n] = _dot_row(code, data[n], xs[r], xq[r], xd[r], xsum[r], f16, ahead, wide)
+    for share in prange(shares):
+        first, stop = _share_rows(datas, share, shares)
+        offset = 0
+        for i in range(len(datas)):
+            n_rows, r = datas[i].shape[0], x_of[i]
+            if max(first, offset) < min(stop, offset + n_rows):
+                _gemv_rows(codes[i], datas[i], max(first - offset, 0), min(stop - offset, n_rows), xs[r],
+                           xq[r], xd[r], xsum[r], outs[i], f16, ahead, wide)
+            offset += n_rows
 
 
 # gemv_each passes this many weights a call (numba compiles once per tuple length): 8 experts' gate and up
@@ -691,7 +740,7 @@ def gemv_each(xs: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], x_
     codes = np.array([fmt.code for _, fmt in weights] + [0] * n_pad, np.int64)
     outs = [np.empty(data.shape[0], np.float32) for data, _ in weights]
     gemv_blocks_each(codes, datas, np.concatenate([x_of, np.zeros(n_pad, np.int64)]), xs,
-                     tuple(outs + [_NO_OUT] * n_pad), F16_TABLE)
+                     tuple(outs + [_NO_OUT] * n_pad), F16_TABLE, None, PREFETCH_BYTES, numba.get_num_threads())
     return outs
 
 
