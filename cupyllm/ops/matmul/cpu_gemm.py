@@ -33,9 +33,9 @@ from numba import njit, prange
 from .activation_codes import ACTIVATION_BLOCK
 from .cpu_gemv import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _codes32, _half,
                        _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row, weight_rows)
-from ..simd import (MACHINE_HAS_512_BIT_LANES, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16, load_i16,
-                    load_i16_32, load_i8w, madd, splat, splat_at, splat_at_16, splat_pair, splat_pair_32, store_f32,
-                    store_i16, to_f32, zeros, zeros_16)
+from ..simd import (MACHINE_HAS_512_BIT_LANES, borrow, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16,
+                    load_i16, load_i16_32, load_i8w, madd, splat, splat_at, splat_at_16, splat_pair, splat_pair_32,
+                    store_f32, store_i16, to_f32, zeros, zeros_16)
 from .reference import WeightFormat
 
 TOKEN_TILE = 32  # tokens per micro-kernel: four vectors of eight (two of sixteen, wide)
@@ -117,52 +117,65 @@ def _group_end(acc, i, s, xd, w, affine, xs, m):
     store_f32(acc, i, fma(xs, m, f) if affine else f)
 
 
-@njit(inline="always")
-def _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd, xs,
-                    t0, tokens, acc, ao, half):
-    """acc[ao + 8 * (4 * j + v) + l] += the sum over groups [g_start, g_end) of the codes of row j (j < 4; rows
-    at q[qo + j * n_in:], scales at scales[so + j * n_groups:], mins at mins[mo + j * n_in // 32:]) times token
-    t0 + 8 * v + l's x_hat; `half` (a constant at each call site, so the branches fold away): only v < 2, for a
-    last tile of at most 16 tokens."""
+@njit(nogil=True)  # (no fastmath: see ops/simd.py)
+def _rows4_tiles(q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, t_start, t_stop,
+                 tokens, padded, acc, half):
+    """For each token tile [t0, t0 + 32) in [t_start, t_stop) and each ROW_QUAD rows j0.. of the task's `padded`:
+    acc[ao + 8 * (4 * j + v) + l] += the sum over groups [g_start, g_end) of the codes of row j0 + j (rows at
+    q[qo + j * n_in:], scales at scales[so + j * n_groups:], mins at mins[mo + j * n_in // 32:]; qo = j0 * n_in,
+    ...) times token t0 + 8 * v + l's x_hat, ao = (t0 // 32 * padded + j0) * 32. `half` None: v < 4; True: only
+    v < 2, for a last tile of at most 16 tokens."""
     n_blocks = n_in // ACTIVATION_BLOCK
     m0 = m1 = m2 = m3 = zeros()
     e0 = e1 = e2 = e3 = zeros()
-    for g in range(g_start, g_end):
-        s00, s01, s02, s03 = izeros(), izeros(), izeros(), izeros()
-        s10, s11, s12, s13 = izeros(), izeros(), izeros(), izeros()
-        s20, s21, s22, s23 = izeros(), izeros(), izeros(), izeros()
-        s30, s31, s32, s33 = izeros(), izeros(), izeros(), izeros()
-        for p in range(g * group_pairs, (g + 1) * group_pairs):
-            xo = 2 * (p * tokens + t0)
-            x0, x1 = load_i16(xp, xo), load_i16(xp, xo + 16)
-            k = qo + 2 * p
-            w0, w1, w2, w3 = splat_pair(q, k), splat_pair(q, k + n_in), splat_pair(q, k + 2 * n_in), splat_pair(
-                q, k + 3 * n_in)
-            s00, s01, s10, s11 = madd(s00, w0, x0), madd(s01, w0, x1), madd(s10, w1, x0), madd(s11, w1, x1)
-            s20, s21, s30, s31 = madd(s20, w2, x0), madd(s21, w2, x1), madd(s30, w3, x0), madd(s31, w3, x1)
-            if not half:
-                x2, x3 = load_i16(xp, xo + 32), load_i16(xp, xo + 48)
-                s02, s03, s12, s13 = madd(s02, w0, x2), madd(s03, w0, x3), madd(s12, w1, x2), madd(s13, w1, x3)
-                s22, s23, s32, s33 = madd(s22, w2, x2), madd(s23, w2, x3), madd(s32, w3, x2), madd(s33, w3, x3)
-        b = (g * group_pairs * 2) // ACTIVATION_BLOCK
-        xo = b * tokens + t0
-        d0, d1, d2, d3 = load_f32(xd, xo), load_f32(xd, xo + 8), load_f32(xd, xo + 16), load_f32(xd, xo + 24)
-        if affine:  # (affine formats have 32-value groups: group g is block b)
-            e0, e1, e2, e3 = load_f32(xs, xo), load_f32(xs, xo + 8), load_f32(xs, xo + 16), load_f32(xs, xo + 24)
-            m0, m1 = splat_at(mins, mo + b), splat_at(mins, mo + n_blocks + b)
-            m2, m3 = splat_at(mins, mo + 2 * n_blocks + b), splat_at(mins, mo + 3 * n_blocks + b)
-        c0, c1 = splat_at(scales, so + g), splat_at(scales, so + n_groups + g)
-        c2, c3 = splat_at(scales, so + 2 * n_groups + g), splat_at(scales, so + 3 * n_groups + g)
-        _group_end(acc, ao + 0, s00, d0, c0, affine, e0, m0), _group_end(acc, ao + 8, s01, d1, c0, affine, e1, m0)
-        _group_end(acc, ao + 32, s10, d0, c1, affine, e0, m1), _group_end(acc, ao + 40, s11, d1, c1, affine, e1, m1)
-        _group_end(acc, ao + 64, s20, d0, c2, affine, e0, m2), _group_end(acc, ao + 72, s21, d1, c2, affine, e1, m2)
-        _group_end(acc, ao + 96, s30, d0, c3, affine, e0, m3), _group_end(acc, ao + 104, s31, d1, c3, affine, e1, m3)
-        if not half:
-            _group_end(acc, ao + 16, s02, d2, c0, affine, e2, m0), _group_end(acc, ao + 24, s03, d3, c0, affine, e3, m0)
-            _group_end(acc, ao + 48, s12, d2, c1, affine, e2, m1), _group_end(acc, ao + 56, s13, d3, c1, affine, e3, m1)
-            _group_end(acc, ao + 80, s22, d2, c2, affine, e2, m2), _group_end(acc, ao + 88, s23, d3, c2, affine, e3, m2)
-            _group_end(acc, ao + 112, s32, d2, c3, affine, e2, m3), _group_end(acc, ao + 120, s33, d3, c3, affine, e3,
-                                                                               m3)
+    row_tiles = padded // ROW_QUAD
+    for tile in range((t_stop - t_start) // TOKEN_TILE * row_tiles):  # token tiles, then row tiles
+        t0, j0 = t_start + tile // row_tiles * TOKEN_TILE, tile % row_tiles * ROW_QUAD
+        qo, so, mo = j0 * n_in, j0 * n_groups, j0 * n_blocks
+        ao = (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE
+        for g in range(g_start, g_end):
+            s00, s01, s02, s03 = izeros(), izeros(), izeros(), izeros()
+            s10, s11, s12, s13 = izeros(), izeros(), izeros(), izeros()
+            s20, s21, s22, s23 = izeros(), izeros(), izeros(), izeros()
+            s30, s31, s32, s33 = izeros(), izeros(), izeros(), izeros()
+            for p in range(g * group_pairs, (g + 1) * group_pairs):
+                xo = 2 * (p * tokens + t0)
+                x0, x1 = load_i16(xp, xo), load_i16(xp, xo + 16)
+                k = qo + 2 * p
+                w0, w1, w2, w3 = splat_pair(q, k), splat_pair(q, k + n_in), splat_pair(q, k + 2 * n_in), splat_pair(
+                    q, k + 3 * n_in)
+                s00, s01, s10, s11 = madd(s00, w0, x0), madd(s01, w0, x1), madd(s10, w1, x0), madd(s11, w1, x1)
+                s20, s21, s30, s31 = madd(s20, w2, x0), madd(s21, w2, x1), madd(s30, w3, x0), madd(s31, w3, x1)
+                if half is None:
+                    x2, x3 = load_i16(xp, xo + 32), load_i16(xp, xo + 48)
+                    s02, s03, s12, s13 = madd(s02, w0, x2), madd(s03, w0, x3), madd(s12, w1, x2), madd(s13, w1, x3)
+                    s22, s23, s32, s33 = madd(s22, w2, x2), madd(s23, w2, x3), madd(s32, w3, x2), madd(s33, w3, x3)
+            b = (g * group_pairs * 2) // ACTIVATION_BLOCK
+            xo = b * tokens + t0
+            d0, d1, d2, d3 = load_f32(xd, xo), load_f32(xd, xo + 8), load_f32(xd, xo + 16), load_f32(xd, xo + 24)
+            if affine:  # (affine formats have 32-value groups: group g is block b)
+                e0, e1, e2, e3 = load_f32(xs, xo), load_f32(xs, xo + 8), load_f32(xs, xo + 16), load_f32(xs, xo + 24)
+                m0, m1 = splat_at(mins, mo + b), splat_at(mins, mo + n_blocks + b)
+                m2, m3 = splat_at(mins, mo + 2 * n_blocks + b), splat_at(mins, mo + 3 * n_blocks + b)
+            c0, c1 = splat_at(scales, so + g), splat_at(scales, so + n_groups + g)
+            c2, c3 = splat_at(scales, so + 2 * n_groups + g), splat_at(scales, so + 3 * n_groups + g)
+            _group_end(acc, ao + 0, s00, d0, c0, affine, e0, m0)
+            _group_end(acc, ao + 8, s01, d1, c0, affine, e1, m0)
+            _group_end(acc, ao + 32, s10, d0, c1, affine, e0, m1)
+            _group_end(acc, ao + 40, s11, d1, c1, affine, e1, m1)
+            _group_end(acc, ao + 64, s20, d0, c2, affine, e0, m2)
+            _group_end(acc, ao + 72, s21, d1, c2, affine, e1, m2)
+            _group_end(acc, ao + 96, s30, d0, c3, affine, e0, m3)
+            _group_end(acc, ao + 104, s31, d1, c3, affine, e1, m3)
+            if half is None:
+                _group_end(acc, ao + 16, s02, d2, c0, affine, e2, m0)
+                _group_end(acc, ao + 24, s03, d3, c0, affine, e3, m0)
+                _group_end(acc, ao + 48, s12, d2, c1, affine, e2, m1)
+                _group_end(acc, ao + 56, s13, d3, c1, affine, e3, m1)
+                _group_end(acc, ao + 80, s22, d2, c2, affine, e2, m2)
+                _group_end(acc, ao + 88, s23, d3, c2, affine, e3, m2)
+                _group_end(acc, ao + 112, s32, d2, c3, affine, e2, m3)
+                _group_end(acc, ao + 120, s33, d3, c3, affine, e3, m3)
 
 
 # --- the wide micro-kernel: 8 rows x 32 tokens in 512-bit registers (AVX-512) ------------------------------
@@ -180,118 +193,142 @@ def _group_end_16(acc, i, s, xd, w, affine, xs, m):
 def _group_ends_16(acc, ao, s0, s1, d0, d1, c, affine, e0, e1, m, half):
     """One row's two token vectors through _group_end_16 (the second not for a half tile)."""
     _group_end_16(acc, ao, s0, d0, c, affine, e0, m)
-    if not half:
+    if half is None:
         _group_end_16(acc, ao + 16, s1, d1, c, affine, e1, m)
 
 
-@njit(inline="always")
-def _rows8_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd, xs,
-                    t0, tokens, acc, ao, half):
-    """acc[ao + 16 * (2 * j + v) + l] += the sum over groups [g_start, g_end) of the codes of row j (j < 8)
-    times token t0 + 16 * v + l's x_hat (`_rows4_tokens32`'s layout and arguments, eight rows); `half`: v = 0
-    only."""
+@njit(nogil=True)  # (no fastmath: see ops/simd.py)
+def _rows8_tiles(q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, t_start, t_stop,
+                 tokens, padded, acc, half):
+    """_rows4_tiles through 512-bit lanes, eight rows at a time: acc[ao + 16 * (2 * j + v) + l] += the sum over
+    groups of the codes of row j0 + j (j < 8) times token t0 + 16 * v + l's x_hat; `half` True: v = 0 only."""
     n_blocks = n_in // ACTIVATION_BLOCK
-    e0 = e1 = m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = zeros_16()  # (read only for the affine formats)
-    for g in range(g_start, g_end):
-        s00, s01, s10, s11 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
-        s20, s21, s30, s31 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
-        s40, s41, s50, s51 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
-        s60, s61, s70, s71 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
-        for p in range(g * group_pairs, (g + 1) * group_pairs):
-            xo = 2 * (p * tokens + t0)
-            x0 = load_i16_32(xp, xo)
-            k = qo + 2 * p
-            w0, w1, w2, w3 = splat_pair_32(q, k), splat_pair_32(q, k + n_in), splat_pair_32(q, k + 2 * n_in), \
-                splat_pair_32(q, k + 3 * n_in)
-            w4, w5, w6, w7 = splat_pair_32(q, k + 4 * n_in), splat_pair_32(q, k + 5 * n_in), \
-                splat_pair_32(q, k + 6 * n_in), splat_pair_32(q, k + 7 * n_in)
-            s00, s10, s20, s30 = madd(s00, w0, x0), madd(s10, w1, x0), madd(s20, w2, x0), madd(s30, w3, x0)
-            s40, s50, s60, s70 = madd(s40, w4, x0), madd(s50, w5, x0), madd(s60, w6, x0), madd(s70, w7, x0)
-            if not half:
-                x1 = load_i16_32(xp, xo + 32)
-                s01, s11, s21, s31 = madd(s01, w0, x1), madd(s11, w1, x1), madd(s21, w2, x1), madd(s31, w3, x1)
-                s41, s51, s61, s71 = madd(s41, w4, x1), madd(s51, w5, x1), madd(s61, w6, x1), madd(s71, w7, x1)
-        b = (g * group_pairs * 2) // ACTIVATION_BLOCK
-        xo = b * tokens + t0
-        d0, d1 = load_f32_16(xd, xo), load_f32_16(xd, xo + 16)
-        if affine:
-            e0, e1 = load_f32_16(xs, xo), load_f32_16(xs, xo + 16)
-            m0, m1 = splat_at_16(mins, mo + b), splat_at_16(mins, mo + n_blocks + b)
-            m2, m3 = splat_at_16(mins, mo + 2 * n_blocks + b), splat_at_16(mins, mo + 3 * n_blocks + b)
-            m4, m5 = splat_at_16(mins, mo + 4 * n_blocks + b), splat_at_16(mins, mo + 5 * n_blocks + b)
-            m6, m7 = splat_at_16(mins, mo + 6 * n_blocks + b), splat_at_16(mins, mo + 7 * n_blocks + b)
-        _group_ends_16(acc, ao, s00, s01, d0, d1, splat_at_16(scales, so + g), affine, e0, e1, m0, half)
-        _group_ends_16(acc, ao + 32, s10, s11, d0, d1, splat_at_16(scales, so + n_groups + g), affine, e0, e1, m1, half)
-        _group_ends_16(acc, ao + 64, s20, s21, d0, d1, splat_at_16(scales, so + 2 * n_groups + g), affine, e0, e1, m2,
-                       half)
-        _group_ends_16(acc, ao + 96, s30, s31, d0, d1, splat_at_16(scales, so + 3 * n_groups + g), affine, e0, e1, m3,
-                       half)
-        _group_ends_16(acc, ao + 128, s40, s41, d0, d1, splat_at_16(scales, so + 4 * n_groups + g), affine, e0, e1, m4,
-                       half)
-        _group_ends_16(acc, ao + 160, s50, s51, d0, d1, splat_at_16(scales, so + 5 * n_groups + g), affine, e0, e1, m5,
-                       half)
-        _group_ends_16(acc, ao + 192, s60, s61, d0, d1, splat_at_16(scales, so + 6 * n_groups + g), affine, e0, e1, m6,
-                       half)
-        _group_ends_16(acc, ao + 224, s70, s71, d0, d1, splat_at_16(scales, so + 7 * n_groups + g), affine, e0, e1, m7,
-                       half)
+    row_tiles = padded // WIDE_ROWS
+    for tile in range((t_stop - t_start) // TOKEN_TILE * row_tiles):  # token tiles, then row tiles
+        e0 = e1 = m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = zeros_16()  # (read only for the affine formats)
+        t0, j0 = t_start + tile // row_tiles * TOKEN_TILE, tile % row_tiles * WIDE_ROWS
+        qo, so, mo = j0 * n_in, j0 * n_groups, j0 * n_blocks
+        ao = (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE
+        for g in range(g_start, g_end):
+            s00, s01, s10, s11 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
+            s20, s21, s30, s31 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
+            s40, s41, s50, s51 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
+            s60, s61, s70, s71 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
+            for p in range(g * group_pairs, (g + 1) * group_pairs):
+                xo = 2 * (p * tokens + t0)
+                x0 = load_i16_32(xp, xo)
+                k = qo + 2 * p
+                w0, w1, w2, w3 = splat_pair_32(q, k), splat_pair_32(q, k + n_in), splat_pair_32(q, k + 2 * n_in), \
+                    splat_pair_32(q, k + 3 * n_in)
+                w4, w5, w6, w7 = splat_pair_32(q, k + 4 * n_in), splat_pair_32(q, k + 5 * n_in), \
+                    splat_pair_32(q, k + 6 * n_in), splat_pair_32(q, k + 7 * n_in)
+                s00, s10, s20, s30 = madd(s00, w0, x0), madd(s10, w1, x0), madd(s20, w2, x0), madd(s30, w3, x0)
+                s40, s50, s60, s70 = madd(s40, w4, x0), madd(s50, w5, x0), madd(s60, w6, x0), madd(s70, w7, x0)
+                if half is None:
+                    x1 = load_i16_32(xp, xo + 32)
+                    s01, s11, s21, s31 = madd(s01, w0, x1), madd(s11, w1, x1), madd(s21, w2, x1), madd(s31, w3, x1)
+                    s41, s51, s61, s71 = madd(s41, w4, x1), madd(s51, w5, x1), madd(s61, w6, x1), madd(s71, w7, x1)
+            b = (g * group_pairs * 2) // ACTIVATION_BLOCK
+            xo = b * tokens + t0
+            d0, d1 = load_f32_16(xd, xo), load_f32_16(xd, xo + 16)
+            if affine:
+                e0, e1 = load_f32_16(xs, xo), load_f32_16(xs, xo + 16)
+                m0, m1 = splat_at_16(mins, mo + b), splat_at_16(mins, mo + n_blocks + b)
+                m2, m3 = splat_at_16(mins, mo + 2 * n_blocks + b), splat_at_16(mins, mo + 3 * n_blocks + b)
+                m4, m5 = splat_at_16(mins, mo + 4 * n_blocks + b), splat_at_16(mins, mo + 5 * n_blocks + b)
+                m6, m7 = splat_at_16(mins, mo + 6 * n_blocks + b), splat_at_16(mins, mo + 7 * n_blocks + b)
+            sg = so + g  # (row j's scale: scales[sg + j * n_groups])
+            _group_ends_16(acc, ao, s00, s01, d0, d1, splat_at_16(scales, sg), affine, e0, e1, m0,
+                           half)
+            _group_ends_16(acc, ao + 32, s10, s11, d0, d1, splat_at_16(scales, sg + n_groups), affine, e0, e1, m1,
+                           half)
+            _group_ends_16(acc, ao + 64, s20, s21, d0, d1, splat_at_16(scales, sg + 2 * n_groups), affine, e0, e1, m2,
+                           half)
+            _group_ends_16(acc, ao + 96, s30, s31, d0, d1, splat_at_16(scales, sg + 3 * n_groups), affine, e0, e1, m3,
+                           half)
+            _group_ends_16(acc, ao + 128, s40, s41, d0, d1, splat_at_16(scales, sg + 4 * n_groups), affine, e0, e1, m4,
+                           half)
+            _group_ends_16(acc, ao + 160, s50, s51, d0, d1, splat_at_16(scales, sg + 5 * n_groups), affine, e0, e1, m5,
+                           half)
+            _group_ends_16(acc, ao + 192, s60, s61, d0, d1, splat_at_16(scales, sg + 6 * n_groups), affine, e0, e1, m6,
+                           half)
+            _group_ends_16(acc, ao + 224, s70, s71, d0, d1, splat_at_16(scales, sg + 7 * n_groups), affine, e0, e1, m7,
+                           half)
 
+
+# A task's tiles through one micro-kernel, compiled on their own for a whole tile (`half` None) and for a last
+# tile of at most 16 tokens (`half` True). The micro-kernels test `half is None`, a branch numba prunes by the
+# argument's type before it inlines anything, so each form is compiled without the other's code; and the tile of
+# rows that calls them (and unpacks the rows) names only one kernel, so numba never copies the other.
 
 @njit(inline="always")
-def _micro_kernel(kernel_rows, half, q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end,
-                  xp, xd, xs, t0, tokens, acc, ao):
-    """The micro-kernel of `kernel_rows` rows, its `half` a constant in each call (so its branches fold away)."""
+def _task_tiles(kernel_rows, q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, n_tok,
+                tokens, padded, acc):
+    """Groups [g_start, g_end) of all of a task's tiles: the whole token tiles, then a last one of at most 16
+    tokens in the kernel's half form."""
+    whole = tokens if n_tok - (tokens - TOKEN_TILE) > TOKEN_TILE // 2 else tokens - TOKEN_TILE
     if kernel_rows == WIDE_ROWS:
-        if half:
-            _rows8_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd,
-                            xs, t0, tokens, acc, ao, True)
-        else:
-            _rows8_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd,
-                            xs, t0, tokens, acc, ao, False)
-    elif half:
-        _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd, xs,
-                        t0, tokens, acc, ao, True)
+        _rows8_tiles(q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, 0, whole,
+                    tokens, padded, acc, None)
+        if whole < tokens:
+            _rows8_tiles(q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, whole,
+                        tokens, tokens, padded, acc, True)
     else:
-        _rows4_tokens32(q, qo, n_in, scales, so, n_groups, mins, mo, affine, group_pairs, g_start, g_end, xp, xd, xs,
-                        t0, tokens, acc, ao, False)
+        _rows4_tiles(q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, 0, whole,
+                    tokens, padded, acc, None)
+        if whole < tokens:
+            _rows4_tiles(q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, whole,
+                        tokens, tokens, padded, acc, True)
 
 
 @njit(inline="always")
-def _gemm_row_tiles(code, data, xp, xd, xs, n_tok, out, f16, kernel_rows):
-    """gemm_blocks' body: one parallel loop over tiles of ROWS_PER_TASK rows, each through the micro-kernel of
-    `kernel_rows` rows (a constant at each call site: the other kernel folds away)."""
+def _gemm_row_tile(task, code, data, xp, xd, xs, n_tok, out, f16, kernel_rows):
+    """out[:, r] for the ROWS_PER_TASK rows r of tile `task`, through the micro-kernel of `kernel_rows` rows (a
+    constant at each call site: the other kernel folds away)."""
     tokens = xd.shape[1]
     n_in = xp.shape[0] // (2 * tokens) * 2
     n_blocks = n_in // ACTIVATION_BLOCK
-    for task in prange((data.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        group_pairs = 8 if code == C_Q6_K else 16
-        n_groups = n_in // (2 * group_pairs)
-        affine = code == C_Q4_1 or code == C_Q5_1 or code == C_Q4_K or code == C_Q5_K
-        r0 = task * ROWS_PER_TASK
-        n_rows = min(ROWS_PER_TASK, data.shape[0] - r0)
-        padded = (n_rows + kernel_rows - 1) // kernel_rows * kernel_rows
-        q = np.empty(padded * n_in, np.int16)
-        scales = np.empty(padded * n_groups, np.float32)  # (K-quant rows store 8 lanes a super-block: in range)
-        mins = np.empty(padded * n_blocks, np.float32)
+    group_pairs = 8 if code == C_Q6_K else 16
+    n_groups = n_in // (2 * group_pairs)
+    affine = code == C_Q4_1 or code == C_Q5_1 or code == C_Q4_K or code == C_Q5_K
+    r0 = task * ROWS_PER_TASK
+    n_rows = min(ROWS_PER_TASK, data.shape[0] - r0)
+    padded = (n_rows + kernel_rows - 1) // kernel_rows * kernel_rows
+    q = np.empty(padded * n_in, np.int16)
+    scales = np.empty(padded * n_groups, np.float32)  # (K-quant rows store 8 lanes a super-block: in range)
+    mins = np.empty(padded * n_blocks, np.float32)
+    for r in range(n_rows):
+        _unpack_row(code, data[r0 + r], n_in, q, r * n_in, scales, r * n_groups, mins, r * n_blocks, f16)
+    for r in range(n_rows, padded):  # rows past the weight's end: zero codes, results dropped
+        q[r * n_in:(r + 1) * n_in] = 0
+        scales[r * n_groups:(r + 1) * n_groups] = 0
+        mins[r * n_blocks:(r + 1) * n_blocks] = 0
+    acc = np.zeros(tokens // TOKEN_TILE * padded * TOKEN_TILE, np.float32)
+    chunk_groups = K_CHUNK // (2 * group_pairs)
+    for g0 in range(0, n_groups, chunk_groups):  # K_CHUNK values of the rows and tokens at a time: in cache
+        g1 = min(g0 + chunk_groups, n_groups)
+        _task_tiles(kernel_rows, q, n_in, scales, n_groups, mins, affine, group_pairs, g0, g1, xp, xd, xs, n_tok,
+                    tokens, padded, acc)
+    for t in range(n_tok):  # a token's row of results at a time: out's rows are far apart (n_out floats)
+        a = t // TOKEN_TILE * padded * TOKEN_TILE + t % TOKEN_TILE
         for r in range(n_rows):
-            _unpack_row(code, data[r0 + r], n_in, q, r * n_in, scales, r * n_groups, mins, r * n_blocks, f16)
-        for r in range(n_rows, padded):  # rows past the weight's end: zero codes, results dropped
-            q[r * n_in:(r + 1) * n_in] = 0
-            scales[r * n_groups:(r + 1) * n_groups] = 0
-            mins[r * n_blocks:(r + 1) * n_blocks] = 0
-        acc = np.zeros(tokens // TOKEN_TILE * padded * TOKEN_TILE, np.float32)
-        chunk_groups = K_CHUNK // (2 * group_pairs)
-        for g0 in range(0, n_groups, chunk_groups):  # K_CHUNK values of the rows and tokens at a time: in cache
-            g1 = min(g0 + chunk_groups, n_groups)
-            for t0 in range(0, tokens, TOKEN_TILE):
-                half = n_tok - t0 <= TOKEN_TILE // 2  # a last tile of at most 16 tokens: half the work
-                for j0 in range(0, padded, kernel_rows):
-                    _micro_kernel(kernel_rows, half, q, j0 * n_in, n_in, scales, j0 * n_groups, n_groups, mins,
-                                  j0 * n_blocks, affine, group_pairs, g0, g1, xp, xd, xs, t0, tokens, acc,
-                                  (t0 // TOKEN_TILE * padded + j0) * TOKEN_TILE)
-        for t in range(n_tok):  # a token's row of results at a time: out's rows are far apart (n_out floats)
-            a = t // TOKEN_TILE * padded * TOKEN_TILE + t % TOKEN_TILE
-            for r in range(n_rows):
-                out[t, r0 + r] = acc[a + TOKEN_TILE * r]
+            out[t, r0 + r] = acc[a + TOKEN_TILE * r]
+
+
+# Each tile of rows is compiled on its own, not inlined into the parallel loop: numba's parallel passes copied
+# and analysed the whole inlined tile (unpacking of every format, the micro-kernels), most of the compile time.
+# (The tile's index as an int64: see ops/attention/cpu.py _attend_encoded.)
+
+@njit(nogil=True)  # (no fastmath: see ops/simd.py)
+def _gemm_tile(task, code, data, xp, xd, xs, n_tok, out, f16):
+    """_gemm_row_tile through the micro-kernel of ROW_QUAD rows."""
+    _gemm_row_tile(task, code, data, xp, xd, xs, n_tok, out, f16, ROW_QUAD)
+
+
+@njit(nogil=True)
+def _gemm_tile_wide(task, code, data, xp, xd, xs, n_tok, out, f16):
+    """_gemm_row_tile through the wide micro-kernel (WIDE_ROWS rows)."""
+    _gemm_row_tile(task, code, data, xp, xd, xs, n_tok, out, f16, WIDE_ROWS)
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: see ops/simd.py)
@@ -300,14 +337,20 @@ def gemm_blocks(code, data, xp, xd, xs, n_tok, out, f16):
     packed activations (xp, xd, xs: `pack_activations`); one parallel region over tiles of ROWS_PER_TASK rows.
     (One weight a call, unlike the GEMV: every prefill weight fills the cores alone, and a tuple of weights
     would compile the kernel again for each tuple length.)"""
-    _gemm_row_tiles(code, data, xp, xd, xs, n_tok, out, f16, ROW_QUAD)
+    xp, xd, xs, f16 = borrow(xp), borrow(xd), borrow(xs), borrow(f16)
+    data, out = borrow(data), borrow(out)
+    for task in prange((data.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _gemm_tile(np.int64(task), code, data, xp, xd, xs, n_tok, out, f16)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def gemm_blocks_wide(code, data, xp, xd, xs, n_tok, out, f16):
     """gemm_blocks through the wide micro-kernel (8 rows x 32 tokens in 512-bit lanes): the same values bit for
     bit, twice the products an instruction where the machine has AVX-512 (MACHINE_HAS_512_BIT_LANES)."""
-    _gemm_row_tiles(code, data, xp, xd, xs, n_tok, out, f16, WIDE_ROWS)
+    xp, xd, xs, f16 = borrow(xp), borrow(xd), borrow(xs), borrow(f16)
+    data, out = borrow(data), borrow(out)
+    for task in prange((data.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        _gemm_tile_wide(np.int64(task), code, data, xp, xd, xs, n_tok, out, f16)
 
 
 @njit(parallel=True, cache=True, nogil=True)
