@@ -344,9 +344,11 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
     v_all = borrow(v_data.view(np.float32).reshape(v_data.size // 4) if v_codec[0] == F32 else no_floats)
     k_bytes, v_bytes = borrow(k_data.reshape(k_data.size)), borrow(v_data.reshape(v_data.size))
     for task in prange(n_kv * n_blocks):
-        _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, v_all, k_codec, k_table, v_codec,
-                     v_table, half_table, n_q, n_head, n_k, d, k_row_bytes, v_row_bytes, window, chunk_len, scale,
-                     softcap, block_keys, scratch, index_scratch, part_acc, part_max, part_sum)
+        # (the task as an int64: in the parallel function numba makes of this body the index is a uint64, and
+        # passed on as it is it would compile _attend_task a second time, for that type)
+        _attend_task(np.int64(task), q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, v_all, k_codec,
+                     k_table, v_codec, v_table, half_table, n_q, n_head, n_k, d, k_row_bytes, v_row_bytes, window,
+                     chunk_len, scale, softcap, block_keys, scratch, index_scratch, part_acc, part_max, part_sum)
 
 
 def attend_encoded(q: np.ndarray, q_pos: np.ndarray, layer_kv, *, scale: float, window: int = 0,

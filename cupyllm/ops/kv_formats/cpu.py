@@ -253,9 +253,9 @@ def _decode_rows(data, codec, table, half_table, group, inv_sqrt, signs, scratch
     # borrowed (simd.borrow): no reference counting per row; `scratch` [threads, words]: each thread's bits
     data_flat, out_flat = borrow(data.reshape(data.size)), borrow(out.reshape(out.size))
     codec, table, half_table, signs = borrow(codec), borrow(table), borrow(half_table), borrow(signs)
-    for row in prange(n):
-        _decode_row_into(data_flat, row, row_bytes, codec, table, half_table, group, inv_sqrt, signs, scratch,
-                         out_flat, d)
+    for row in prange(n):  # (an int64 row: see ops/attention/cpu.py _attend_encoded)
+        _decode_row_into(data_flat, np.int64(row), row_bytes, codec, table, half_table, group, inv_sqrt, signs,
+                         scratch, out_flat, d)
 
 
 @njit(cache=True, nogil=True)
