@@ -118,8 +118,10 @@ def _deltanet() -> None:
     gated_rms_norm_rows(rows, rows, np.ones(16, np.float32), np.float32(1e-6), np.empty_like(rows))
 
 
-# longest first: with one job a process, the last to start should be short
-JOBS = {"prefill matmul": _gemm, "attention": _attention, "decode matmul": _gemv, "KV rows": _kv_rows,
+# longest first (each job's compile time alone: docs/benchmarks.md#cpu-first-run), so that the processes end
+# close together; the KV rows next after the attention, whose process is usually the first free and has compiled
+# their scalar row decoder already
+JOBS = {"attention": _attention, "prefill matmul": _gemm, "decode matmul": _gemv, "KV rows": _kv_rows,
         "Gated DeltaNet": _deltanet, "weight rows": _weight_rows, "TCQ encoder": _tcq_encode,
         "norms and rope": _elementwise}
 
