@@ -293,3 +293,21 @@ def test_metrics_props_and_slots(qwen):
         assert all(s["state"] == "idle" and s["n_ctx"] == 96 and s["kv_type_v"] == "f16" and s["dca"] is None
                    for s in slots)
         assert json.loads(json.dumps(slots)) == slots
+
+
+def test_drafting_slots_give_the_same_text(tiny_model):
+    """With n-gram drafting on, each slot verifies its drafts in the batched forward: the texts are Model.generate's
+    (greedy: the same tokens as without drafting), and the drafting counters show in /metrics."""
+    path, _, _ = tiny_model("qwen2")
+    model = cupyllm.load(path, device="cpu", ctx=96, progress=False, spec="ngram")
+    prompts = ["zz zz zz zz zz", "one two one two one two"]
+    want = [model.generate(p, max_tokens=20, **GREEDY) for p in prompts]
+    assert want == [model.generate(p, max_tokens=20, spec=False, **GREEDY) for p in prompts]
+    with serving(model, parallel=2) as url:
+        c = client(url)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model="m", prompt=p, max_tokens=20, **GREEDY)
+                                .choices[0].text, prompts))
+        assert got == want
+        assert metric(url, "draft_tokens_total") > 0
+        assert metric(url, "draft_tokens_accepted_total") <= metric(url, "draft_tokens_total")
