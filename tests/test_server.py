@@ -247,7 +247,8 @@ def test_errors_are_openai_bodies(qwen):
         assert done(**GREEDY).choices[0].text == qwen.generate("x", max_tokens=2, **GREEDY)
         # one slot, no queue: a second request while a stream runs is refused with 503 and Retry-After
         with slowed(qwen), httpx.stream("POST", url + "/v1/completions", json=LONG_REQUEST) as s:
-            next(line for line in s.iter_lines() if line.startswith("data: "))
+            lines = s.iter_lines()  # (held: a dropped iterator closes the response, and the server sees it leave)
+            next(line for line in lines if line.startswith("data: "))
             r = httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "server_busy"
@@ -264,7 +265,8 @@ def test_a_client_that_goes_away_frees_its_slot(qwen):
     with serving(qwen, parallel=1) as url:
         with slowed(qwen):
             with httpx.stream("POST", url + "/v1/completions", json=LONG_REQUEST) as s:
-                next(line for line in s.iter_lines() if line.startswith("data: "))
+                lines = s.iter_lines()  # (held, as above)
+                next(line for line in lines if line.startswith("data: "))
                 assert httpx.get(url + "/slots").json()[0]["state"] == "processing"
             deadline = time.monotonic() + 10
             while httpx.get(url + "/slots").json()[0]["state"] != "idle":
@@ -311,3 +313,23 @@ def test_drafting_slots_give_the_same_text(tiny_model):
         assert got == want
         assert metric(url, "draft_tokens_total") > 0
         assert metric(url, "draft_tokens_accepted_total") <= metric(url, "draft_tokens_total")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma", "qwen"])
+def test_real_model_concurrent_chats_equal_sequential_ones(name):
+    """The real models (Gemma 3 270M, Qwen2.5-Coder-0.5B, Q4_K_M): 4 chats at once on 4 slots, each reply the
+    one Model.generate gives alone, greedy."""
+    from models import gemma_path, qwen_path
+
+    model = cupyllm.load({"gemma": gemma_path, "qwen": qwen_path}[name](), device="cpu", ctx=512, progress=False)
+    questions = ["Why is the sky blue?", "Name three prime numbers.", "What is a GGUF file?", "Say hello in French."]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    want = [model.generate(chat, chat=True, max_tokens=24, **GREEDY) for chat in chats]
+    with serving(model, parallel=4) as url:
+        c = client(url)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda chat: c.chat.completions.create(model="m", messages=chat, max_tokens=24,
+                                                                       **GREEDY).choices[0].message.content, chats))
+        assert got == want
+        assert metric(url, "n_busy_slots_per_decode") > 1.0
