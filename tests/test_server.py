@@ -366,3 +366,19 @@ def test_time_limit_and_shutdown_with_a_stream_running(qwen):
                 time.sleep(0.02)
         reader.join(timeout=30)
     assert received[-1] == "data: [DONE]"
+
+
+def test_a_prompt_goes_to_the_slot_holding_its_prefix(qwen):
+    first, other = list(range(5, 26)), list(range(40, 61))
+    longer = first + [70, 71, 72]
+    want = qwen.generate(longer, max_tokens=6, **GREEDY)
+    with serving(qwen, parallel=2) as url:
+        c = client(url)
+        for prompt in (first, other):  # slot 0 holds `first`, slot 1 `other` (the one used longest ago gets it)
+            c.completions.create(model="m", prompt=prompt, max_tokens=6, **GREEDY)
+        r = c.completions.create(model="m", prompt=longer, max_tokens=6, **GREEDY)
+        assert r.choices[0].text == want
+        assert r.usage.prompt_tokens_details.cached_tokens == len(first)
+        assert metric(url, "prompt_tokens_cached_total") == len(first)
+        assert sorted(s["tokens_cached"] for s in httpx.get(url + "/slots").json()) == [len(other) + 5,
+                                                                                     len(longer) + 5]

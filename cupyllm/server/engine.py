@@ -119,6 +119,7 @@ class Slot:
     request: Request | None = None
     n_prompt: int = 0
     n_decoded: int = 0
+    last_used: float = 0.0  # when its last request ended (time.monotonic)
     drafter: object = None  # ModelDrafter of this slot (its own draft cache), when drafting with a model
     wake: threading.Condition = field(default_factory=threading.Condition)
 
@@ -204,8 +205,8 @@ class Engine:
         return len(self._pending)
 
     def _dispatch(self) -> None:
-        """Give waiting requests to free slots, each to the one sharing the longest prefix (then the one used
-        longest ago: the lowest id). Holds _lock."""
+        """Give waiting requests to free slots, each to the one sharing the longest prefix, else the one used
+        longest ago (keeping the caches of recent conversations for their next turn). Holds _lock."""
         while self._pending:
             free = [slot for slot in self.slots if slot.request is None]
             if not free:
@@ -214,7 +215,7 @@ class Engine:
             if request.cancelled.is_set():
                 request.emit("done", Result("cancelled", len(request.ids), 0, 0))
                 continue
-            slot = max(free, key=lambda s: (_shared_prefix(s.held(), request.ids), -s.id))
+            slot = max(free, key=lambda s: (_shared_prefix(s.held(), request.ids), -s.last_used, -s.id))
             slot.request = request
             self._busy += 1
             with slot.wake:
@@ -252,6 +253,7 @@ class Engine:
                 result = Result("error", len(request.ids), 0, slot.n_decoded, error=f"{type(exc).__name__}: {exc}")
             with self._lock:
                 slot.request = None
+                slot.last_used = time.monotonic()
                 self._busy -= 1
                 self._dispatch()
                 self._lock.notify_all()
