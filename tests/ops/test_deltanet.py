@@ -9,7 +9,8 @@ tools/make_hf_deltanet_reference.py.
 - CPU kernels against the reference, outputs ~0.3 and states ~1 in magnitude: the token loop and the one-token
   step within 5e-7 (measured up to 1.7e-7), the float32 chunked form within 1e-5 (measured up to 2.3e-6 on the
   state; HF's own float32 chunked function is off the reference by up to 7.9e-6 on the same inputs); conv 1e-5
-  (measured 2e-6, silu of sums up to ~10), gated norm 1e-5 (measured 1e-6).
+  (measured 2e-6, silu of sums up to ~10), gated norm 1e-5 (measured 1e-6; a prompt's rows, normed on the threads,
+  equal the same rows normed a few at a time bit for bit).
   A prompt run as prefill, decode steps and a second prefill, carrying both states, equals one prefill over the
   whole prompt bit for bit for the conv and the token loop (their sums keep their order), within 1e-5 by the
   chunked form.
@@ -175,13 +176,20 @@ def test_prefill_then_decode_carries_the_states():
     np.testing.assert_allclose(whole_state, want_state, atol=5e-7)
 
 
-def test_gated_norm_kernel_equals_reference():
+@pytest.mark.parametrize("n_rows", [9, 200])
+def test_gated_norm_kernel_equals_reference(n_rows):
+    """A decode step's few rows (on the calling thread) and a prompt's (on the threads): the reference's values,
+    and a prompt's rows the same bit for bit as those rows normed a few at a time."""
     rng = np.random.default_rng(6)
-    x, z = (rng.standard_normal((9, 128)).astype(F32) for _ in range(2))
+    x, z = (rng.standard_normal((n_rows, 128)).astype(F32) for _ in range(2))
     weight = (1 + 0.1 * rng.standard_normal(128)).astype(F32)
     out = np.empty_like(x)
     cpu.gated_rms_norm_rows(x, z, weight, F32(1e-6), out)
     np.testing.assert_allclose(out, gated_rms_norm(x, z, weight, 1e-6), atol=1e-5)
+    pieces = np.empty_like(x)
+    for start in range(0, n_rows, 4):
+        cpu.gated_rms_norm_rows(x[start:start + 4], z[start:start + 4], weight, F32(1e-6), pieces[start:start + 4])
+    np.testing.assert_array_equal(pieces, out)
 
 
 @pytest.fixture(scope="module")
