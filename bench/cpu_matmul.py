@@ -81,8 +81,9 @@ def gemv_cases(rounds: int) -> list[dict]:
         data = random_rows(qtype, n_out, n_in, seed=len(rows))
         x = rng.standard_normal(n_in).astype(np.float32)
         codes = np.array([WEIGHT_FORMATS[qtype].code], np.int64)
-        outs = {name: np.empty(n_out, np.float32) for name in ("narrow", "wide")}
-        kernels = {name: (lambda name=name: gemv_blocks(codes, (data,), x, (outs[name],), F16_TABLE, name == "wide"))
+        outs = {name: np.empty((1, n_out), np.float32) for name in ("narrow", "wide")}
+        kernels = {name: (lambda name=name: gemv_blocks(codes, (data,), x[None], (outs[name],), F16_TABLE,
+                                                        name == "wide"))
                    for name in outs}
         for kernel in kernels.values():
             kernel()
@@ -105,14 +106,14 @@ def stream_cases(rounds: int, n_weights: int = 40, shape: tuple[int, int] = (153
     for qtype in tqdm((T.Q6_K, T.Q4_K), desc="cpu gemv from DRAM"):
         one = random_rows(qtype, n_out, n_in, seed=3)
         weights = [one.copy() for _ in range(n_weights)]  # (distinct memory: each is read from DRAM in turn)
-        outs = [np.empty(n_out, np.float32) for _ in weights]
+        outs = [np.empty((1, n_out), np.float32) for _ in weights]
         code = np.array([WEIGHT_FORMATS[qtype].code], np.int64)
         variants = {"wide, prefetch": (True, PREFETCH_BYTES), "wide, no prefetch": (True, 0),
                     "narrow, prefetch": (False, PREFETCH_BYTES)}
 
         def step(wide, ahead):
             for data, out in zip(weights, outs):
-                gemv_blocks(code, (data,), x, (out,), F16_TABLE, wide, ahead)
+                gemv_blocks(code, (data,), x[None], (out,), F16_TABLE, wide, ahead)
         kernels = {name: (lambda w=w, a=a: step(w, a)) for name, (w, a) in variants.items()}
         seconds = alternating(kernels, rounds, calls=3)
         total = sum(w.nbytes for w in weights)

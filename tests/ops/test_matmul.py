@@ -157,9 +157,13 @@ def test_gemv_and_gemm_match_reference(qtype, n_in):
     reference = x_hat.astype(np.float64) @ weight.T
     scale = np.abs(x_hat).astype(np.float64) @ np.abs(weight).T
     for wide in (False, True):  # (the 512-bit GEMV; on a machine without AVX-512 LLVM splits it)
-        out = np.empty(n_out, np.float32)
-        gemv_blocks(np.array([fmt.code]), (rows,), x[0], (out,), F16_TABLE, wide)
-        np.testing.assert_array_less(np.abs(out - reference[0]), 2e-6 * scale[0] + 1e-30)
+        out = np.empty((3, n_out), np.float32)
+        gemv_blocks(np.array([fmt.code]), (rows,), x[:3], (out,), F16_TABLE, wide)
+        np.testing.assert_array_less(np.abs(out - reference[:3]), 2e-6 * scale[:3] + 1e-30)
+        one = np.empty((1, n_out), np.float32)
+        for t in range(3):  # each token's values are the one-token kernel's, bit for bit
+            gemv_blocks(np.array([fmt.code]), (rows,), x[t:t + 1], (one,), F16_TABLE, wide)
+            np.testing.assert_array_equal(out[t], one[0])
     if qtype not in FLOAT_TYPES:  # (float weights go to BLAS)
         for n_tok in (35, 20):  # a last tile of 3 tokens (the half-width kernel), one tile of 20 (full width)
             got = gemm_many(x[:n_tok], [(rows, fmt)])[0]

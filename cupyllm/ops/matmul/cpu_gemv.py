@@ -636,31 +636,42 @@ def _gemv_rows(code, data, first, end, x, xq, xd, xsum, out, f16, ahead, wide):
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
-def gemv_blocks(codes, datas, x, outs, f16, wide=None, ahead=PREFETCH_BYTES, shares=ROW_SHARES):
-    """outs[i][n] = sum_k x_hat[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
-    that reads the one activation vector x (x_hat: x rounded to 16-bit codes per 32 values; float weights
-    take x as it is): each row read once, all weights in ONE parallel region, so q/k/v and gate/up cost a
-    decode step one thread wake-up per group, not one per weight. `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in
-    512-bit lanes (None, the default: where the machine has them, MACHINE_HAS_512_BIT_LANES; the narrow kernels
-    give the same values up to float32 summation order); `ahead`: the bytes past each block to prefetch (0:
-    none); `shares`: the equal shares of all the rows that the parallel loop hands out (ROW_SHARES; gemv_many
-    passes the thread count: a share a thread). Weights of no rows add no work (gemv_many pads the tuples to
-    GEMV_WEIGHTS with them)."""
-    n_in = x.shape[0]
-    xq = np.empty(n_in, np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
-    xd = np.empty(n_in // ACTIVATION_BLOCK + 8, np.float32)  # + 8: Q6_K loads 8 lanes to use its last 4
+def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, shares=ROW_SHARES):
+    """outs[i][t, n] = sum_k x_hat_t[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
+    and every token t of xs [T, n_in] (x_hat: x rounded to 16-bit codes per 32 values; float weights take x as
+    it is): each row read from memory once for all T tokens, all weights in ONE parallel region, so q/k/v and
+    gate/up cost a decode step one thread wake-up per group, not one per weight. Each token's dot products are
+    the one-token kernel's, bit for bit, whatever T (a verify run of drafts computes what decode steps do).
+    `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in 512-bit lanes (None, the default: where the machine has them,
+    MACHINE_HAS_512_BIT_LANES; the narrow kernels give the same values up to float32 summation order); `ahead`:
+    the bytes past each block to prefetch (0: none); `shares`: the equal shares of all the rows that the
+    parallel loop hands out (ROW_SHARES; gemv_many passes the thread count: a share a thread). Weights of no rows
+    add no work (gemv_many pads the tuples to GEMV_WEIGHTS with them)."""
+    n_tok, n_in = xs.shape
+    n_blocks = n_in // ACTIVATION_BLOCK + 8  # + 8: Q6_K loads 8 lanes to use its last 4
+    xq = np.empty((n_tok, n_in), np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
+    xd = np.empty((n_tok, n_blocks), np.float32)
     xsum = np.empty_like(xd)
     if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
-        quantize_activation_row(x, xq, xd, xsum)
+        for t in range(n_tok):
+            quantize_activation_row(xs[t], xq[t], xd[t], xsum[t])
+    # several tokens: a tile of rows at a time for every token, so each row is read from memory once and from
+    # the cache for the other tokens (one token: the share's rows in one call)
+    tile = TOKEN_TILE_ROWS if n_tok > 1 else 1 << 62
     for share in prange(shares):
         first, stop = _share_rows(datas, share, shares)
         offset = 0
         for i in range(len(datas)):  # the weights' rows that fall in this thread's share
             n_rows = datas[i].shape[0]
-            if max(first, offset) < min(stop, offset + n_rows):
-                _gemv_rows(codes[i], datas[i], max(first - offset, 0), min(stop - offset, n_rows), x, xq,
-                           xd, xsum, outs[i], f16, ahead, wide)
+            lo, hi = max(first - offset, 0), min(stop - offset, n_rows)
+            for a in range(lo, hi, tile):
+                b = min(a + tile, hi)
+                for t in range(n_tok):
+                    _gemv_rows(codes[i], datas[i], a, b, xs[t], xq[t], xd[t], xsum[t], outs[i][t], f16, ahead, wide)
             offset += n_rows
+
+
+TOKEN_TILE_ROWS = 16  # rows a thread takes through all tokens at once: 16 rows of 4096 Q4_K values are 36 KiB
 
 
 # gemv_many passes this many weights a call, padding with empty ones: numba compiles gemv_blocks once per tuple
@@ -684,8 +695,8 @@ _NO_OUT = np.empty(0, np.float32)
 
 
 def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
-    """[x_hat @ W.T for W in weights] through gemv_blocks, token by token (x: a few tokens, f32 contiguous;
-    the weights' arrays all of one type), GEMV_WEIGHTS weights a call."""
+    """[x_hat @ W.T for W in weights] through gemv_blocks (x: a few tokens, f32 contiguous; the weights' arrays
+    all of one type), GEMV_WEIGHTS weights a call."""
     if len(weights) > GEMV_WEIGHTS:
         return [y for i in range(0, len(weights), GEMV_WEIGHTS)
                 for y in gemv_many(x, weights[i:i + GEMV_WEIGHTS])]
@@ -693,9 +704,9 @@ def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> 
     datas = tuple([weight_rows(data) for data, _ in weights] + [_NO_ROWS] * n_pad)
     codes = np.array([fmt.code for _, fmt in weights] + [0] * n_pad, np.int64)
     outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data, _ in weights]
-    for t in range(x.shape[0]):
-        gemv_blocks(codes, datas, x[t], tuple([out[t] for out in outs] + [_NO_OUT] * n_pad), F16_TABLE, None,
-                    PREFETCH_BYTES, numba.get_num_threads())
+    no_out = np.empty((x.shape[0], 0), np.float32)
+    gemv_blocks(codes, datas, x, tuple(outs + [no_out] * n_pad), F16_TABLE, None, PREFETCH_BYTES,
+                numba.get_num_threads())
     return outs
 
 
