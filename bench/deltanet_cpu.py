@@ -1,6 +1,6 @@
-"""One Gated DeltaNet layer core on the CPU (cupyllm/ops/deltanet/cpu.py): the prompt's conv and delta rule, by
-the numba token loop and by the chunked form (BLAS products), and one decode step (conv + delta rule + gated
-norm), at Qwen3.5 / Qwen3-Next shapes. The projections around the core (in_proj, out_proj) are matmuls, not here.
+"""One Gated DeltaNet layer core on the CPU (cupyllm/ops/deltanet/cpu.py): the prompt's conv, delta rule (by the
+numba token loop and by the chunked form, BLAS products) and gated norm, and one decode step (conv + delta rule +
+gated norm), at Qwen3.5 / Qwen3-Next shapes. The projections around the core (in_proj, out_proj) are matmuls, not here.
 
     python bench/deltanet_cpu.py [--tokens 64,512,2048] [--rounds 5] [--out bench/results/deltanet_cpu.json]
 
@@ -29,7 +29,7 @@ from cupyllm.ops.deltanet.reference import decay_and_beta
 ROOT = Path(__file__).resolve().parents[1]
 # (key heads, value heads, key head dim, value head dim, conv kernel). The first: HF Qwen3_5TextConfig's defaults,
 # the same linear-attention shape as Qwen3-Next-80B-A3B's config.json. The second: one value head per key head,
-# half the state (not checked against a released config).
+# half the state, as the qwen3.5-0.8b preset of tests/support/make_tiny_models.py (bench/e2e_cpu.py's).
 SHAPES = {"qwen3.5 defaults / qwen3-next (16k/32v x 128)": (16, 32, 128, 128, 4),
           "16k/16v x 128": (16, 16, 128, 128, 4)}
 
@@ -75,18 +75,22 @@ def main() -> None:
             x = rng.standard_normal((n, channels)).astype(np.float32)
             y = np.empty_like(x)
             out = np.empty(v.shape, np.float32)
+            z = rng.standard_normal((n * n_v, dv)).astype(np.float32)
+            norm_w, normed = np.ones(dv, np.float32), np.empty_like(z)
             conv_ms = best_ms(lambda: cpu.conv1d_silu_rows(x, weight, np.zeros((width - 1, channels), np.float32), y),
                               args.rounds)
             loop_ms = best_ms(lambda: cpu.gated_delta_tokens(q, k, v, g, beta, state0.copy(), out), args.rounds)
             chunked_ms = best_ms(lambda: cpu.gated_delta_chunked(q, k, v, g, beta, state0.copy()), args.rounds)
+            norm_ms = best_ms(lambda: cpu.gated_rms_norm_rows(out.reshape(-1, dv), z, norm_w, np.float32(1e-6),
+                                                              normed), args.rounds)
             cpu.gated_delta_tokens(q, k, v, g, beta, state0.copy(), out)
             diff = float(np.abs(cpu.gated_delta_chunked(q, k, v, g, beta, state0.copy()) - out).max())
             rows.append({"shape": shape, "threads": threads, "what": "prefill", "tokens": n, "conv_ms": conv_ms,
-                         "token_loop_ms": loop_ms, "chunked_ms": chunked_ms,
+                         "token_loop_ms": loop_ms, "chunked_ms": chunked_ms, "gated_norm_ms": norm_ms,
                          "token_loop_us_per_token": round(1e3 * loop_ms / n, 2),
                          "chunked_us_per_token": round(1e3 * chunked_ms / n, 2), "max_abs_diff": diff})
             print(f"{shape}, {threads} thread(s), prefill {n}: conv {conv_ms} ms, token loop {loop_ms} ms, "
-                  f"chunked {chunked_ms} ms, diff {diff:.1e}")
+                  f"chunked {chunked_ms} ms, gated norm {norm_ms} ms, diff {diff:.1e}")
         q, k, v, g, beta = inputs(rng, 1, n_k, n_v, dk, dv)
         x = rng.standard_normal((1, channels)).astype(np.float32)
         conv_state = np.zeros((width - 1, channels), np.float32)
