@@ -32,6 +32,7 @@ from .files.model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
 from .kv.prompt_cache import PromptCache, layer_state_problem
+from .kv.shift import ContextShift
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
 from .speculative import DraftLength, ModelDrafter, NgramDrafter, SpecConfig, check_same_vocabulary, spec_config
@@ -106,7 +107,8 @@ class Model:
                  seed: int | None = None, stop: Sequence[str] | str | None = None, stream: bool = False,
                  chat: bool = False, chat_template_kwargs: dict | None = None,
                  progress: bool | None = None, prompt_cache: PromptCache | None = None,
-                 keep_cache: bool = False, spec: SpecConfig | dict | str | bool | None = None) -> str | Iterator[str]:
+                 keep_cache: bool = False, spec: SpecConfig | dict | str | bool | None = None,
+                 context_shift: bool = False, keep: int = 0, discard: int = 0) -> str | Iterator[str]:
         """Continue `prompt` (text, token ids, or with chat=True a message or list of messages, rendered with
         `chat_template_kwargs`). Returns the text, or with stream=True an iterator of text pieces. Stats land
         in `last_stats`. max_tokens=-1 generates until end of generation, a stop string or a full context.
@@ -116,7 +118,12 @@ class Model:
         spec: speculative decoding for this call (cupyllm.speculative.SpecConfig, a dict of its fields, or a type:
         "ngram", "draft", "self"); None: load()'s; False: none. The text is the one plain decoding gives (the same
         tokens when greedy, the same distribution when sampling), sooner where drafts are kept; the counts land
-        in last_stats.draft."""
+        in last_stats.draft.
+        context_shift: when the reply fills the context, forget `discard` positions after the first `keep` prompt
+        tokens (a BOS token is kept besides, as llama.cpp's --keep; keep=-1: the whole prompt; discard=0: half
+        of what is not kept), re-rope the rest and go on (kv/shift.py; docs/context-shift.md): max_tokens alone
+        ends the reply. last_stats.context_shifts counts the shifts. Off by default: a full context ends the
+        reply ("context full"). Not for hybrid models (Qwen3.5's recurrent states cannot forget a span)."""
         # every argument is checked before anything runs or changes (the CLI echoes the prompt after this returns)
         max_tokens = check_max_tokens(max_tokens)
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -124,6 +131,7 @@ class Model:
         spec = self.spec if spec is None else (None if spec is False else spec_config(spec))
         self._check_spec(spec)
         ids = self._prompt_ids(prompt, chat, chat_template_kwargs)
+        shift = self._context_shift(ids, keep, discard) if context_shift else None
         need = len(ids) + (1 if max_tokens != 0 else 0)  # the first generated token needs its position
         if need > self.kv_spec.ctx:
             raise ContextOverflowError(f"the prompt's {len(ids)} tokens{' and one generated' * (max_tokens != 0)} "
@@ -136,17 +144,30 @@ class Model:
         self.last_stats = GenerationStats()
         cache, reused, logits = self._cache_holding_prefix(ids, prompt_cache)
         self.last_stats.cached_tokens = reused
-        def keep(held_ids: list[int], held_logits) -> None:
+        def keep_reply(held_ids: list[int], held_logits) -> None:  # (keep_cache; `keep` is context shift's)
             self.last_prompt_cache = self._snapshot(cache, held_ids, held_logits, reused)
 
         pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids[reused:], cache, sampler,
                                  max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
                                  stats=self.last_stats, progress=progress, history=ids[:reused], logits=logits,
-                                 on_done=keep if keep_cache else None, drafter=self._drafter(spec),
+                                 on_done=keep_reply if keep_cache else None, drafter=self._drafter(spec),
                                  draft_length=None if spec is None else DraftLength(spec.draft_max, spec.draft_min,
                                                                                     spec.adaptive),
-                                 checkpoint_at=self._turn_start(prompt, ids, chat, chat_template_kwargs))
+                                 checkpoint_at=self._turn_start(prompt, ids, chat, chat_template_kwargs),
+                                 context_shift=shift)
         return pieces if stream else "".join(pieces)
+
+    def _context_shift(self, ids: list[int], keep: int, discard: int) -> ContextShift:
+        """generate()'s context-shift policy for the prompt `ids`: keep as llama.cpp counts it (its BOS token on
+        top; -1: the whole prompt; never more than the prompt)."""
+        for name, value, low in (("keep", keep, -1), ("discard", discard, 0)):
+            if not (_is_count(value) and value >= low):
+                raise InputError(f"{name} (--{name}) must be a count >= {low}, got {value!r}")
+        bos = self.tokenizer.specials.bos
+        if keep >= 0 and self.tokenizer.add_bos and bos is not None and ids[0] == bos:
+            keep += 1
+        keep = len(ids) if keep < 0 else min(keep, len(ids))
+        return ContextShift(self.cfg, keep=keep, discard=int(discard), dca=self.dca)
 
     def _turn_start(self, prompt, ids: list[int], chat: bool, chat_template_kwargs: dict | None) -> list[int]:
         """Where a hybrid model's chat prompt leaves the conversation for the generation prompt, as a checkpoint

@@ -57,6 +57,17 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> Non
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_context_shift_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("context shift (a full context goes on instead of ending; docs/context-shift.md)")
+    g.add_argument("--context-shift", action="store_true",
+                   help="when the context is full, drop --discard tokens after the first --keep, re-rope the rest and "
+                        "go on (default: off, a full context ends the generation)")
+    g.add_argument("--keep", type=int, default=0,
+                   help="prompt tokens a context shift keeps, BOS besides (default 0; -1: the whole prompt)")
+    g.add_argument("--discard", type=int, default=0,
+                   help="tokens a context shift drops (default 0: half of those not kept)")
+
+
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same text, sooner where drafts are kept; docs/speculative.md)")
     g.add_argument("--spec-type", choices=("ngram", "draft", "self"), default=None,
@@ -108,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("-f", "--file", help="read the prompt from a file")
     _add_model_args(gen)
     _add_sampling_args(gen)
+    _add_context_shift_args(gen)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_chat_args(gen)
     _add_spec_args(gen)
@@ -119,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
                                        "input ends it); each turn prefills only what the conversation added")
     _add_model_args(chat)
     _add_sampling_args(chat, max_tokens=512)
+    _add_context_shift_args(chat)
     _add_chat_args(chat)
     _add_spec_args(chat)
 
@@ -214,6 +227,10 @@ def _check_flags(args) -> None:
         check_max_tokens(args.max_tokens)
         SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                        repeat_penalty=args.repeat_penalty, seed=args.seed)
+    for name in ("keep", "discard"):
+        value, low = getattr(args, name, 0), -1 if name == "keep" else 0
+        if value < low:
+            raise InputError(f"--{name} must be a count >= {low}, got {value}")
     spec = _spec_options(args)
     if spec is not None and spec.type == "draft" and not args.model_draft:
         raise InputError("--spec-type draft needs a draft model: -md/--model-draft FILE")
@@ -256,7 +273,8 @@ def _load_model(args):
 def _sampling(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop,
-                chat_template_kwargs=None if args.think is None else {"enable_thinking": args.think})
+                chat_template_kwargs=None if args.think is None else {"enable_thinking": args.think},
+                context_shift=args.context_shift, keep=args.keep, discard=args.discard)
 
 
 def _print_stats(model, prompt_cache=None, prefill_seconds: float = 0.0) -> None:

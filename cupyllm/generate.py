@@ -2,6 +2,7 @@
 streaming UTF-8-safe text pieces and holding back any text that could still become a stop string."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -12,7 +13,7 @@ from tqdm.auto import tqdm
 from .errors import InputError
 from .kv.cache import KVCache
 from .sampling import Sampler
-from .speculative.decoder import DraftLength, DraftStats, Drafter, TokenSource
+from .speculative.decoder import ContextFull, DraftLength, DraftStats, Drafter, TokenSource
 
 PROGRESS_MIN_TOKENS = 1024  # prompts at least this long show a prefill progress bar
 
@@ -34,6 +35,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     stop_reason: str = ""
     draft: DraftStats | None = None  # speculative decoding's counts, when a drafter ran
+    context_shifts: int = 0  # times a full cache was shifted to go on (kv/shift.py)
 
     @property
     def prefill_tps(self) -> float:
@@ -50,9 +52,10 @@ class GenerationStats:
             d = self.draft
             draft = (f", drafts: {d.accepted}/{d.drafted} kept ({100 * d.acceptance:.0f}%), "
                      f"{d.tokens_per_forward:.2f} tok/forward")
+        shifts = f", context shifts: {self.context_shifts}" if self.context_shifts else ""
         return (f"prefill {self.prompt_tokens} tok{cached} in {self.prefill_seconds:.2f} s ({self.prefill_tps:.1f} tok/s), "
                 f"decode {self.generated_tokens} tok in {self.decode_seconds:.2f} s ({self.decode_tps:.1f} tok/s)"
-                f"{draft}, stop: {self.stop_reason}")
+                f"{draft}{shifts}, stop: {self.stop_reason}")
 
 
 def prefill(forward: Callable, ids: Sequence[int], cache: KVCache, chunk: int, *, all_logits: bool = False,
@@ -115,7 +118,7 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
                     history: Sequence[int] = (), logits: np.ndarray | None = None,
                     on_done: Callable[[list[int], np.ndarray], None] | None = None,
                     drafter: Drafter | None = None, draft_length: DraftLength | None = None,
-                    checkpoint_at: Sequence[int] = ()) -> Iterator[str]:
+                    checkpoint_at: Sequence[int] = (), context_shift=None) -> Iterator[str]:
     """Yield text pieces of the continuation of `prompt_ids` (the cache must be empty or hold a prefix: the
     tokens `history`, which the repeat penalty sees too). `logits`: those after the last cached token, when
     prompt_ids is empty (the whole prompt is cached). max_tokens=-1 (llama.cpp's -n -1) generates until an
@@ -123,10 +126,14 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
     stream ends or is closed between tokens, with the tokens the cache then holds (the last sampled token is
     never run) and the logits after them; not after an error inside the model (the cache may be half written).
     `drafter`: speculative decoding (cupyllm/speculative), `draft_length` choosing how much it drafts; the text
-    is the same as without, token for token where sampling is greedy. `checkpoint_at`: as prefill's."""
+    is the same as without, token for token where sampling is greedy. `checkpoint_at`: as prefill's.
+    `context_shift`: a kv/shift.py ContextShift: a full cache is shifted and generation goes on (max_tokens
+    alone ends it; on_done then gets the tokens the shifted cache holds); None: a full context ends it."""
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     room = cache.spec.ctx - cache.n_past - len(prompt_ids)
+    if context_shift is not None:  # (ContextFull still ends it where the kept tokens fill the cache)
+        room = max_tokens if max_tokens >= 0 else float("inf")
     budget = room if max_tokens < 0 else min(max_tokens, room)
     cache.check_room(len(prompt_ids) + (1 if max_tokens != 0 else 0))
     t0 = time.perf_counter()
@@ -137,14 +144,19 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
     history = list(history) + list(prompt_ids)
     if drafter is not None:
         stats.draft = DraftStats()
-    tokens = TokenSource(forward, cache, sampler, history, logits, drafter, draft_length, stats.draft)
+    tokens = TokenSource(forward, cache, sampler, history, logits, drafter, draft_length, stats.draft,
+                         shift=context_shift)
     decoder = tokenizer.stream_decoder()
     matcher = StopMatcher(stop)
     stats.stop_reason = "max_tokens" if 0 <= max_tokens <= budget else "context full"
     t0 = time.perf_counter()
     try:
-        for step in range(budget):
-            token = tokens.next(budget - step)
+        for step in (itertools.count() if budget == float("inf") else range(budget)):
+            try:
+                token = tokens.next(budget - step)
+            except ContextFull:
+                stats.stop_reason = "context full"
+                break
             stats.generated_tokens += 1
             if tokenizer.is_eog(token):
                 stats.stop_reason = "end of generation token"
@@ -161,11 +173,12 @@ def generate_stream(forward: Callable, tokenizer, prompt_ids: Sequence[int], cac
                 yield tail
     except GeneratorExit:  # closed at a yield: the cache is whole
         if on_done is not None:
-            on_done(history[:cache.n_past], tokens.settle())
+            on_done(tokens.held_ids(), tokens.settle())
         raise
     else:
         logits = tokens.settle()
         if on_done is not None:
-            on_done(history[:cache.n_past], logits)
+            on_done(tokens.held_ids(), logits)
     finally:
         stats.decode_seconds = time.perf_counter() - t0
+        stats.context_shifts = tokens.shifts

@@ -12,6 +12,10 @@ Every emitted token is distributed exactly as plain decoding's (greedy: the same
 rewound to what was emitted (KVCache.rewind; a hybrid model's recurrent states go back to their mark and the
 kept tokens run again). The caller sees one token at a time and applies its stop rules to each, as without a
 drafter; settle() puts the cache where plain decoding would have it when the caller stops.
+
+With a context shift (kv/shift.py ContextShift), a step that would not fit the cache first shifts it: only
+between steps, never inside a verify run's mark, so rewinds stay within one layout. The cache then holds
+the tokens of history less the spans dropped (`held`), which drafters see in place of the whole history.
 """
 from __future__ import annotations
 
@@ -23,6 +27,11 @@ import numpy as np
 
 from ..kv.cache import KVCache
 from ..sampling import Sampler
+
+
+# the most tokens a verify forward runs: the CPU's few-query attention and multi-token GEMV take this many with
+# the values of one-token steps (longer runs take the prefill paths, whose sums differ in the last bits)
+MAX_RUN_TOKENS = 16
 
 
 class Drafter(Protocol):
@@ -120,13 +129,18 @@ class DraftLength:
             self.rate[j] = 0.7 * self.rate[j] + 0.3 * (j < n_accepted)
 
 
+class ContextFull(Exception):
+    """The cache has no room for the next step and no context shift can make any."""
+
+
 class TokenSource:
     """Tokens one at a time after a prefilled cache; see the module docstring. `history`: every token the
-    cache holds (the prompt), extended with each token handed out; `logits`: those after the last of them."""
+    cache holds (the prompt), extended with each token handed out; `logits`: those after the last of them.
+    `shift`: a ContextShift (kv/shift.py) that frees room when a step would not fit; None: ContextFull then."""
 
     def __init__(self, forward: Callable, cache: KVCache, sampler: Sampler, history: list[int], logits,
                  drafter: Drafter | None = None, length: DraftLength | None = None,
-                 stats: DraftStats | None = None):
+                 stats: DraftStats | None = None, shift=None):
         if drafter is not None and length is None:
             raise ValueError("a drafter needs a DraftLength")
         self.forward, self.cache, self.sampler = forward, cache, sampler
@@ -137,12 +151,15 @@ class TokenSource:
         self._queue: list[tuple[int, np.ndarray]] = []  # verified tokens not handed out, with their logits
         self._last_logits = None  # the logits the last handed-out token was drawn from
         self._mark, self._run = None, None  # the last step's cache mark (None: no drafts) and the tokens it ran
+        self.shift = shift
+        self.shifts = 0  # context shifts made
+        self.held = history  # the tokens at the cache's positions, and the pending one: history until a shift
 
     def next(self, room: int) -> int:
         """The next token; `room`: how many more tokens the caller may still take, this one included (drafts
         never run past it, nor past the context)."""
         if not self._queue:
-            if self.cache.n_past == len(self.history):  # the first token: drawn from the prefill's logits
+            if self.cache.n_past == len(self.held):  # the first token: drawn from the prefill's logits
                 self._queue.append((self.sampler(np.asarray(self._logits).reshape(-1), self.history), self._logits))
             else:
                 self._step(room)
@@ -151,18 +168,29 @@ class TokenSource:
             self.stats.emitted += 1  # (a token after the first: a decode forward's)
         token, self._last_logits = self._queue.pop(0)
         self.history.append(token)
+        if self.held is not self.history:
+            self.held.append(token)
         return token
 
     def _step(self, room: int) -> None:
         """Run the pending token (the last handed out), with drafts after it when they pay, and queue the
         verified tokens."""
         cache = self.cache
+        if cache.n_past + 1 > cache.spec.ctx:  # the pending token has no position: shift (between steps only)
+            dropped = self.shift.make_room(cache) if self.shift is not None else None
+            if dropped is None:
+                raise ContextFull(f"the context of {cache.spec.ctx} tokens is full")
+            if self.held is self.history:
+                self.held = list(self.history)
+            del self.held[dropped[0]:dropped[0] + dropped[1]]
+            self.shifts += 1
         start = cache.n_past
         k = 0
         if self.drafter is not None:  # (a sliding window's ring has max_chunk spare slots for a run)
-            k = self.length.choose(min(room - 1, cache.spec.ctx - start - 1, cache.spec.max_chunk - 1))
+            k = self.length.choose(min(room - 1, cache.spec.ctx - start - 1, cache.spec.max_chunk - 1,
+                                       MAX_RUN_TOKENS - 1))
         t0 = time.perf_counter()
-        drafts = [int(t) for t in self.drafter.draft(self.history, k)][:k] if k > 0 else []
+        drafts = [int(t) for t in self.drafter.draft(self.held, k)][:k] if k > 0 else []
         draft_seconds = time.perf_counter() - t0
         tokens = np.array([self.history[-1], *drafts], dtype=np.int64)
         mark = cache.mark() if drafts else None
@@ -190,6 +218,11 @@ class TokenSource:
         self._mark, self._run = mark, tokens
         self._rewind(start + 1 + kept)
 
+    def held_ids(self, pending: bool = False) -> list[int]:
+        """The tokens the cache holds, in order (history itself until a context shift drops some); pending: with
+        the last handed-out token, which the next step runs, after them."""
+        return self.held[:self.cache.n_past + pending]
+
     def _rewind(self, n_keep: int) -> None:
         """Cut the cache back to n_keep positions, within the last step's run (self._run, from the mark)."""
         if n_keep == self.cache.n_past:
@@ -205,6 +238,6 @@ class TokenSource:
         and return the logits after its last position."""
         if self._last_logits is None:  # nothing handed out: the cache holds all of history
             return self._logits
-        self._rewind(len(self.history) - 1)  # (only a step with drafts can hold more: it has a mark)
+        self._rewind(len(self.held) - 1)  # (only a step with drafts can hold more: it has a mark)
         self._queue.clear()
         return self._last_logits
