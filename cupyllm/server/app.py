@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from ..errors import CupyllmError, InputError, SamplingError
 from ..generate import check_max_tokens
 from ..sampling import SamplingParams
-from .engine import Engine, QueueFull, Request, Result, TokenLogprob
+from .engine import Engine, QueueFull, Request, Result, TokenLogprob, start_cpu_threads
 from .metrics import metrics_text
 
 Number = Union[StrictInt, float]
@@ -89,6 +89,8 @@ def create_app(model, parallel: int = 1, *, api_key: str | None = None, queue_si
     """The app serving `model` with `parallel` slots (engine.Engine); api_key: a bearer token every /v1,
     /props, /slots and /metrics call must carry; queue_size: requests that may wait for a slot beyond the
     busy ones (more: 503); time_limit: seconds a request may run (then it ends with finish_reason "length")."""
+    if model.device == "cpu":
+        start_cpu_threads()  # (on this thread, before the batcher's: see its docstring)
     engine_box: dict[str, Engine] = {}
     model_name = alias or model.path.name
     created = int(time.time())
