@@ -221,12 +221,14 @@ def test_the_gpu_backend_refuses_deltanet_shapes_its_kernels_lack(tiny_model, tm
         is None
 
 
-def test_chat_with_thinking_on_and_off_end_to_end(tiny_model):
-    """`cupyllm chat` on a hybrid model with its chat template (the tiny models carry one in Qwen3.5's form):
+def test_chat_with_thinking_on_and_off_end_to_end(tmp_path):
+    """`cupyllm chat` on a hybrid model with its chat template (a tiny model with one in Qwen3.5's form):
     --think / --no-think reach the template's generation prompt, every turn replies, and each later turn reuses
     the cache up to where the re-rendered conversation differs from what ran (the template drops the thought of
     earlier replies: the states go back to the checkpoint at the end of the previous prompt)."""
-    path = tiny_model("qwen35")[0]
+    path = tmp_path / "tiny-qwen35-chat.gguf"
+    make_tiny_models.write_gguf(make_tiny_models.tiny_spec("qwen35"), path,
+                                chat_template=make_tiny_models.QWEN35_TEMPLATE)
     model = _load(path)
     decode = model.tokenizer.decode
     assert decode(model.chat_ids("hi")).endswith("<|im_start|>assistant\n<think>\n")

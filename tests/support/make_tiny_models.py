@@ -538,9 +538,10 @@ def _add_gemma_specials(writer) -> None:
 
 
 def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
-               override_types: dict[str, T] | None = None) -> dict[str, np.ndarray]:
+               override_types: dict[str, T] | None = None, chat_template: str | None = None) -> dict[str, np.ndarray]:
     """Write the tiny model; returns the decoded float32 tensors (what the HF twin loads; with
-    spec.random_blocks only the vectors: decode the matrices from the file)."""
+    spec.random_blocks only the vectors: decode the matrices from the file). chat_template: one to store (the
+    default files keep the bytes the stored references were made from)."""
     arch = arch_name or spec.gguf_arch
     stored, decoded = build_tensors(spec)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -589,8 +590,8 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
         writer.add_eos_token_id(tokens.index("<|im_end|>"))
         writer.add_bos_token_id(tokens.index("<|endoftext|>"))
         writer.add_add_bos_token(False)
-        if spec.arch in HYBRID_ARCHES:
-            writer.add_chat_template(QWEN35_TEMPLATE)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for name, (raw, qtype) in stored.items():
         if name in (override_types or {}):  # an arbitrary type (e.g. one we do not support): zero blocks
             qtype = override_types[name]
