@@ -120,7 +120,7 @@ class Model:
         tokens when greedy, the same distribution when sampling), sooner where drafts are kept; the counts land
         in last_stats.draft.
         context_shift: when the reply fills the context, forget `discard` positions after the first `keep` prompt
-        tokens (a BOS token is kept besides, as llama.cpp's --keep; keep=-1: the whole prompt; discard=0: half
+        tokens (the first token is kept besides: BOS as llama.cpp keeps it; keep=-1: the whole prompt; discard=0: half
         of what is not kept), re-rope the rest and go on (kv/shift.py; docs/context-shift.md): max_tokens alone
         ends the reply. last_stats.context_shifts counts the shifts. Off by default: a full context ends the
         reply ("context full"). Not for hybrid models (Qwen3.5's recurrent states cannot forget a span)."""
@@ -158,15 +158,13 @@ class Model:
         return pieces if stream else "".join(pieces)
 
     def _context_shift(self, ids: list[int], keep: int, discard: int) -> ContextShift:
-        """generate()'s context-shift policy for the prompt `ids`: keep as llama.cpp counts it (its BOS token on
-        top; -1: the whole prompt; never more than the prompt)."""
+        """generate()'s context-shift policy for the prompt `ids`: `keep` tokens after the first, which always
+        stays (llama.cpp keeps n_keep + its BOS; a model without BOS, Qwen, needs its first token kept as well:
+        it is the attention sink, and text collapses once it is dropped); -1: the whole prompt."""
         for name, value, low in (("keep", keep, -1), ("discard", discard, 0)):
             if not (_is_count(value) and value >= low):
                 raise InputError(f"{name} (--{name}) must be a count >= {low}, got {value!r}")
-        bos = self.tokenizer.specials.bos
-        if keep >= 0 and self.tokenizer.add_bos and bos is not None and ids[0] == bos:
-            keep += 1
-        keep = len(ids) if keep < 0 else min(keep, len(ids))
+        keep = len(ids) if keep < 0 else min(keep + 1, len(ids))
         return ContextShift(self.cfg, keep=keep, discard=int(discard), dca=self.dca)
 
     def _turn_start(self, prompt, ids: list[int], chat: bool, chat_template_kwargs: dict | None) -> list[int]:

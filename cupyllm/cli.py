@@ -63,7 +63,8 @@ def _add_context_shift_args(p: argparse.ArgumentParser) -> None:
                    help="when the context is full, drop --discard tokens after the first --keep, re-rope the rest and "
                         "go on (default: off, a full context ends the generation)")
     g.add_argument("--keep", type=int, default=0,
-                   help="prompt tokens a context shift keeps, BOS besides (default 0; -1: the whole prompt)")
+                   help="prompt tokens a context shift keeps after the first, which always stays (BOS, or the "
+                        "attention sink of a model without one) (default 0; -1: the whole prompt)")
     g.add_argument("--discard", type=int, default=0,
                    help="tokens a context shift drops (default 0: half of those not kept)")
 
