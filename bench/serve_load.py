@@ -1,14 +1,15 @@
 """Load on `cupyllm serve` beside llama-cpp-python's OpenAI server, over loopback: 1, 2, 4 and 8 concurrent
 clients, each sending streamed greedy /v1/completions requests one after another.
 
-    python bench/serve_load.py [--model PATH] [--clients 1,2,4,8] [--requests 2] [--max-tokens 48]
+    python bench/serve_load.py [--model PATH ...] [--clients 1,2,4,8] [--requests 2] [--max-tokens 48]
                                [--peers cupyllm,llama-cpp-python] [--out bench/results/serve_load.json]
 
 Per server and client count: aggregate decode tokens/s (all completion tokens over the wall time of the level),
 time to first token (request sent -> first text chunk) and the inter-token latency (gaps between text chunks
 of one stream; a chunk is one token's text but where a token ends inside a UTF-8 character) as p50 / p99.
 cupyllm runs with -np = the largest client count (its slots decode together: models/batch.py); llama-cpp-python's
-server (llama_cpp.server, its `server` extra) decodes one request at a time. A server that cannot start (a
+server (llama_cpp.server, its `server` extra; --interrupt_requests False, else a new request cuts the running
+one short) decodes one request at a time. llama.cpp's own llama-server is not run (not built here). A server that cannot start (a
 peer not installed) is skipped with the reason in the JSON. The servers run one after the other on the same
 2 cores, THREADS threads each; other jobs on the machine shift the figures, so compare within one run.
 Every level also reports how many of its greedy texts equal the same prompt's text run alone before the
@@ -53,7 +54,8 @@ def start_server(peer: str, model: str, port: int, parallel: int, ctx: int) -> s
                "-c", str(ctx), "-t", str(THREADS), "--device", "cpu", "--queue", "64"]
     else:
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", str(port), "--host", "127.0.0.1",
-               "--n_ctx", str(ctx), "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS)]
+               "--n_ctx", str(ctx), "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
+               "--interrupt_requests", "False"]  # (its default: a new request cuts the running one short)
     log = tempfile.TemporaryFile("w+")  # (a pipe would fill with llama.cpp's load log and block the server)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, cwd=ROOT)
     proc.log = log
@@ -125,9 +127,55 @@ def run_level(url: str, n_clients: int, n_requests: int, max_tokens: int) -> dic
             "texts": [(r["prompt"], r["text"]) for r in results]}
 
 
+def bench_model(model: str, levels: list[int], args) -> dict:
+    import openai
+    result = {"servers": {}}
+    for peer in args.peers.split(","):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(peer, model, port, max(levels), args.ctx)
+        try:
+            wait_ready(proc, url)
+        except RuntimeError as exc:
+            result["servers"][peer] = {"skipped": str(exc)}
+            print(f"{peer}: skipped ({exc})", file=sys.stderr)
+            proc.kill()
+            continue
+        try:
+            # each prompt alone, one after the other: the reference texts (and the warm-up)
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+            alone = {prompt_for(0, i): one_request(client, prompt_for(0, i), args.max_tokens)["text"]
+                     for i in range(len(TOPICS))}
+            runs = []
+            for n in levels:
+                level = run_level(url, n, args.requests, args.max_tokens)
+                level["same_text_as_alone"] = sum(alone[p] == t for p, t in level.pop("texts"))
+                runs.append(level)
+                print(f"{Path(model).name[:24]:24s} {peer:17s} {n} clients: {level['aggregate_tok_s']:6.1f} tok/s "
+                      f"aggregate, TTFT p50 {level['ttft_p50_s']:.3f} s, ITL p50 {level['itl_p50_ms']:.1f} ms p99 "
+                      f"{level['itl_p99_ms']:.1f} ms, {level['same_text_as_alone']}/{level['requests']} texts as alone"
+                      f"{', errors: ' + str(len(level['errors'])) if level['errors'] else ''}", file=sys.stderr)
+            result["servers"][peer] = {"levels": runs}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    tps = {s: {lv["clients"]: lv["aggregate_tok_s"] for lv in r.get("levels", [])} for s, r in result["servers"].items()}
+    if 1 in tps.get("cupyllm", {}):
+        result["cupyllm_scaling"] = {n: v / tps["cupyllm"][1] for n, v in tps["cupyllm"].items()}
+    for peer, by_level in tps.items():
+        if peer != "cupyllm" and tps.get("cupyllm"):
+            result[f"cupyllm_vs_{peer}"] = {n: tps["cupyllm"][n] / v for n, v in by_level.items()
+                                           if v and n in tps["cupyllm"]}
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF (default: the default model, Gemma 3 270M Q4_K_M)")
+    ap.add_argument("--model", action="append", default=None,
+                    help="GGUF, repeatable (default: the default model, Gemma 3 270M Q4_K_M)")
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--requests", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -137,51 +185,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.model is None:
         from cupyllm.files.model_store import default_model_path
-        args.model = str(default_model_path())
+        args.model = [str(default_model_path())]
     levels = [int(c) for c in args.clients.split(",")]
     from host_cpu import cpu_description
-    out = {"model": Path(args.model).name, "max_tokens": args.max_tokens, "requests_per_client": args.requests,
-           "threads": THREADS, "host": cpu_description(), "command": " ".join(["python", "bench/serve_load.py"] + sys.argv[1:]),
-           "servers": {}}
-    for peer in args.peers.split(","):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = start_server(peer, args.model, port, max(levels), args.ctx)
-        try:
-            wait_ready(proc, url)
-        except RuntimeError as exc:
-            out["servers"][peer] = {"skipped": str(exc)}
-            print(f"{peer}: skipped ({exc})", file=sys.stderr)
-            proc.kill()
-            continue
-        try:
-            # each prompt alone, one after the other: the reference texts (and the warm-up)
-            import openai
-            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-            alone = {prompt_for(0, i): one_request(client, prompt_for(0, i), args.max_tokens)["text"]
-                     for i in range(len(TOPICS))}
-            runs = []
-            for n in levels:
-                level = run_level(url, n, args.requests, args.max_tokens)
-                runs.append(level)
-                print(f"{peer:18s} {n} clients: {level['aggregate_tok_s']:7.1f} tok/s aggregate, TTFT p50 "
-                      f"{level['ttft_p50_s']:.3f} s, ITL p50 {level['itl_p50_ms']:.1f} ms p99 {level['itl_p99_ms']:.1f} ms"
-                      f"{', errors: ' + str(len(level['errors'])) if level['errors'] else ''}", file=sys.stderr)
-            for level in runs:
-                level["same_text_as_alone"] = sum(alone[p] == t for p, t in level["texts"])
-                del level["texts"]
-            out["servers"][peer] = {"levels": runs}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    base = {s: {lv["clients"]: lv["aggregate_tok_s"] for lv in r.get("levels", [])} for s, r in out["servers"].items()}
-    if 1 in base.get("cupyllm", {}):
-        out["cupyllm_scaling"] = {n: tps / base["cupyllm"][1] for n, tps in base["cupyllm"].items()}
+    out = {"max_tokens": args.max_tokens, "requests_per_client": args.requests, "threads": THREADS,
+           "host": cpu_description(), "load_average": os.getloadavg(),
+           "command": " ".join(["python", "bench/serve_load.py"] + sys.argv[1:]),
+           "not_run": "llama.cpp's own llama-server: not built here (it needs the llama.cpp sources compiled)",
+           "models": {}}
+    for model in args.model:
+        out["models"][Path(model).name] = bench_model(model, levels, args)
+    out["load_average_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in out.items() if k != "servers"}, indent=1))
+    print(json.dumps({name: {k: v for k, v in r.items() if k != "servers"} for name, r in out["models"].items()},
+                     indent=1))
 
 
 if __name__ == "__main__":
