@@ -100,17 +100,20 @@ def gemma4(tiny_model):  # the tiny model with a chat template; sliding windows 
     return cupyllm.load(path, device="cpu", ctx=96, progress=False)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3-moe", "gemma3", "gemma4", "gemma4-moe"])
-def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch):
+@pytest.mark.parametrize("arch, options", [("qwen2", {}), ("qwen3-moe", {}), ("gemma3", {}), ("gemma4", {}),
+                                           ("gemma4-moe", {}),
+                                           ("qwen2", {"dca": {"chunk_size": 16, "local_size": 4},
+                                                      "kv_type_k": "q8_0", "kv_type_v": "q4_0"})])
+def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch, options):
     """Prefill 3 prompts one by one, then 3 decode steps: the batched forward's logits are Transformer.forward's
     on each sequence alone, bit for bit (attention over each sequence's own cache, its sliding window, Gemma 4's
-    shared caches)."""
+    shared caches; Dual Chunk Attention across chunk boundaries over quantized, K-normalised caches)."""
     path, _, _ = tiny_model(arch)
-    model = cupyllm.load(path, device="cpu", ctx=64, progress=False)
+    model = cupyllm.load(path, device="cpu", ctx=64, progress=False, **options)
     t = model.transformer
     assert batchable(t)
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (5, 11, 2)]
+    prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (5, 23, 2)]
     alone = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
     batched = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
     for ids, a, b in zip(prompts, alone, batched):

@@ -224,7 +224,7 @@ def _kv_props(model) -> dict:
 def _slot_props(model, slot) -> dict:
     cache = slot.cache
     spilled = [layer for layer in cache.own_layers() if getattr(layer, "spilled", False)]
-    host_bytes = sum(int(getattr(layer, "host_nbytes", 0)) for layer in spilled)
+    host_bytes = sum(int(getattr(layer, "host_bytes", 0)) for layer in spilled)
     return {"id": slot.id, "state": slot.state, "is_processing": slot.request is not None,
             "n_ctx": cache.spec.ctx, "tokens_cached": int(cache.n_past),
             "n_prompt_tokens": slot.n_prompt, "n_decoded": slot.n_decoded,
