@@ -22,10 +22,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from ..kv.cache import KVCache
-from .build import BLOCKS, Transformer
-from .gemma import per_layer_inputs
+from .build import Transformer
 from .layers import default_attention
-from .residual import ResidualStream
 
 
 @dataclass(frozen=True)
@@ -127,25 +125,12 @@ def forward_batch(transformer: Transformer, segments: Sequence[Segment]) -> list
         if transformer.ops.name == "cpu":
             ops = SegmentwiseFloatOps(ops, bounds)
 
-    # Transformer.forward's body, with the output rows chosen per segment
-    block = BLOCKS[cfg.arch]
-    x = ops.embed(transformer.token_embd, tokens)
-    if cfg.embed_scale != 1.0:
-        x = x * np.float32(cfg.embed_scale)
-    per_layer = per_layer_inputs(ops, cfg, *transformer.per_layer, tokens, x) if transformer.per_layer else None
-    stream = ResidualStream(ops, x, cfg.norm_eps)
-    for layer, weights in enumerate(transformer.layers):
-        extra = {} if per_layer is None else {"per_layer_input": per_layer[:, layer]}
-        block(ops, cfg, weights, layer, stream, positions, cache, attention, **extra)
-    normed = stream.norm(transformer.output_norm)
+    normed = transformer.hidden(tokens, positions, cache, attention, ops)
     rows = np.concatenate([np.arange(bounds[i], bounds[i + 1]) if s.all_logits else [bounds[i + 1] - 1]
                            for i, s in enumerate(segments)]).astype(np.int64)
     picked = normed if len(rows) == len(tokens) else normed[ops.asarray(rows)]
     counts = [n if s.all_logits else 1 for s, n in zip(segments, lengths)]
     if isinstance(ops, SegmentwiseFloatOps):
         ops = SegmentwiseFloatOps(ops._ops, np.concatenate([[0], np.cumsum(counts)]))
-    logits = ops.linear(picked, transformer.output)
-    if cfg.final_logit_softcap > 0.0:
-        logits = ops.softcap(logits, cfg.final_logit_softcap)
-    logits = np.asarray(ops.to_numpy(logits), dtype=np.float32)
+    logits = np.asarray(ops.to_numpy(transformer.logits(picked, ops)), dtype=np.float32)
     return np.split(logits, np.cumsum(counts)[:-1])

@@ -61,7 +61,15 @@ class Transformer:
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache, all_logits: bool = False):
         """Run `tokens` at `positions` (appending to `cache`); logits of every token, or of the last one."""
-        ops, cfg = self.ops, self.cfg
+        normed = self.hidden(tokens, positions, cache)
+        return self.logits(normed if all_logits else normed[-1:])
+
+    def hidden(self, tokens: np.ndarray, positions: np.ndarray, cache, attention: Callable | None = None,
+               ops=None):
+        """The decoder stack's normed output rows of `tokens` (the embedding through the final RMSNorm).
+        `attention` / `ops`: in place of self.attention / self.ops (a batched forward's, models/batch.py)."""
+        ops, cfg = ops or self.ops, self.cfg
+        attention = attention or self.attention
         block = BLOCKS[cfg.arch]
         x = ops.embed(self.token_embd, tokens)
         if cfg.embed_scale != 1.0:
@@ -70,9 +78,13 @@ class Transformer:
         stream = ResidualStream(ops, x, cfg.norm_eps)
         for layer, weights in enumerate(self.layers):
             extra = {} if per_layer is None else {"per_layer_input": per_layer[:, layer]}
-            block(ops, cfg, weights, layer, stream, positions, cache, self.attention, **extra)
-        normed = stream.norm(self.output_norm)
-        logits = ops.linear(normed if all_logits else normed[-1:], self.output)
-        if cfg.final_logit_softcap > 0.0:
-            logits = ops.softcap(logits, cfg.final_logit_softcap)
+            block(ops, cfg, weights, layer, stream, positions, cache, attention, **extra)
+        return stream.norm(self.output_norm)
+
+    def logits(self, normed, ops=None):
+        """W_out normed (soft-capped where the model caps its logits)."""
+        ops = ops or self.ops
+        logits = ops.linear(normed, self.output)
+        if self.cfg.final_logit_softcap > 0.0:
+            logits = ops.softcap(logits, self.cfg.final_logit_softcap)
         return logits
