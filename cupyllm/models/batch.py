@@ -130,7 +130,7 @@ def forward_batch(transformer: Transformer, segments: Sequence[Segment]) -> list
                            for i, s in enumerate(segments)]).astype(np.int64)
     picked = normed if len(rows) == len(tokens) else normed[ops.asarray(rows)]
     counts = [n if s.all_logits else 1 for s, n in zip(segments, lengths)]
-    if isinstance(ops, SegmentwiseFloatOps):
-        ops = SegmentwiseFloatOps(ops._ops, np.concatenate([[0], np.cumsum(counts)]))
+    if isinstance(ops, SegmentwiseFloatOps):  # the output rows: each segment's picked ones
+        ops = SegmentwiseFloatOps(transformer.ops, np.concatenate([[0], np.cumsum(counts)]))
     logits = np.asarray(ops.to_numpy(transformer.logits(picked, ops)), dtype=np.float32)
     return np.split(logits, np.cumsum(counts)[:-1])
