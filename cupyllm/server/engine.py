@@ -38,7 +38,7 @@ def start_cpu_threads() -> None:
     _parallel_sum(np.ones(64, np.float32))
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True)  # (not cached: a kernel of numba's cache must be a precompile source; this one is tiny)
 def _parallel_sum(values):
     total = 0.0
     for i in numba.prange(values.shape[0]):
