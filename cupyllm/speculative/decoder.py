@@ -72,37 +72,46 @@ class DraftStats:
 class DraftLength:
     """How many tokens to draft: as many as pay for themselves. Keeps the acceptance rate of each draft
     position (given the one before was kept) and what a target forward of n tokens costs beside a one-token
-    forward (a line 1 + slope (n - 1), its slope measured; plus the drafter's own time for the drafts), and
-    drafts the k that maximises
+    forward, each n's measured as the generation goes (the CPU's costs are not a line: a few tokens take the
+    GEMV token by token, more the GEMM's tiles), plus the drafter's own time, and drafts the k that maximises
 
         expected tokens per step / cost(k + 1),   expected tokens = 1 + sum_{i<=k} prod_{j<=i} a_j
 
-    (0, plain decoding, when no k beats 1). A drafter that keeps missing thus stops being asked, and is asked
-    for one token again every `probe_every` plain steps in case the text turned predictable. adaptive=False:
-    always n_max (where it fits)."""
+    (0, plain decoding, when no k beats 1). A length not measured yet is costed 1 + prior_slope (n - 1), which
+    is optimistic, so each length gets tried once. A drafter that keeps missing stops being asked, and is
+    asked for one token again every `probe_every` plain steps in case the text turned predictable.
+    adaptive=False: always n_max (where it fits)."""
 
     def __init__(self, n_max: int, n_min: int = 0, adaptive: bool = True, prior: float = 0.5,
-                 prior_slope: float = 0.25, probe_every: int = 16):
+                 prior_slope: float = 0.2, probe_every: int = 16):
         self.n_max, self.n_min, self.adaptive = n_max, n_min, adaptive
         self.rate = np.full(n_max, prior)  # acceptance of position j given j - 1 kept, decayed mean
-        self.one = None  # decayed mean seconds of a one-token forward
-        self.slope = prior_slope  # extra cost of each further token in a forward, in one-token forwards
+        self.seconds: dict[int, float] = {}  # tokens in a forward -> decayed mean seconds
+        self.prior_slope = prior_slope
         self.draft_seconds = None  # decayed mean seconds the drafter takes per drafted token
         self.plain_steps = 0
         self.probe_every = probe_every
+
+    def cost(self, n_tokens: int) -> float:
+        """A forward of n_tokens in one-token forwards (measured, else the prior)."""
+        one = self.seconds.get(1)
+        if one and n_tokens in self.seconds:
+            return max(self.seconds[n_tokens] / one, 1.0)
+        return 1.0 + self.prior_slope * (n_tokens - 1)
 
     def choose(self, room: int) -> int:
         """Draft length for the next step (at most `room`)."""
         limit = min(self.n_max, room)
         if limit <= 0 or not self.adaptive:
             return max(limit, 0)
-        drafting = self.draft_seconds / self.one if self.one and self.draft_seconds else 0.0
+        one = self.seconds.get(1)
+        drafting = self.draft_seconds / one if one and self.draft_seconds else 0.0
         best_k, best = 0, 1.0
         expected, kept = 1.0, 1.0
         for k in range(1, limit + 1):
             kept *= self.rate[k - 1]
             expected += kept
-            gain = expected / (1.0 + k * (self.slope + drafting))
+            gain = expected / (self.cost(k + 1) + k * drafting)
             if gain > best:
                 best_k, best = k, gain
         if best_k == 0 and self.plain_steps >= self.probe_every:
@@ -115,16 +124,14 @@ class DraftLength:
                 draft_seconds: float = 0.0) -> None:
         """One step's outcome: a target forward of n_tokens took `seconds`, n_accepted of its n_drafted drafts
         were kept, and drafting them took draft_seconds."""
-        if n_tokens == 1:
-            self.one = seconds if self.one is None else 0.8 * self.one + 0.2 * seconds
-            self.plain_steps += 1
-        elif self.one:
-            slope = max(seconds / self.one - 1.0, 0.0) / (n_tokens - 1)
-            self.slope = 0.7 * self.slope + 0.3 * slope
+        old = self.seconds.get(n_tokens)
+        self.seconds[n_tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if n_drafted:
             self.plain_steps = 0
             per_token = draft_seconds / n_drafted
             self.draft_seconds = per_token if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * per_token
+        else:
+            self.plain_steps += 1
         for j in range(min(n_drafted, n_accepted + 1)):  # positions the verdict reached
             self.rate[j] = 0.7 * self.rate[j] + 0.3 * (j < n_accepted)
 
