@@ -31,7 +31,7 @@ from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, check_memory, parse
 from .files.model_store import default_model_path
 from .models.build import Transformer
 from .models.layers import dca_attention
-from .kv.prompt_cache import PromptCache, layer_state_problem
+from .kv.prompt_cache import PromptCache, layer_state_problem, shared_prefix
 from .kv.shift import ContextShift
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
@@ -176,9 +176,7 @@ class Model:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         closed = encode_chat(self.tokenizer, self.gguf.metadata, messages, add_generation_prompt=False,
                              **(chat_template_kwargs or {}))
-        n = min(len(closed), len(ids))
-        differ = np.flatnonzero(np.asarray(closed[:n]) != np.asarray(ids[:n]))
-        return [int(differ[0]) if len(differ) else n]
+        return [shared_prefix(closed, ids)]
 
     # --- speculative decoding (cupyllm/speculative) ---------------------------------------------------
     def _check_spec(self, spec: SpecConfig | None) -> None:

@@ -37,11 +37,7 @@ class PromptCache:
 
     def shared_prefix(self, ids: Sequence[int]) -> int:
         """How many leading tokens `ids` shares with this cache's prompt."""
-        n = min(len(ids), len(self.ids))
-        mine = np.asarray(self.ids[:n], dtype=np.int64)
-        theirs = np.asarray(list(ids[:n]), dtype=np.int64)
-        differ = np.flatnonzero(mine != theirs)
-        return int(differ[0]) if len(differ) else n
+        return shared_prefix(self.ids, ids)
 
     def save(self, path: str | Path) -> None:
         """Write to `path` (.npz), through a temporary file so that an interrupted save leaves no half file; a
@@ -91,6 +87,13 @@ class PromptCache:
                 layers.setdefault(int(index), {})[field] = value
         return cls(ids=tuple(int(t) for t in arrays["ids"]), layer_states=[layers[i] for i in sorted(layers)],
                    logits=arrays["logits"], key=key)
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens the id sequences a and b share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(list(a[:n]), dtype=np.int64) != np.asarray(list(b[:n]), dtype=np.int64))
+    return int(differ[0]) if len(differ) else n
 
 
 _LAYER_NAME = re.compile(r"layer(0|[1-9][0-9]*)\.[a-z_0-9]+")

@@ -26,6 +26,7 @@ import numba
 import numpy as np
 
 from ..generate import GenerationStats, generate_stream
+from ..kv.prompt_cache import shared_prefix
 from ..models.batch import Segment, batchable, forward_batch
 from ..sampling import Sampler, SamplingParams
 from ..speculative import DraftLength, ModelDrafter, NgramDrafter
@@ -232,7 +233,7 @@ class Engine:
             if request.cancelled.is_set():
                 request.emit("done", Result("cancelled", len(request.ids), 0, 0))
                 continue
-            slot = max(free, key=lambda s: (_shared_prefix(s.held(), request.ids), -s.last_used, -s.id))
+            slot = max(free, key=lambda s: (shared_prefix(s.held(), request.ids), -s.last_used, -s.id))
             slot.request = request
             self._busy += 1
             with slot.wake:
@@ -349,7 +350,7 @@ class Engine:
         """Keep the part of the slot's cache that `ids` starts with (at least one prompt token is left to run:
         its logits start the generation); the number of prompt tokens not prefilled again."""
         cache = slot.cache
-        keep = min(_shared_prefix(slot.held(), ids), len(ids) - 1)
+        keep = min(shared_prefix(slot.held(), ids), len(ids) - 1)
         if keep <= 0 or not cache.truncate(keep):  # (a sliding window's ring may have lost keys before keep)
             cache.clear()
             keep = 0
@@ -435,12 +436,3 @@ class Engine:
             job.result = fn()
         except BaseException as exc:
             job.error = exc
-
-
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x, y = np.asarray(a[:n]), np.asarray(b[:n])
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if len(diff) else n

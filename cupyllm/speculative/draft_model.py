@@ -8,6 +8,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..kv.cache import KVCache
+from ..kv.prompt_cache import shared_prefix
 
 
 class ModelDrafter:
@@ -46,7 +47,7 @@ class ModelDrafter:
         """Bring the draft cache to hold `history`; the logits after it."""
         if len(history) + 1 > self.cache.spec.ctx:
             return None
-        shared = _shared_prefix(self.ids, history)
+        shared = shared_prefix(self.ids, history)
         keep = min(shared, len(history) - 1)  # at least the last token runs: its logits are the draft's start
         if keep < self.cache.n_past:
             self._cut(keep)
@@ -75,14 +76,6 @@ class ModelDrafter:
             self.cache.n_past += len(part)
             self.ids.extend(int(t) for t in part)
         return np.asarray(logits, dtype=np.float32).reshape(-1)
-
-
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
 
 
 def check_same_vocabulary(target_tokens: Sequence[str], draft_tokens: Sequence[str], draft_name: str) -> None:
