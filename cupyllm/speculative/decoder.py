@@ -207,7 +207,10 @@ class TokenSource:
         logits = np.asarray(logits).reshape(len(tokens) if drafts else 1, -1)
         seconds = time.perf_counter() - t0
         kept = 0
-        verified = list(self.history)
+        # the tokens before each verified one, as far back as the sampler's repeat penalty reads (not a copy of
+        # the whole history every step)
+        recent = self.sampler.params.repeat_last_n
+        verified = self.history[len(self.history) - recent:] if recent > 0 else []
         for j, draft in enumerate(drafts):
             token, accepted = self.sampler.verify(logits[j], verified, draft)
             self._queue.append((token, logits[j]))
