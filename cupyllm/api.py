@@ -30,6 +30,7 @@ from .ops.kv_formats.formats import get_format
 from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, check_memory, parse_bytes, plan_kv, plan_spill
 from .files.model_store import default_model_path
 from .models.build import Transformer
+from .models.layer_plan import LayerBlocks, boundary_warning, describe, parse_repeat_layers, planned_config
 from .models.layers import dca_attention
 from .kv.prompt_cache import PromptCache, layer_state_problem, shared_prefix
 from .kv.shift import ContextShift
@@ -55,6 +56,7 @@ class Model:
     threads: int | None = None  # CPU threads of the parallel work (None: every core)
     spec: SpecConfig | None = None  # speculative decoding of every generate() (None: off)
     draft: "Model | None" = None  # the draft model of spec type "draft"
+    repeat_layers: LayerBlocks = ()  # blocks of stored layers the stack runs twice (models/layer_plan.py)
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     last_prompt_cache: PromptCache | None = None  # generate(keep_cache=True): the prompt's and reply's cache
     _cache: KVCache | None = field(default=None, repr=False)
@@ -193,12 +195,30 @@ class Model:
             return NgramDrafter(spec.ngram_size, spec.ngram_min)
         drafter = self._model_drafters.get(spec.type)
         if drafter is None:
-            source = self if spec.type == "self" else self.draft
+            source = self._without_layer_plan() if spec.type == "self" else self.draft
             cache = source.transformer.ops.new_cache(source.cfg, source.kv_spec)  # (self: a second cache)
             drafter = ModelDrafter(source._forward_numpy, cache, source.kv_spec.max_chunk, n_vocab=self.cfg.n_vocab)
             self._model_drafters[spec.type] = drafter
         drafter.p_min = 0.0 if spec.type == "self" else spec.draft_p_min  # (self: its drafts are what it would say)
         return drafter
+
+    def _without_layer_plan(self) -> "Model":
+        """This model as its file stores it, sharing the weights (a drafter never runs the layer plan: with one,
+        self-drafting drafts with the stored layers alone, fewer than the stack's)."""
+        return dataclasses.replace(self.with_layer_plan(None), spec=None, draft=None) if self.repeat_layers else self
+
+    def with_layer_plan(self, repeat_layers: str | Sequence[Sequence[int]] | None) -> "Model":
+        """This model running another layer plan (load()'s repeat_layers; None or "": each stored layer once),
+        its weights shared: no reload. The new plan's cache must fit the memory there is (BudgetError)."""
+        stored = self.transformer.stored
+        blocks = parse_repeat_layers(repeat_layers, stored.cfg.n_layer)
+        transformer = stored.with_layer_plan(blocks)
+        if blocks != self.repeat_layers:
+            check_memory(transformer.cfg, self.kv_spec, transformer.ops.memory_available(), transformer.ops.name,
+                         mirror=bool(self.kv_spec.float_mirror))
+        return dataclasses.replace(self, cfg=transformer.cfg, transformer=transformer, repeat_layers=blocks,
+                                   last_stats=GenerationStats(), last_prompt_cache=None, _cache=None,
+                                   _cache_holds=None, _model_drafters={})
 
     # --- prompt caching (kv/prompt_cache.py) ---------------------------------------------------------
     def cache_prompt(self, prompt: str | Sequence[int] | Sequence[dict], *, chat: bool = False,
@@ -228,8 +248,11 @@ class Model:
 
     def prompt_cache_key(self) -> dict:
         """What a PromptCache of this model is valid for: the model file, the device, the KV spec and DCA."""
-        return {"model": self.path.name, "model_bytes": self.path.stat().st_size, "device": self.device,
-                "kv_spec": dataclasses.asdict(self.kv_spec), "dca": dataclasses.asdict(self.dca) if self.dca else None}
+        key = {"model": self.path.name, "model_bytes": self.path.stat().st_size, "device": self.device,
+               "kv_spec": dataclasses.asdict(self.kv_spec), "dca": dataclasses.asdict(self.dca) if self.dca else None}
+        if self.repeat_layers:  # (absent without a plan: the caches saved before plans existed stay valid)
+            key["repeat_layers"] = describe(self.repeat_layers)
+        return key
 
     def _cache_holding_prefix(self, ids: list[int], prompt_cache: PromptCache | None):
         """The working cache holding the first `reused` of `ids` from prompt_cache, and the logits after all of
@@ -268,7 +291,7 @@ class Model:
     def prompt_cache_problem(self, prompt_cache: PromptCache) -> str | None:
         """Why `prompt_cache` cannot serve this model (a phrase: "was made by ...", "does not fit ..."), or None."""
         if prompt_cache.key != self.prompt_cache_key():
-            return "was made by another model or with other settings (KV types, ctx, chunk, DCA, device)"
+            return "was made by another model or with other settings (KV types, ctx, chunk, DCA, device, layer plan)"
         problem = self._layout_problem(prompt_cache)
         return None if problem is None else f"does not fit the model: {problem}"
 
@@ -331,7 +354,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
          kv_mirror: bool | None = None, threads: int | None = None, progress: bool = True,
          draft_model: "str | os.PathLike | Model | None" = None, spec: SpecConfig | dict | str | None = None,
-         draft_kv_type_k: str = "f16", draft_kv_type_v: str = "f16", **options) -> Model:
+         draft_kv_type_k: str = "f16", draft_kv_type_v: str = "f16",
+         repeat_layers: str | Sequence[Sequence[int]] | None = None, **options) -> Model:
     """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold (default 4096, or
@@ -361,6 +385,9 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          defaults to "draft".
     spec: speculative decoding for every generate() (cupyllm.speculative.SpecConfig, a dict of its fields, or a
          type: "ngram" (prompt lookup), "draft", "self"); None: off (or "draft" with a draft_model).
+    repeat_layers: a layer plan, "i,j;k,l" or [(i, j), ...]: each block [i, j) of layers runs again right after
+         its first run (RYS; models/layer_plan.py, docs/layer-plans.md), its weights shared and each run with its
+         own cache slot. Blocks near the first or last layers warn. Drafters never run the plan.
     """
     if options:
         raise TypeError(f"unknown option(s) for cupyllm.load: {', '.join(sorted(options))}")
@@ -371,6 +398,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
+    blocks = parse_repeat_layers(repeat_layers, cfg.n_layer)
+    cfg = planned_config(cfg, blocks)  # the stack's layers: the cache, budgets and tiers count every run
     ctx = min(DEFAULT_CTX, cfg.ctx_train) if ctx is None else ctx
     auto = "auto" in (kv_type_k, kv_type_v)
     if auto and kv_type_k != kv_type_v:
@@ -394,9 +423,13 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
             Tokenizer.from_metadata(read_gguf(draft_path).metadata).tokens
         check_same_vocabulary(tokenizer.tokens, draft_tokens, draft_path.name)
     dca_cfg = _dca_config(dca, cfg)
+    warning = boundary_warning(blocks, cfg.n_stored_layer)
+    if warning is not None:
+        warnings.warn(warning, UserWarning, stacklevel=2)
     transformer = Transformer.from_gguf(gguf, backend, progress=progress)
     if dca_cfg is not None:
         transformer.attention = dca_attention(dca_cfg)
+    transformer = transformer.with_layer_plan(blocks)
     if kv_spill and backend.name != "gpu":
         raise CupyllmError("kv_spill (--kv-spill) moves KV rows from GPU memory to the host; on the CPU the whole "
                            "cache is in host memory already")
@@ -419,7 +452,7 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
             max_chunk=max_chunk, threads=threads, progress=progress)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
                  kv_spec=cache_spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
-                 threads=threads, spec=spec, draft=draft)
+                 threads=threads, spec=spec, draft=draft, repeat_layers=blocks)
 
 
 def _is_count(value) -> bool:

@@ -30,9 +30,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="store K as (K - mean) / scale per channel, balanced against the queries (default: on for "
                         "quantized -ctk types); much better quantized K where some channels of K are large (Qwen2.5)")
     p.add_argument("--dca", action="store_true", help="Dual Chunk Attention: contexts past the trained length")
+    _add_repeat_layers_arg(p)
     p.add_argument("--dca-chunk-size", type=int, help="DCA chunk size S (default: the trained context length)")
     p.add_argument("--dca-local-size", type=int, help="DCA local size W (default: S / 32)")
     p.add_argument("--dca-yarn-factor", type=float, default=1.0, help="YaRN attention scaling factor (1 = off)")
+
+
+def _add_repeat_layers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--repeat-layers", metavar="I,J[;K,L]", default=None,
+                   help="run each block [I, J) of layers again right after its first run, weights shared (RYS; "
+                        "`cupyllm rys-probe` ranks blocks; docs/layer-plans.md)")
 
 
 def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_kv_type_args(info)
     info.add_argument("--cache-normalize-k", action=argparse.BooleanOptionalAction, default=None)
     info.add_argument("--kv-tiers", action="store_true", help="list every KV tier's cache size at -c and its quality")
+    _add_repeat_layers_arg(info)
 
     sub.add_parser("compile", help="compile the CPU kernels into numba's cache now (a first CPU run does it itself)")
 
@@ -264,7 +272,7 @@ def _load_model(args):
                  kv_spill=args.kv_spill, kv_mirror=args.kv_mirror, threads=args.threads,
                  spec=_spec_options(args), draft_model=getattr(args, "model_draft", None),
                  draft_kv_type_k=getattr(args, "cache_type_k_draft", "f16"),
-                 draft_kv_type_v=getattr(args, "cache_type_v_draft", "f16"))
+                 draft_kv_type_v=getattr(args, "cache_type_v_draft", "f16"), repeat_layers=args.repeat_layers)
     for plan in (model.kv_plan, model.spill_plan):
         if plan is not None:
             print(f"[{model.device}] {plan.describe()}", file=sys.stderr)
@@ -393,7 +401,7 @@ def cmd_info(args) -> int:
     _check_flags(args)
     print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v,
                        normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget, kv_spill=args.kv_spill,
-                       kv_tiers=args.kv_tiers))
+                       kv_tiers=args.kv_tiers, repeat_layers=args.repeat_layers))
     return 0
 
 

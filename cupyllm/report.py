@@ -11,14 +11,17 @@ from .kv.cache import KVSpec, kv_bytes
 from .kv.plan import TIERS, parse_bytes, plan_kv, plan_spill, tier_fits_model
 from .kv.plan import format_bytes as _gib
 from .files.model_store import default_model_path
+from .models.layer_plan import describe, parse_repeat_layers, planned_config
 
 
 def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",
                  normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
-                 kv_tiers: bool = False) -> str:
+                 kv_tiers: bool = False, repeat_layers: str | None = None) -> str:
     path = Path(model) if model else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
+    blocks = parse_repeat_layers(repeat_layers, cfg.n_layer)
+    cfg = planned_config(cfg, blocks)  # the cache holds a slot for every layer the stack runs
     budget = parse_bytes(kv_budget) if kv_budget is not None else None
     budget_line = []
     if "auto" in (kv_type_k, kv_type_v):
@@ -40,7 +43,8 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         f"parameters      {n_params / 1e6:,.1f} M in {len(gguf.tensors)} tensors ({_gib(weight_bytes)})",
         "tensor types    " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
         f"layers          {cfg.n_layer}" + (f" ({n_sliding} sliding-window of {cfg.sliding_window}, "
-                                              f"{cfg.n_layer - n_sliding} global)" if n_sliding else ""),
+                                              f"{cfg.n_layer - n_sliding} global)" if n_sliding else "")
+        + (f"; {cfg.n_stored_layer} stored, blocks {describe(blocks)} run twice" if blocks else ""),
         f"d_model         {cfg.d_model}   ffn {cfg.ffn_dim}   vocab {cfg.n_vocab}"
         + (f"   per-layer embedding {cfg.per_layer_dim}" if cfg.per_layer_dim else "")
         + (f"   experts {cfg.n_expert_used} of {cfg.n_expert}" if cfg.n_expert else ""),

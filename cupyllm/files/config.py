@@ -98,10 +98,22 @@ class ModelConfig:
     ssm: SSMConfig | None = None
     attn_output_gate: bool = False  # attention's output times sigmoid(gate), the gate from q's projection
     shared_expert_ffn: int = 0  # Qwen3.5-MoE: width of the shared expert beside the routed ones (0: none)
+    # A layer plan (models/layer_plan.py): the stored block each layer of the stack runs; () runs each once
+    layer_order: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def stored_layer(self, layer: int) -> int:
+        """The GGUF block (`blk.N`) whose weights layer `layer` of the stack runs: itself unless a layer plan
+        repeats blocks."""
+        return self.layer_order[layer] if self.layer_order else layer
+
+    @property
+    def n_stored_layer(self) -> int:
+        """Blocks the GGUF stores (n_layer counts the layers the stack runs, repeats included)."""
+        return len(set(self.layer_order)) if self.layer_order else self.n_layer
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether `layer` is a linear-attention (Gated DeltaNet) layer: a fixed-size state, no KV cache."""

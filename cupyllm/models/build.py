@@ -2,11 +2,13 @@
 
     x = Embed(tokens) * embed_scale
     e = PerLayerInputs(tokens, x)           (Gemma 4 E2B/E4B only: one small embedding per layer)
-    x = Block_l(x, e_l) for l in layers     (writes each layer's k/v into the cache)
+    x = Block_l(x, e_l) for l in layers     (writes each layer's k/v into the cache; a layer plan runs some
+                                             stored blocks twice: layer_plan.py)
     logits = W_out RMSNorm(x)               (optionally soft-capped)
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +21,7 @@ from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache
 from .weights import Weight, load_matrix, load_vector
 from .gemma import gemma_block, per_layer_inputs
+from .layer_plan import LayerBlocks, planned_config
 from .layers import LayerWeights
 from .qwen import qwen_block
 from .qwen35 import qwen35_block, qwen35_layer_weights
@@ -41,6 +44,7 @@ class Transformer:
     layers: list[LayerWeights]
     attention: Callable | None = None  # replaces default_attention (Dual Chunk Attention)
     per_layer: tuple | None = None  # Gemma 4 per-layer embeddings: (token table, model projection, norm)
+    unplanned: "Transformer | None" = None  # with a layer plan: the same model running each stored layer once
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile, ops, progress: bool = True) -> "Transformer":
@@ -58,6 +62,19 @@ class Transformer:
                          ops.asarray(load_vector(gguf, "per_layer_proj_norm.weight")))
         return cls(cfg, ops, ops.upload(token_embd), ops.asarray(load_vector(gguf, "output_norm.weight")),
                    ops.upload(output), layers, per_layer=per_layer)
+
+    def with_layer_plan(self, blocks: LayerBlocks) -> "Transformer":
+        """This model running `blocks` of its layers twice (models/layer_plan.py): the stored weights shared, the
+        config re-indexed by the stack's layers. No blocks: self."""
+        if not blocks:
+            return self
+        cfg = planned_config(self.cfg, blocks)
+        return dataclasses.replace(self, cfg=cfg, layers=[self.layers[s] for s in cfg.layer_order], unplanned=self)
+
+    @property
+    def stored(self) -> "Transformer":
+        """The model as its file stores it: each layer once."""
+        return self.unplanned or self
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache, all_logits: bool = False):
         """Run `tokens` at `positions` (appending to `cache`); logits of every token, or of the last one."""
@@ -77,7 +94,7 @@ class Transformer:
         per_layer = per_layer_inputs(ops, cfg, *self.per_layer, tokens, x) if self.per_layer else None
         stream = ResidualStream(ops, x, cfg.norm_eps)
         for layer, weights in enumerate(self.layers):
-            extra = {} if per_layer is None else {"per_layer_input": per_layer[:, layer]}
+            extra = {} if per_layer is None else {"per_layer_input": per_layer[:, cfg.stored_layer(layer)]}
             block(ops, cfg, weights, layer, stream, positions, cache, attention, **extra)
         return stream.norm(self.output_norm)
 

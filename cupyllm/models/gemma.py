@@ -42,10 +42,10 @@ def gemma_block(ops, cfg, w, layer, x: ResidualStream, positions, cache, attenti
 
 
 def per_layer_inputs(ops, cfg, token_embd_per_layer, model_proj, proj_norm, tokens, x):
-    """Gemma 4's per-layer embeddings e [n, n_layer, per_layer_dim]: a token's own per-layer embedding (scaled
+    """Gemma 4's per-layer embeddings e [n, stored layers, per_layer_dim]: a token's own per-layer embedding (scaled
     by sqrt(per_layer_dim)) and a projection of its scaled input embedding x (times 1/sqrt(d_model), RMS-normed
     per layer), averaged as (a + b) / sqrt(2)."""
-    n, width = x.shape[0], cfg.per_layer_dim
-    own = ops.embed(token_embd_per_layer, tokens).reshape(n, cfg.n_layer, width) * np.float32(np.sqrt(width))
-    projected = (ops.linear(x, model_proj) * np.float32(1.0 / np.sqrt(cfg.d_model))).reshape(n, cfg.n_layer, width)
+    n, width, n_stored = x.shape[0], cfg.per_layer_dim, cfg.n_stored_layer
+    own = ops.embed(token_embd_per_layer, tokens).reshape(n, n_stored, width) * np.float32(np.sqrt(width))
+    projected = (ops.linear(x, model_proj) * np.float32(1.0 / np.sqrt(cfg.d_model))).reshape(n, n_stored, width)
     return (ops.rms_norm(projected, proj_norm, cfg.norm_eps) + own) * np.float32(2.0 ** -0.5)
