@@ -24,7 +24,7 @@ from gpu_helpers import GPU_TEST_MARKS
 
 # rates of the size an H100/H200 gives (GB/s over PCIe, ns per position), round numbers for the worked sums
 RATES = SpillRates(h2d_bytes_per_s=25e9, attention_s_per_position=1e-9, probe_values=2 * (64 + 64),
-                   stream_chunk_s=50e-6, eager_step_s=4e-3, graph_step_s=1e-3)
+                   stream_chunk_s=50e-6, evict_s=30e-6, eager_step_s=4e-3, graph_step_s=1e-3)
 
 
 def _cfg(tiny_model, arch):
@@ -49,7 +49,8 @@ def test_predicted_step_is_the_formula_worked_by_hand(tiny_model):
     whole_s, step_s, got_streamed, got_chunks = predict_step(cfg, spec, RATES)
     assert (got_streamed, got_chunks) == (streamed, chunks) and chunks == 3 * cfg.n_layer
     assert whole_s == pytest.approx(1e-3 + attention, rel=1e-12)
-    assert step_s == pytest.approx(4e-3 + attention + streamed / 25e9 + chunks * 50e-6, rel=1e-12)
+    assert step_s == pytest.approx(4e-3 + attention + streamed / 25e9 + chunks * 50e-6 + cfg.n_layer * 30e-6,
+                                   rel=1e-12)
     # without KV sharing the streamed rows are exactly plan_spill's host part (kv_bytes' count of the cache)
     plan = plan_spill(cfg, dataclasses.replace(spec, device_window=0), kv_bytes(cfg, spec))
     assert plan.spec.device_window == 3000 and plan.host_bytes == streamed
@@ -74,6 +75,10 @@ def test_shared_and_sliding_layers_in_the_prediction(tiny_model):
     assert streamed == host * sum(per_position[cfg.kv_source(il)] for il in readers) > plan.host_bytes
     assert plan.host_bytes == host * sum(per_position.values())
     assert chunks == len(readers) * math.ceil(host / STAGE_TOKENS)
+    # each own global cache evicts a row per step; the shared reader does not
+    with_evictions = predict_step(cfg, plan.spec, RATES)[1]
+    assert with_evictions - predict_step(cfg, plan.spec, dataclasses.replace(RATES, evict_s=0.0))[1] == \
+        pytest.approx(len(owners) * 30e-6, rel=1e-9)
     # attention: global layers over the context, sliding ones over their window
     no_graph = dataclasses.replace(RATES, graph_step_s=0.0)
     keys = sum((min(ctx, cfg.sliding_window) if cfg.is_sliding(cfg.kv_source(il)) else ctx)
@@ -127,8 +132,8 @@ def test_a_faster_copy_keeps_a_better_tier(tiny_model):
     budget = kv_bytes(cfg, KVSpec(ctx=ctx, kv_type_k="q5_1", kv_type_v="q5_1", max_chunk=max_chunk))
     ranks = []
     for h2d in (1e8, 1e9, 1e10, 1e11, 1e12, 1e14):
-        choice = plan_spill_tier(cfg, ctx, budget, dataclasses.replace(RATES, h2d_bytes_per_s=h2d, stream_chunk_s=0.0,
-                                                                          eager_step_s=1e-3), 0.2, max_chunk=max_chunk)
+        rates = dataclasses.replace(RATES, h2d_bytes_per_s=h2d, stream_chunk_s=0.0, evict_s=0.0, eager_step_s=1e-3)
+        choice = plan_spill_tier(cfg, ctx, budget, rates, 0.2, max_chunk=max_chunk)
         ranks.append(TIERS.index(choice.chosen.tier))
     assert ranks == sorted(ranks, reverse=True) and ranks[0] == 3 and ranks[-1] == 0  # q5_1 whole ... f16 spilled
 
@@ -217,7 +222,7 @@ def test_measured_rates_on_the_device(flash_qwen2):
     for name in ("h2d_bytes_per_s", "attention_s_per_position", "eager_step_s", "graph_step_s"):
         value = getattr(rates, name)
         assert 0 < value < math.inf, (name, value)
-    assert 0 <= rates.stream_chunk_s < math.inf
+    assert 0 <= rates.stream_chunk_s < math.inf and 0 <= rates.evict_s < math.inf
     if getattr(cupy, "__cupyllm_emulated__", False):  # no stream capture there: the step runs eagerly
         assert rates.graph_step_s == rates.eager_step_s
         assert ProbeSizes.for_device(cupy).positions == (16, 48)
@@ -249,3 +254,31 @@ def test_load_weighs_the_tiers_by_the_measured_cost(flash_qwen2):
     assert [c.tier.name for c in whole.kv_plan.spill_choice.costs] == ["f16", "q8_0"]
     plain = cupyllm.load(path, **{**options, "kv_spill": False})
     assert plain.kv_plan.tier.name == "q8_0" and plain.kv_plan.spill_choice is None
+
+
+def test_the_device_validation_runs_on_the_emulator(tmp_path):
+    """bench/spill_cost_gpu.py (tools/gpu_check.sh runs it on the device) at tiny size on the CUDA emulator: it runs
+    to its end and writes a measured and a predicted slowdown for both tiers (timings meaningless here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tests" / "support" / "cuda_emu"))
+    import emulator
+    ok, why = emulator.cxx20_support()
+    if not ok:
+        pytest.skip(f"the CUDA emulator needs a C++20 compiler: {why}")
+    env = {**os.environ, "CUPYLLM_EMULATE": "1", "CUPYLLM_BENCH_RESULTS": str(tmp_path),
+           "PYTHONPATH": str(repo / "tests" / "support" / "cuda_emu" / "fakecupy")}
+    env.pop("OUT", None)
+    run = subprocess.run([sys.executable, "bench/spill_cost_gpu.py", "--smoke"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((tmp_path / "spill_cost_gpu.json").read_text())
+    assert [row["kv_type"] for row in report["results"]] == ["f16", "q8_0"]
+    assert rates_from(report["rates"]).h2d_bytes_per_s > 0
+    for row in report["results"]:
+        assert row["host_bytes"] > 0 and row["streamed_bytes_per_step"] == row["host_bytes"]
+        assert math.isfinite(row["measured"]["slowdown"]) and row["predicted"]["slowdown"] > 0

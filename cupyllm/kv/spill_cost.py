@@ -2,22 +2,28 @@
 a little of it to the host when that is cheap, quantize when it is not.
 
 A spilled decode step (kv/gpu_spill.py) copies every host row of every layer that reads a spilled cache over
-PCIe, a staged chunk of `STAGE_TOKENS` rows at a time, and runs eagerly: a step that needs host positions is not
-captured as a CUDA graph (api.Model._decode_forward). A tier's step, with the terms `measure_spill_rates` times
-on the device at load (SpillRates):
+PCIe, a staged chunk of `STAGE_TOKENS` rows at a time, moves the row its new key evicts from each spilled cache
+to the host, and runs eagerly: a step that needs host positions is not captured as a CUDA graph
+(api.Model._decode_forward). A tier's step, with the terms `measure_spill_rates` times on the device at load
+(SpillRates):
 
     attention_s  = sum over attention layers of  attention_s_per_position * keys(layer) * values(layer) / probe_values
     whole_s      = graph_step_s + attention_s                                   (the tier wholly on the device)
     spilled_s    = eager_step_s + attention_s + streamed_bytes / h2d_bytes_per_s + n_stream_chunks * stream_chunk_s
+                   + n_spilled_caches * evict_s
     slowdown     = spilled_s / whole_s - 1                                      (0 for a tier that fits whole)
 
 keys(layer) is the context for global layers and the window for sliding ones, values(layer) its KV heads times
 its K and V head dims (the attention probe's shape gives probe_values); streamed_bytes are the host rows the
 layers read per step at a full cache (a KV-shared layer streams its source's rows again), n_stream_chunks the
-staged copies they take. `plan_spill_tier` keeps the first tier of kv/plan.py's TIERS whose predicted slowdown is
-at most `max_slowdown` (the first tier that fits whole has none, so nothing past it is considered), or the
-tier predicted fastest when none is. Pure: the rates come in as numbers (tests/test_spill_cost.py), and only
-`measure_spill_rates` touches the device.
+staged copies they take, n_spilled_caches the global layers' own caches. The attention term is measured on an
+f16 cache for every tier: the quantized tiers' kernels take longer per position (bench/results/attention_gpu.json),
+which makes their true slowdown smaller than predicted (the error is on the safe side).
+
+`plan_spill_tier` keeps the first tier of kv/plan.py's TIERS whose predicted slowdown is at most `max_slowdown`
+(the first tier that fits whole has none, so nothing past it is considered), or the tier predicted fastest when
+none is. Pure: the rates come in as numbers (tests/test_spill_cost.py), and only `measure_spill_rates` touches
+the device.
 """
 from __future__ import annotations
 
@@ -63,14 +69,15 @@ class SpillRates:
     attention_s_per_position: float  # one layer's decode attention per cached position (f16 cache, probe shape)
     probe_values: int  # KV heads x (K + V head dims) of the probed layer: other shapes scale by theirs
     stream_chunk_s: float  # one staged chunk of host rows beyond its bytes: launches, the partial, the LSE merge
+    evict_s: float  # a spilled cache's one-token write beyond a device cache's: the evicted row to the host
     eager_step_s: float  # a one-token step launched from Python (near-empty cache): what a spilled step pays
     graph_step_s: float  # the same step replayed as a CUDA graph (= eager_step_s where graphs are off)
 
     def describe(self) -> str:
         return (f"host->device {self.h2d_bytes_per_s / 1e9:.1f} GB/s, attention "
                 f"{self.attention_s_per_position * 1e9:.3g} ns per position and layer, "
-                f"{self.stream_chunk_s * 1e6:.0f} us per staged chunk, step {self.eager_step_s * 1e3:.2f} ms eager / "
-                f"{self.graph_step_s * 1e3:.2f} ms as a graph")
+                f"{self.stream_chunk_s * 1e6:.0f} us per staged chunk, {self.evict_s * 1e6:.0f} us per evicted row, "
+                f"step {self.eager_step_s * 1e3:.2f} ms eager / {self.graph_step_s * 1e3:.2f} ms as a graph")
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,7 @@ def predict_step(cfg: ModelConfig, spec: KVSpec, rates: SpillRates) -> tuple[flo
     """(whole_s, step_s, streamed_bytes, n_stream_chunks) of one decode step at a full cache of `spec` (see the
     module's formula; step_s = whole_s when nothing spills)."""
     host_positions = spec.ctx - spec.device_window if spec.spilled else 0
-    attention_s, streamed, chunks = 0.0, 0, 0
+    attention_s, streamed, chunks, evicting = 0.0, 0, 0, 0
     for layer in range(cfg.n_layer):
         if cfg.is_recurrent(layer):
             continue
@@ -151,10 +158,12 @@ def predict_step(cfg: ModelConfig, spec: KVSpec, rates: SpillRates) -> tuple[flo
         if host_positions and not sliding:
             streamed += host_positions * _host_bytes_per_position(cfg, spec, source)
             chunks += -(-host_positions // STAGE_TOKENS)
+            evicting += source == layer
     whole_s = rates.graph_step_s + attention_s
     if not host_positions:
         return whole_s, whole_s, 0, 0
-    step_s = rates.eager_step_s + attention_s + streamed / rates.h2d_bytes_per_s + chunks * rates.stream_chunk_s
+    step_s = (rates.eager_step_s + attention_s + streamed / rates.h2d_bytes_per_s + chunks * rates.stream_chunk_s
+              + evicting * rates.evict_s)
     return whole_s, step_s, streamed, chunks
 
 
@@ -235,7 +244,8 @@ def _timed(cp, fn, repeats: int) -> float:
 def measure_spill_rates(transformer, sizes: ProbeSizes | None = None, *, graphs: bool | None = None) -> SpillRates:
     """Time the SpillRates terms on the transformer's GPU backend: a pinned host -> device copy the way
     kv/gpu_spill.py stages rows, f16 decode attention at the model's first global layer's shape over two lengths
-    (the slope), the same layer spilled (its extra time beyond the copied bytes: the per-chunk cost), and one
+    (the slope), the same layer spilled (its extra time beyond the copied bytes: the per-chunk cost; and a
+    one-token write, which evicts a row, against the device layer's), and one
     decode step of the model over a near-empty cache, eager and replayed as a CUDA graph (graphs: whether the
     model's unspilled steps replay graphs; None: unless a layer routes experts, as api.Model._decode_forward
     decides). Frees what it allocated."""
@@ -285,23 +295,29 @@ def measure_spill_rates(transformer, sizes: ProbeSizes | None = None, *, graphs:
     per_position = (t_long - t_short) / (long - short)
     if per_position <= 0:  # (noise on a tiny probe) the whole time per position, launches included
         per_position = t_long / long
-    del whole
 
     ring = make(f16_k, f16_v, n_kv, k_dim, v_dim, capacity=short, ring=True, window=0, mirror=False,
                 normalize_k=False)
-    spilled = SpilledLayerKV(ring, host_capacity=sizes.host_rows)
+    spilled = SpilledLayerKV(ring, host_capacity=sizes.host_rows + sizes.repeats + 1)
     fill(spilled, 0, short + sizes.host_rows)
     t_spilled = _timed(cp, attend(spilled, short + sizes.host_rows), sizes.repeats)
     probe_bytes = sizes.host_rows * n_kv * (f16_k.row_bytes(k_dim) + f16_v.row_bytes(v_dim))
     chunk_s = max(0.0, t_spilled - t_short - per_position * sizes.host_rows - probe_bytes / h2d)
-    del spilled, ring
+    k1 = cp.asarray(rng.standard_normal((1, n_kv, k_dim), dtype=np.float32))
+    v1 = cp.asarray(rng.standard_normal((1, n_kv, v_dim), dtype=np.float32))
+    t_write = _timed(cp, lambda: whole.write(k1, v1, np.array([long - 1])), sizes.repeats)
+    next_position = iter(range(short + sizes.host_rows, short + sizes.host_rows + sizes.repeats + 1))
+    t_evict = _timed(cp, lambda: spilled.write(k1, v1, np.array([next(next_position)])), sizes.repeats)
+    evict_s = max(0.0, t_evict - t_write)
+    del spilled, ring, whole
 
     if graphs is None:
         graphs = not any(getattr(block, "moe", None) is not None for block in transformer.layers)
     eager_s, graph_s = _step_times(transformer, sizes.repeats, graphs)
     pool.free_all_blocks()
     return SpillRates(h2d_bytes_per_s=h2d, attention_s_per_position=per_position,
-                      probe_values=n_kv * (k_dim + v_dim), stream_chunk_s=chunk_s, eager_step_s=eager_s,
+                      probe_values=n_kv * (k_dim + v_dim), stream_chunk_s=chunk_s, evict_s=evict_s,
+                      eager_step_s=eager_s,
                       graph_step_s=graph_s)
 
 
