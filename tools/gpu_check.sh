@@ -13,6 +13,7 @@
 # 3. every kernel set compiled once, in parallel threads (CuPy's disk cache then serves the tests), then
 #    pytest -m gpu (junit XML + log into bench/results/)
 # 4. the GPU micro-benchmarks: bench/attention_gpu.py, bench/dequant_gpu.py, bench/dca_gpu.py, bench/spill_gpu.py,
+#    bench/spill_cost_gpu.py (the spill cost model's predicted against measured decode slowdown, f16 and q8_0),
 #    bench/kv_encode.py --device gpu (with the TCQ encoder at every trellis size and the engine's prefill step per
 #    KV type), bench/prompt_cache.py, then
 #    tools/profile_decode_gpu.py (kernels of a decode step), bench/e2e_gpu.py on the real-shape models (Gemma 3
@@ -77,7 +78,7 @@ publish() {  # every result file of this run, packed into one archive in $OUT (r
     [ -n "$RUN_OUT" ] || return 0
     local files=()
     for f in gpu_pytest.log gpu_pytest.xml attention_gpu.json dequant_gpu.json dca_gpu.json kv_encode_gpu.json \
-             spill_gpu.json decode_profile_gpu.json prompt_cache_gpu.json e2e_gpu.json; do
+             spill_gpu.json spill_cost_gpu.json decode_profile_gpu.json prompt_cache_gpu.json e2e_gpu.json; do
         [ "$RESULTS/$f" -nt "$STARTED" ] && files+=("$f")
     done
     [ ${#files[@]} -gt 0 ] && tar -cf "$RUN_OUT/gpu_results.tar" -C "$RESULTS" "${files[@]}"
@@ -98,6 +99,10 @@ timeout $(limit 45) "$PY" bench/dca_gpu.py --budget-s 32 || echo "bench/dca_gpu.
 publish
 echo "--- bench/spill_gpu.py (device window + pinned host tail vs the whole cache on the device)"
 timeout $(limit 25) "$PY" bench/spill_gpu.py --budget-s 12 || echo "bench/spill_gpu.py failed or timed out ($?)"
+publish
+echo "--- bench/spill_cost_gpu.py (kv/spill_cost.py: predicted vs measured decode slowdown of a spilled cache, two tiers)"
+timeout $(limit 40) "$PY" bench/spill_cost_gpu.py --ctx 65536 --host-fractions 0.02 0.25 --steps 12 --budget-s 25 \
+    || echo "bench/spill_cost_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/kv_encode.py --device gpu (then the engine's prefill of 8192 tokens on 4 Qwen3-8B layers per KV type)"
 timeout $(limit 75) "$PY" bench/kv_encode.py --device gpu || echo "kv_encode benchmark failed or timed out ($?)"
