@@ -27,14 +27,14 @@ from .generate import GenerationStats, check_max_tokens, generate_stream, prefil
 from .files.gguf import GGUFFile, read_gguf
 from .kv.cache import KVCache, KVSpec, RecurrentState, host_bytes_available
 from .ops.kv_formats.formats import get_format
-from .kv.plan import TIERS, KVPlan, SpillPlan, check_budget, check_memory, parse_bytes, plan_kv, plan_spill
+from .kv.plan import (TIERS, KVPlan, SpillPlan, check_budget, check_memory, floor_tail, parse_bytes, plan_kv,
+                      plan_spill)
 from .files.model_store import default_model_path
 from .models.build import Transformer
 from .models.layer_plan import LayerBlocks, boundary_warning, describe, parse_repeat_layers, planned_config
 from .models.layers import dca_attention
 from .kv.prompt_cache import PromptCache, layer_state_problem, shared_prefix
 from .kv.shift import ContextShift
-from .kv.spill_cost import best_tier_fits_whole, check_max_slowdown, measure_spill_rates, plan_spill_tier
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
 from .speculative import DraftLength, ModelDrafter, NgramDrafter, SpecConfig, check_same_vocabulary, spec_config
@@ -249,8 +249,10 @@ class Model:
 
     def prompt_cache_key(self) -> dict:
         """What a PromptCache of this model is valid for: the model file, the device, the KV spec and DCA."""
+        spec = {name: value for name, value in dataclasses.asdict(self.kv_spec).items()
+                if value or name not in _TAIL_FIELDS}  # (unset: the key of the caches saved before tails existed)
         key = {"model": self.path.name, "model_bytes": self.path.stat().st_size, "device": self.device,
-               "kv_spec": dataclasses.asdict(self.kv_spec), "dca": dataclasses.asdict(self.dca) if self.dca else None}
+               "kv_spec": spec, "dca": dataclasses.asdict(self.dca) if self.dca else None}
         if self.repeat_layers:  # (absent without a plan: the caches saved before plans existed stay valid)
             key["repeat_layers"] = describe(self.repeat_layers)
         return key
@@ -339,7 +341,7 @@ class Model:
         """The forward pass with one-token steps replayed as CUDA graphs on the GPU (unchanged on the CPU, and where
         a step needs the host: a mixture of experts routes there, a spilled cache copies rows both ways, a
         linear-attention layer counts its positions there; graphs of the hybrids are not tried yet)."""
-        if (self.kv_spec.spilled or self.transformer.cfg.ssm is not None
+        if (self.kv_spec.spilled or self.kv_spec.has_tail or self.transformer.cfg.ssm is not None
                 or any(layer.moe is not None for layer in self.transformer.layers)):
             return self.transformer.forward
         return self.transformer.ops.decode_forward(self.transformer.forward)
@@ -353,8 +355,8 @@ class Model:
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int | None = None,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
-         kv_spill_max_slowdown: float | None = None,
-         kv_mirror: bool | None = None, threads: int | None = None, progress: bool = True,
+         kv_mirror: bool | None = None, kv_window: int = 0, kv_type_k_tail: str | None = None,
+         kv_type_v_tail: str | None = None, threads: int | None = None, progress: bool = True,
          draft_model: "str | os.PathLike | Model | None" = None, spec: SpecConfig | dict | str | None = None,
          draft_kv_type_k: str = "f16", draft_kv_type_v: str = "f16",
          repeat_layers: str | Sequence[Sequence[int]] | None = None, **options) -> Model:
@@ -369,14 +371,16 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          would exceed it is a BudgetError before anything is allocated.
     kv_spill: (GPU) a cache over the budget keeps only its newest positions on the device and the rest in pinned
          host memory, attention streaming over both (kv/plan.py plan_spill, kv/gpu_spill.py); with "auto"
-         types, when the best tier does not fit whole, the spill's cost is timed on the device at load and the
-         best tier whose predicted decode slowdown is at most kv_spill_max_slowdown (default 0.20: 20%) is kept,
-         spilled, else the first that fits whole (kv/spill_cost.py; the decision: model.kv_plan.spill_choice).
+         types, the smallest tier spills when no tier fits whole.
     kv_mirror: (CPU) also keep a float32 copy of the decoded cache, which kv_budget and the "auto" types then
          count: 4 more bytes per value whatever the KV type, so that decode steps read it instead of decoding
          the rows: faster with the rotated formats, not with f16 or q8_0 (docs/kv-formats.md). Default: no copy, the cache
          takes its format's bytes and decode steps read the encoded rows (ops/attention/cpu.py). The GPU keeps
          no copy (True there is an error).
+    kv_window / kv_type_k_tail / kv_type_v_tail: mixed types by position (kv/window.py, docs/kv-formats.md):
+         each global layer keeps its newest kv_window positions in kv_type_k / kv_type_v and older ones in the
+         tail types (an unset one: its main type). Spilled (kv_spill), the host part takes the tail types and
+         kv_window is not given. No tail type: one type for every position.
     threads: CPU threads for the CPU backend's matmuls, attention and BLAS (llama.cpp's -t; default: every core).
     dca: Dual Chunk Attention for contexts past the trained length: True (chunk_size = trained context,
          local_size = chunk_size / 32) or {"chunk_size": S, "local_size": W, "yarn_factor": f}.
@@ -408,14 +412,10 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     auto = "auto" in (kv_type_k, kv_type_v)
     if auto and kv_type_k != kv_type_v:
         raise CupyllmError("kv_type_k='auto' picks K and V together: pass kv_type_v='auto' too (-ctk auto -ctv auto)")
-    max_slowdown = check_max_slowdown(kv_spill_max_slowdown)
-    if kv_spill_max_slowdown is not None and not (auto and kv_spill):
-        raise InputError("kv_spill_max_slowdown (--kv-spill-max-slowdown) weighs the spill cost of the auto KV tiers: "
-                         "it needs kv_type_k='auto', kv_type_v='auto' and kv_spill=True "
-                         "(-ctk auto -ctv auto --kv-spill)")
     for head_dim in sorted(cfg.head_dims()) if not auto else ():  # an unknown or unfit type fails before loading
         get_format(kv_type_k, head_dim=head_dim)
         get_format(kv_type_v, head_dim=head_dim)
+    check_kv_window(cfg, ctx, kv_window, kv_type_k_tail, kv_type_v_tail, spill=kv_spill, mirror=bool(kv_mirror))
     budget = parse_bytes(kv_budget) if kv_budget is not None else None
     from .backend.gpu import deltanet_problem  # imports no CuPy
     if device == "auto" and deltanet_problem(cfg) is not None:  # DeltaNet shapes the GPU kernels do not take
@@ -446,8 +446,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         budget = budget if budget is not None else int(0.9 * backend.memory_available())
     kv_type_k, kv_type_v, kv_plan, spill_plan, cache_spec = _fit_cache(
         cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=mirror, max_chunk=max_chunk,
-        normalize_k=kv_normalize_k, float_mirror=mirror, max_slowdown=max_slowdown,
-        spill_rates=lambda: measure_spill_rates(transformer))
+        normalize_k=kv_normalize_k, float_mirror=mirror,
+        tail=dict(kv_window=kv_window, kv_type_k_tail=kv_type_k_tail, kv_type_v_tail=kv_type_v_tail))
     if budget is None:  # no budget given: the cache must still fit the memory there is, checked before allocating
         check_memory(cfg, cache_spec, backend.memory_available(), backend.name, mirror=mirror)
     if dca_cfg is None and ctx > cfg.ctx_train:  # (warned only for a context that loads)
@@ -463,6 +463,9 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
                  kv_spec=cache_spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,
                  threads=threads, spec=spec, draft=draft, repeat_layers=blocks)
+
+
+_TAIL_FIELDS = ("kv_window", "kv_type_k_tail", "kv_type_v_tail")  # KVSpec's mixed-type fields (kv/window.py)
 
 
 def _is_count(value) -> bool:
@@ -501,17 +504,11 @@ def check_load_options(*, ctx: int | None = None, threads: int | None = None, ma
 
 def _fit_cache(cfg: ModelConfig, ctx: int, kv_type_k: str, kv_type_v: str, budget: int | None, *, auto: bool,
                spill: bool, mirror: bool, max_chunk: int, normalize_k: bool | None, float_mirror: bool | None,
-               max_slowdown: float = 0.2, spill_rates=None):
+               tail: dict | None = None):
     """(kv_type_k, kv_type_v, kv_plan, spill_plan, spec) of a cache within `budget` (None: no budget): "auto"
     types planned (kv/plan.py), given ones checked, spilled to the host when asked and needed. BudgetError when
-    it cannot fit. With auto types and spill, when the best tier does not fit whole, the tiers are weighed by the
-    cost spill_rates() measures (kv/spill_cost.py)."""
+    it cannot fit."""
     kv_plan = spill_plan = None
-    if auto and spill and not best_tier_fits_whole(cfg, ctx, budget, max_chunk=max_chunk, normalize_k=normalize_k):
-        choice = plan_spill_tier(cfg, ctx, budget, spill_rates(), max_slowdown, max_chunk=max_chunk,
-                                 normalize_k=normalize_k, host_available=host_bytes_available())
-        spec = dataclasses.replace(choice.chosen.spec, float_mirror=float_mirror)
-        return choice.chosen.tier.kv_type_k, choice.chosen.tier.kv_type_v, choice.kv_plan(), choice.spill_plan(), spec
     if auto:
         try:
             kv_plan = plan_kv(cfg, ctx, budget, mirror=mirror, max_chunk=max_chunk, normalize_k=normalize_k)
@@ -521,16 +518,45 @@ def _fit_cache(cfg: ModelConfig, ctx: int, kv_type_k: str, kv_type_v: str, budge
                 raise
             kv_type_k, kv_type_v = TIERS[-1].kv_type_k, TIERS[-1].kv_type_v  # keeps the most positions on the device
     spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, max_chunk=max_chunk, normalize_k=normalize_k,
-                  float_mirror=float_mirror)
+                  float_mirror=float_mirror, **(tail or {}))
     if budget is not None and kv_plan is None:
         try:
             check_budget(cfg, spec, budget, mirror=mirror)
         except BudgetError:
             if not spill:
                 raise
+            if auto:  # the host part in q4_0 where the window's type is above it (kv/plan.py floor_tail)
+                spec = floor_tail(cfg, spec)
             spill_plan = plan_spill(cfg, spec, budget, host_available=host_bytes_available())
             spec = spill_plan.spec
     return kv_type_k, kv_type_v, kv_plan, spill_plan, spec
+
+
+def check_kv_window(cfg: ModelConfig, ctx: int, kv_window: int, kv_type_k_tail: str | None,
+                    kv_type_v_tail: str | None, *, spill: bool = False, mirror: bool = False) -> None:
+    """InputError for mixed-type options (kv/window.py) that do not go together, before the model loads."""
+    tails = [t for t in (kv_type_k_tail, kv_type_v_tail) if t is not None]
+    if not (_is_count(kv_window) and kv_window >= 0):
+        raise InputError(f"kv_window (--kv-window) must be a number of positions >= 0, got {kv_window!r}")
+    for name in tails:
+        if name == "auto":
+            raise InputError("the tail types (-ctkt/-ctvt) take a KV type, not auto (-ctk auto with --kv-spill "
+                             "picks a q4_0 tail itself)")
+        for head_dim in sorted(cfg.head_dims()):
+            get_format(name, head_dim=head_dim)
+    if spill and kv_window:
+        raise InputError("with --kv-spill (kv_spill=True) the host part is the tail and the planner sizes the "
+                         "device window: drop --kv-window (kv_window=)")
+    if kv_window and not tails:
+        raise InputError(f"--kv-window {kv_window} keeps the newest positions in -ctk/-ctv and older ones in the "
+                         "tail types: give them (-ctkt/--cache-type-k-tail, -ctvt/--cache-type-v-tail; "
+                         "kv_type_k_tail=, kv_type_v_tail=), e.g. -ctkt q4_0 -ctvt q4_0")
+    if tails and not kv_window and not spill:
+        raise InputError("the tail types (-ctkt/-ctvt) store the positions older than a window: give its size "
+                         "with --kv-window N (kv_window=N), or --kv-spill for a spilled cache's host part")
+    if tails and kv_window and mirror:
+        raise InputError("--kv-mirror keeps a float32 copy of every position, which outweighs what a tail type "
+                         "saves: drop --kv-mirror (kv_mirror=) or --kv-window and the tail types")
 
 
 def _dca_config(dca, cfg: ModelConfig) -> DCAConfig | None:

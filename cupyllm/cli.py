@@ -50,10 +50,12 @@ def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
                                        "types by it; default there: the free memory after the weights, less 10%%)")
     p.add_argument("--kv-spill", action="store_true", help="GPU: keep the newest positions of a cache over the "
                                                            "budget on the device, the rest in pinned host memory")
-    p.add_argument("--kv-spill-max-slowdown", metavar="F", default=None,
-                   help="with -ctk auto -ctv auto --kv-spill: keep the best tier whose decode slowdown, predicted "
-                        "from rates timed at load, is at most F (default 0.20), spilled, instead of the first that "
-                        "fits whole (docs/kv-formats.md)")
+    p.add_argument("--kv-window", type=int, default=0, metavar="N",
+                   help="keep the newest N positions of each global layer in -ctk/-ctv and older ones in the tail "
+                        "types -ctkt/-ctvt (docs/kv-formats.md)")
+    p.add_argument("-ctkt", "--cache-type-k-tail", default=None, help="KV-cache type of K past --kv-window (or of "
+                                                                       "a spilled cache's host part)")
+    p.add_argument("-ctvt", "--cache-type-v-tail", default=None, help="KV-cache type of V past --kv-window")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -236,9 +238,6 @@ def _check_flags(args) -> None:
     check_load_options(ctx=args.ctx, threads=getattr(args, "threads", None), dca=_dca_options(args))
     if getattr(args, "kv_budget", None) is not None:
         parse_bytes(args.kv_budget)
-    if getattr(args, "kv_spill_max_slowdown", None) is not None:
-        from .kv.spill_cost import check_max_slowdown
-        check_max_slowdown(args.kv_spill_max_slowdown)
     if hasattr(args, "max_tokens"):
         check_max_tokens(args.max_tokens)
         SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -276,15 +275,22 @@ def _load_model(args):
     dca = _dca_options(args)
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
                  kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget,
-                 kv_spill=args.kv_spill, kv_spill_max_slowdown=getattr(args, "kv_spill_max_slowdown", None),
-                 kv_mirror=args.kv_mirror, threads=args.threads,
+                 kv_spill=args.kv_spill, kv_mirror=args.kv_mirror, threads=args.threads, **_kv_window_options(args),
                  spec=_spec_options(args), draft_model=getattr(args, "model_draft", None),
                  draft_kv_type_k=getattr(args, "cache_type_k_draft", "f16"),
                  draft_kv_type_v=getattr(args, "cache_type_v_draft", "f16"), repeat_layers=args.repeat_layers)
     for plan in (model.kv_plan, model.spill_plan):
         if plan is not None:
             print(f"[{model.device}] {plan.describe()}", file=sys.stderr)
+    if model.kv_spec.has_tail:
+        from .kv.plan import describe_tail
+        print(f"[{model.device}] {describe_tail(model.kv_spec)}", file=sys.stderr)
     return model
+
+
+def _kv_window_options(args) -> dict:
+    return dict(kv_window=args.kv_window, kv_type_k_tail=args.cache_type_k_tail,
+                kv_type_v_tail=args.cache_type_v_tail)
 
 
 def _sampling(args) -> dict:
@@ -409,7 +415,7 @@ def cmd_info(args) -> int:
     _check_flags(args)
     print(model_report(args.model, ctx=args.ctx, kv_type_k=args.cache_type_k, kv_type_v=args.cache_type_v,
                        normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget, kv_spill=args.kv_spill,
-                       kv_tiers=args.kv_tiers, repeat_layers=args.repeat_layers))
+                       kv_tiers=args.kv_tiers, **_kv_window_options(args), repeat_layers=args.repeat_layers))
     return 0
 
 

@@ -16,7 +16,8 @@ from .models.layer_plan import describe, parse_repeat_layers, planned_config
 
 def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = "f16", kv_type_v: str = "f16",
                  normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
-                 kv_tiers: bool = False, repeat_layers: str | None = None) -> str:
+                 kv_window: int = 0, kv_type_k_tail: str | None = None,
+                 kv_type_v_tail: str | None = None, kv_tiers: bool = False, repeat_layers: str | None = None) -> str:
     path = Path(model) if model else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
@@ -33,7 +34,8 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
     weight_bytes = sum(t.data.nbytes for t in gguf.tensors.values())
     n_params = sum(t.n_elements for t in gguf.tensors.values())
     types = Counter(t.type.name for t in gguf.tensors.values())
-    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, normalize_k=normalize_k)
+    spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, normalize_k=normalize_k,
+                  kv_window=kv_window, kv_type_k_tail=kv_type_k_tail, kv_type_v_tail=kv_type_v_tail)
     cache = kv_bytes(cfg, spec)
     n_sliding = sum(cfg.sliding_layers) if cfg.sliding_layers else 0
     lines = [
@@ -54,7 +56,8 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         + (f"; sliding layers base {cfg.rope_local.base:g}" if cfg.rope_local else ""),
         f"trained context {cfg.ctx_train}",
         f"KV cache        {_gib(cache)} at ctx {ctx} (K {kv_type_k}{', normalised' if spec.k_normalized else ''}, "
-        f"V {kv_type_v})",
+        f"V {kv_type_v}" + (f"; older than the newest {kv_window}: K {spec.tail_type_k}, V {spec.tail_type_v}"
+                            if spec.windowed else "") + ")",
         f"memory needed   {_gib(weight_bytes + cache)} (weights + KV cache); --kv-mirror (CPU) adds "
         f"{_gib(kv_bytes(cfg, spec, mirror=True) - cache)} for a float32 copy of the cache",
         *budget_line,

@@ -184,11 +184,15 @@ class CPUBackend:
     def attention(self, q: np.ndarray, q_pos: np.ndarray, layer_kv: LayerKV, *, scale: float, window: int = 0,
                   softcap: float = 0.0) -> np.ndarray:
         """Causal (optionally sliding-window) attention of q [n, n_head, d] over everything the layer caches."""
+        return _over_parts(layer_kv, window, lambda part, part_window: self._attention_lse(
+            q, q_pos, part, scale=scale, window=part_window, softcap=softcap))
+
+    def _attention_lse(self, q, q_pos, layer_kv: LayerKV, *, scale: float, window: int, softcap: float):
         if q.shape[0] <= MAX_QUERIES:  # decode: one numba pass over the float32 mirror, or the encoded rows
             if not layer_kv.mirror:
-                return attend_encoded(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap)[0]
+                return attend_encoded(q, q_pos, layer_kv, scale=scale, window=window, softcap=softcap)
             k, v, k_pos = layer_kv.decode(0, layer_kv.n_used)
-            return attend_few(q, k, v, q_pos, k_pos, scale=scale, window=window, softcap=softcap)[0]
+            return attend_few(q, k, v, q_pos, k_pos, scale=scale, window=window, softcap=softcap)
 
         def block(start, stop, k, v, k_pos):
             allowed = causal_mask(q_pos[start:stop], k_pos, window)
@@ -200,16 +204,20 @@ class CPUBackend:
     def dca_attention(self, q_intra, q_successive, q_inter, q_pos: np.ndarray, layer_kv: LayerKV, dca, *,
                       scale: float, softcap: float = 0.0) -> np.ndarray:
         """Dual Chunk Attention over the layer's cache (keys cached at their in-chunk rope positions)."""
+        return _over_parts(layer_kv, 0, lambda part, part_window: self._dca_attention_lse(
+            q_intra, q_successive, q_inter, q_pos, part, dca, scale=scale, softcap=softcap, window=part_window))
+
+    def _dca_attention_lse(self, q_intra, q_successive, q_inter, q_pos, layer_kv, dca, *, scale, softcap, window):
         if q_intra.shape[0] <= MAX_QUERIES and not layer_kv.mirror:
-            return attend_encoded(np.stack([q_intra, q_successive, q_inter]), q_pos, layer_kv,
-                                  scale=scale * dca.logit_scale, softcap=softcap, chunk_len=dca.chunk_len)[0]
-        if q_intra.shape[0] <= MAX_QUERIES:
+            return attend_encoded(np.stack([q_intra, q_successive, q_inter]), q_pos, layer_kv, window=window,
+                                  scale=scale * dca.logit_scale, softcap=softcap, chunk_len=dca.chunk_len)
+        if q_intra.shape[0] <= MAX_QUERIES and window == 0:
             k, v, k_pos = layer_kv.decode(0, layer_kv.n_used)
-            return dca_few(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca, scale=scale, softcap=softcap)[0]
+            return dca_few(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca, scale=scale, softcap=softcap)
 
         def block(start, stop, k, v, k_pos):
             return attend_dca(q_intra[start:stop], q_successive[start:stop], q_inter[start:stop], k, v,
-                              q_pos[start:stop], k_pos, dca, scale=scale, softcap=softcap)
+                              q_pos[start:stop], k_pos, dca, scale=scale, softcap=softcap, window=window)
         return self._stream_keys(q_intra.shape[0], layer_kv, block)
 
     # --- Gated DeltaNet ----------------------------------------------------------------------------
@@ -239,8 +247,8 @@ class CPUBackend:
                             np.float32(eps), out)
         return out.reshape(x.shape)
 
-    def _stream_keys(self, n_rows: int, layer_kv: LayerKV, attend_block) -> np.ndarray:
-        """The attention output of n_rows queries over the layer's cache, KEY_CHUNK slots at a time: each chunk
+    def _stream_keys(self, n_rows: int, layer_kv: LayerKV, attend_block) -> tuple[np.ndarray, np.ndarray]:
+        """The attention (O, LSE) of n_rows queries over the layer's cache, KEY_CHUNK slots at a time: each chunk
         decoded once (without the float32 mirror, the costly part), its query rows attended on the threads by
         attend_block(start, stop, k, v, k_pos) -> (O, LSE), the chunks merged by LSE. Memory: one chunk, never
         the O(n^2) scores."""
@@ -249,7 +257,19 @@ class CPUBackend:
             parts = self._threads.map_rows(lambda start, stop: attend_block(start, stop, k, v, k_pos), n_rows)
             part = tuple(np.concatenate(halves) for halves in zip(*parts))
             out, lse = part if out is None else merge(out, lse, *part)
-        return out
+        return out, lse
+
+
+def _over_parts(layer_kv, window: int, attend_lse) -> np.ndarray:
+    """O of attend_lse(part, window) over a layer cache: one call, or for a mixed-type cache (kv/window.py) one
+    per part with its mask, merged by LSE."""
+    if not getattr(layer_kv, "windowed", False):
+        return attend_lse(layer_kv, window)[0]
+    out = lse = None
+    for part, part_window in layer_kv.parts():
+        result = attend_lse(part, part_window)
+        out, lse = result if out is None else merge(out, lse, *result)
+    return out
 
 
 def _nothing_seen(n_q: int, n_head: int, dv: int) -> tuple[np.ndarray, np.ndarray]:

@@ -36,10 +36,41 @@ class KVSpec:
     # floats instead of decoding every step (4 more bytes per value whatever the format). None / False: none
     # (the default; the GPU reads the encoded rows in its kernels and never keeps one).
     float_mirror: bool | None = None
+    # Mixed types by position (kv/window.py): global layers keep their newest `kv_window` positions in
+    # kv_type_k / kv_type_v and older ones in the tail types (None: the main type). No tail type: one type for
+    # every position, exactly the cache above. Spilled, the host part is the tail (kv_window unused).
+    kv_window: int = 0
+    kv_type_k_tail: str | None = None
+    kv_type_v_tail: str | None = None
 
     @property
     def k_normalized(self) -> bool:
-        return (not is_float(self.kv_type_k)) if self.normalize_k is None else bool(self.normalize_k)
+        """K normalised: by default when K is quantized in the window or the tail (one offset and scale for both,
+        so a row moves between them in the normalised domain)."""
+        if self.normalize_k is not None:
+            return bool(self.normalize_k)
+        return not (is_float(self.kv_type_k) and is_float(self.tail_type_k))
+
+    @property
+    def tail_type_k(self) -> str:
+        return self.kv_type_k_tail or self.kv_type_k
+
+    @property
+    def tail_type_v(self) -> str:
+        return self.kv_type_v_tail or self.kv_type_v
+
+    @property
+    def has_tail(self) -> bool:
+        """Whether some positions are stored in tail types: a tail type is set, and a window shorter than the
+        context holds the rest (spilled: the host part)."""
+        if self.kv_type_k_tail is None and self.kv_type_v_tail is None:
+            return False
+        return self.spilled or 0 < self.kv_window < self.ctx
+
+    @property
+    def windowed(self) -> bool:
+        """Global layers are kv/window.py WindowedLayerKV (a tail without a spill)."""
+        return self.has_tail and not self.spilled
 
     @property
     def spilled(self) -> bool:
@@ -377,6 +408,11 @@ class KVCache:
         whose cache lives on its device passes its own (kv/gpu_cache.py: arrays in GPU memory)."""
         formats = {d: (get_format(spec.kv_type_k, head_dim=d), get_format(spec.kv_type_v, head_dim=d))
                    for d in cfg.head_dims()}
+        tail_formats = {d: (get_format(spec.tail_type_k, head_dim=d), get_format(spec.tail_type_v, head_dim=d))
+                        for d in cfg.head_dims()}
+        if spec.windowed and mirror:
+            raise BudgetError("--kv-mirror keeps a float32 copy of every position, which outweighs what a tail type "
+                              "saves: drop --kv-mirror (kv_mirror=) or --kv-window and the tail types")
         need = kv_bytes(cfg, spec, mirror=mirror)
         available = host_bytes_available() if mirror else float("inf")  # host arrays: check before allocating
         if need > available:
@@ -392,11 +428,19 @@ class KVCache:
                     continue
                 sliding = cfg.is_sliding(layer)
                 head_dim, v_head_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
-                layers.append(make_layer(formats[head_dim][0], formats[v_head_dim][1], cfg.n_kv_head_of(layer),
-                                         head_dim, v_head_dim, capacity=_slots(cfg, spec, layer),
-                                         ring=sliding or spec.spilled,
-                                         window=cfg.sliding_window if sliding else 0, mirror=mirror,
-                                         normalize_k=spec.k_normalized))
+                windowed = spec.windowed and not sliding  # (kv/window.py: main ring + tail)
+                main = make_layer(formats[head_dim][0], formats[v_head_dim][1], cfg.n_kv_head_of(layer),
+                                  head_dim, v_head_dim, capacity=_slots(cfg, spec, layer),
+                                  ring=sliding or spec.spilled or windowed,
+                                  window=cfg.sliding_window if sliding else spec.kv_window if windowed else 0,
+                                  mirror=mirror, normalize_k=spec.k_normalized)
+                if windowed:
+                    from .window import WindowedLayerKV
+                    main = WindowedLayerKV(main, make_layer(
+                        tail_formats[head_dim][0], tail_formats[v_head_dim][1], cfg.n_kv_head_of(layer), head_dim,
+                        v_head_dim, capacity=spec.ctx, ring=False, window=0, mirror=False,
+                        normalize_k=spec.k_normalized))
+                layers.append(main)
         except MemoryError:  # host arrays, and CuPy's OutOfMemoryError on the device
             raise BudgetError(_no_room(spec, need, "the allocation failed", mirror)) from None
         return cls(spec, layers)
@@ -498,25 +542,48 @@ class KVCache:
 
 def kv_bytes(cfg: ModelConfig, spec: KVSpec, mirror: bool = False) -> int:
     """Bytes a cache for `spec` takes, without allocating it (mirror: plus the CPU's float32 copy; spilled: on
-    the device only, kv/plan.py counts the host part)."""
+    the device only, host_kv_bytes counts the host part; windowed: the window's ring and the tail)."""
     total = recurrent_bytes(cfg)
     for layer in range(cfg.n_layer):
         if cfg.kv_source(layer) != layer or cfg.is_recurrent(layer):
             continue  # reads an earlier layer's cache, or keeps a recurrent state (counted above)
-        k_dim, v_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
-        k_row = get_format(spec.kv_type_k, head_dim=k_dim).row_bytes(k_dim)
-        v_row = get_format(spec.kv_type_v, head_dim=v_dim).row_bytes(v_dim)
+        k_row, v_row = _row_bytes(cfg, layer, spec.kv_type_k, spec.kv_type_v)
         if mirror:
+            k_dim, v_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
             k_row, v_row = k_row + 4 * k_dim, v_row + 4 * v_dim
         total += _slots(cfg, spec, layer) * cfg.n_kv_head_of(layer) * (k_row + v_row)
+        if spec.windowed and not cfg.is_sliding(layer):  # the tail: every position, in the tail types
+            total += spec.ctx * cfg.n_kv_head_of(layer) * sum(_row_bytes(cfg, layer, spec.tail_type_k,
+                                                                          spec.tail_type_v))
     return total
 
 
+def host_kv_bytes(cfg: ModelConfig, spec: KVSpec) -> int:
+    """Bytes of a spilled cache's host part (kv/gpu_spill.py): the global layers' positions past the device
+    window, in the tail types (the main types when none is set); 0 unspilled."""
+    if not spec.spilled:
+        return 0
+    total = 0
+    for layer in range(cfg.n_layer):
+        if cfg.kv_source(layer) != layer or cfg.is_recurrent(layer) or cfg.is_sliding(layer):
+            continue
+        rows = sum(_row_bytes(cfg, layer, spec.tail_type_k, spec.tail_type_v))
+        total += (spec.ctx - spec.device_window) * cfg.n_kv_head_of(layer) * rows
+    return total
+
+
+def _row_bytes(cfg: ModelConfig, layer: int, kv_type_k: str, kv_type_v: str) -> tuple[int, int]:
+    k_dim, v_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
+    return (get_format(kv_type_k, head_dim=k_dim).row_bytes(k_dim), get_format(kv_type_v, head_dim=v_dim).row_bytes(v_dim))
+
+
 def _slots(cfg: ModelConfig, spec: KVSpec, layer: int) -> int:
-    """Cache slots of `layer`: every position for global attention (the device window when spilled), a ring of
-    window + chunk for sliding."""
+    """Cache slots of `layer`: every position for global attention (the device window when spilled, a ring of
+    window + chunk in the main types when windowed), a ring of window + chunk for sliding."""
     if cfg.is_sliding(layer):
         return min(spec.ctx, cfg.sliding_window + spec.max_chunk)
+    if spec.windowed:
+        return min(spec.ctx, spec.kv_window + spec.max_chunk)
     return spec.device_window if spec.spilled else spec.ctx
 
 

@@ -6,23 +6,18 @@ Qwen2.5-Coder-0.5B, K normalised; a type's quality is the worse of the two): eac
 value than the one before it, and every measured type or pair left out is beaten by some tier in both bits
 and quality (q4_0 and q4_1 by turbo4, turbo3 by turbo3_tcq/turbo2_tcq, q8_0/q4_0 by q6_0, ...;
 tests/test_kv_plan.py recomputes the front from the measurements). `plan_kv` takes the first tier whose
-cache fits the budget; its bytes come from `kv_bytes`, the same count the cache allocates. With --kv-spill, a
-better tier that does not fit whole may be kept spilled when its measured cost allows (kv/spill_cost.py).
+cache fits the budget; its bytes come from `kv_bytes`, the same count the cache allocates.
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from ..files.config import ModelConfig
 from ..errors import BudgetError, CupyllmError, InputError
-from .cache import KVSpec, kv_bytes
+from .cache import KVSpec, host_kv_bytes, kv_bytes
 from ..ops.kv_formats.formats import get_format
-
-if TYPE_CHECKING:
-    from .spill_cost import SpillChoice
 
 
 @dataclass(frozen=True)
@@ -76,13 +71,8 @@ class KVPlan:
     ctx: int
     bytes_needed: int
     budget: int
-    # --kv-spill: the tiers weighed by their measured spill cost (kv/spill_cost.py plan_spill_tier), when the best
-    # tier did not fit whole; None: the first tier that fits was taken
-    spill_choice: "SpillChoice | None" = None
 
     def describe(self) -> str:
-        if self.spill_choice is not None:
-            return self.spill_choice.describe()
         return (f"KV cache {self.tier.name} (auto for {format_bytes(self.budget)}: "
                 f"{format_bytes(self.bytes_needed)} at ctx {self.ctx})")
 
@@ -175,21 +165,17 @@ class SpillPlan:
     spec: KVSpec  # with device_window set
     device_bytes: int
     host_bytes: int
-    predicted_slowdown: float | None = None  # decode, against the whole cache (kv/spill_cost.py); None: not weighed
 
     def describe(self) -> str:
-        cost = "" if self.predicted_slowdown is None else \
-            f"; predicted decode slowdown +{self.predicted_slowdown:.0%}"
         return (f"KV cache spilled: the newest {self.spec.device_window} of {self.spec.ctx} positions on the device "
                 f"({format_bytes(self.device_bytes)}), the rest in pinned host memory "
-                f"({format_bytes(self.host_bytes)}){cost}")
+                f"({format_bytes(self.host_bytes)})")
 
 
 def plan_spill(cfg: ModelConfig, spec: KVSpec, budget: int, host_available: float = float("inf")) -> SpillPlan:
     """The largest device window (at least one prefill chunk) whose device bytes fit `budget`, the older
     positions on the host. Device bytes grow by the same amount per window position (the global layers' rows),
     so the window is found by bisection on kv_bytes."""
-    full = kv_bytes(cfg, replace(spec, device_window=0))
 
     def device_bytes(window: int) -> int:
         return kv_bytes(cfg, replace(spec, device_window=window))
@@ -203,7 +189,8 @@ def plan_spill(cfg: ModelConfig, spec: KVSpec, budget: int, host_available: floa
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if device_bytes(mid) <= budget else (lo, mid - 1)
-    plan = SpillPlan(replace(spec, device_window=lo), device_bytes(lo), full - device_bytes(lo))
+    plan = SpillPlan(replace(spec, device_window=lo), device_bytes(lo),
+                     host_kv_bytes(cfg, replace(spec, device_window=lo)))  # (in the tail types when set)
     if plan.host_bytes > host_available:
         raise BudgetError(f"{plan.describe()}, and the host has {format_bytes(host_available)} available; lower "
                           "-c/--ctx or store K/V in fewer bits (-ctk/-ctv)")
@@ -217,3 +204,24 @@ def format_bytes(n_bytes: float) -> str:
     if n_bytes < 2**20:
         return f"{n_bytes / 2**10:,.1f} KiB"
     return f"{n_bytes / 2**20:,.1f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:,.2f} GiB"
+
+
+TAIL_FLOOR = "q4_0"  # an auto-typed spilled cache's host part takes at most this many bits (the "q4_0 floor")
+
+
+def floor_tail(cfg: ModelConfig, spec: KVSpec) -> KVSpec:
+    """`spec` with its spilled host part (the tail) in q4_0 where the window's type stores more bits per value
+    (auto types with --kv-spill): the old positions, read with small weights and copied over PCIe every step,
+    take the cheap type; the recent ones keep the tier's."""
+    def floor(name: str) -> str | None:
+        return TAIL_FLOOR if any(get_format(name, head_dim=d).bits_per_value >
+                                 get_format(TAIL_FLOOR, head_dim=d).bits_per_value for d in cfg.head_dims()) else None
+    return replace(spec, kv_type_k_tail=floor(spec.kv_type_k), kv_type_v_tail=floor(spec.kv_type_v))
+
+
+def describe_tail(spec: KVSpec) -> str:
+    """What a cache with tail types stores where (kv/window.py; a spilled cache's host part)."""
+    where = (f"positions past the device window of {spec.device_window} (the host part)" if spec.spilled else
+             f"positions past the newest {spec.kv_window}")
+    return (f"KV tail: {where} stored as K {spec.tail_type_k}, V {spec.tail_type_v}; the window as K "
+            f"{spec.kv_type_k}, V {spec.kv_type_v}")

@@ -148,6 +148,11 @@ def layer_state_problem(layer, state: dict, n_past: int) -> str | None:
             _rows_problem("host_v", state.get("host_v"), n_host, layer.host_v)
         rest = {name: value for name, value in state.items() if name not in ("n_host", "host_k", "host_v")}
         return problem or layer_state_problem(layer.device, rest, n_past)
+    if getattr(layer, "windowed", False):  # mixed types (kv/window.py): the main ring, then the "tail_" arrays
+        from .window import TAIL
+        tail = {name[len(TAIL):]: value for name, value in state.items() if name.startswith(TAIL)}
+        main = {name: value for name, value in state.items() if not name.startswith(TAIL)}
+        return layer_state_problem(layer.main, main, n_past) or layer_state_problem(layer.tail, tail, n_past)
     n_used = _count(state.get("n_used"))
     if n_used is None or not 0 <= n_used <= layer.capacity:
         return f"n_used {state.get('n_used')!r} is not a count up to {layer.capacity}"

@@ -224,7 +224,8 @@ def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, 
             continue
         decoded = False
         for i in range(n_q):
-            if kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window):
+            if kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window) or \
+                    (window < 0 and q_pos[i] - kp < -window):  # (the complement: a mixed cache's tail)
                 continue
             if not decoded and k_codec[0] != F32:
                 decode_in_place(k_bytes, (j * n_kv + kh) * k_row_bytes, k_codec, k_table, half_table, bits,
@@ -353,7 +354,8 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
 
 def attend_encoded(q: np.ndarray, q_pos: np.ndarray, layer_kv, *, scale: float, window: int = 0,
                    softcap: float = 0.0, chunk_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(O [n_q, n_head, dv], LSE [n_q, n_head]) of a few queries over a LayerKV's encoded slots.
+    """(O [n_q, n_head, dv], LSE [n_q, n_head]) of a few queries over a LayerKV's encoded slots. window > 0:
+    keys within `window` positions of the query; < 0: keys at least -window behind it (reference.causal_mask).
 
     q: [n_q, n_head, d], or [3, n_q, n_head, d] for DCA (intra, successive, inter rotations; chunk_len > 0
     picks each key's regime by its position, as dca_few; scale then includes DCA's logit scale)."""

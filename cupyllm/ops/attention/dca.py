@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import CupyllmError
-from .reference import attend, merge
+from .reference import attend, causal_mask, merge
 
 INTRA, SUCCESSIVE, INTER = 0, 1, 2
 
@@ -68,20 +68,21 @@ def query_positions(positions: np.ndarray, dca: DCAConfig) -> tuple[np.ndarray, 
     return in_chunk, successive, inter
 
 
-def regimes(q_pos: np.ndarray, k_pos: np.ndarray, dca: DCAConfig) -> np.ndarray:
+def regimes(q_pos: np.ndarray, k_pos: np.ndarray, dca: DCAConfig, window: int = 0) -> np.ndarray:
     """int8 [n_q, n_k]: INTRA / SUCCESSIVE / INTER for causal pairs, -1 where the key is masked
-    (in the future of the query, or an empty cache slot with position < 0)."""
+    (in the future of the query, or an empty cache slot with position < 0, or outside `window` as
+    reference.causal_mask reads it: a mixed cache's parts, kv/window.py)."""
     q = np.asarray(q_pos)[:, None]
     k = np.asarray(k_pos)[None, :]
     gap = q // dca.chunk_len - k // dca.chunk_len
     regime = np.where(gap == 0, INTRA, np.where(gap == 1, SUCCESSIVE, INTER)).astype(np.int8)
-    return np.where((k <= q) & (k >= 0), regime, np.int8(-1))
+    return np.where(causal_mask(q_pos, k_pos, window), regime, np.int8(-1))
 
 
 def attend_dca(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca: DCAConfig, *, scale: float,
-               softcap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+               softcap: float = 0.0, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """DCA over one block of keys (k roped at key_positions): three masked attentions merged by LSE."""
-    regime = regimes(q_pos, k_pos, dca)
+    regime = regimes(q_pos, k_pos, dca, window)
     scale = scale * dca.logit_scale
     out = lse = None
     for which, q in ((INTRA, q_intra), (SUCCESSIVE, q_successive), (INTER, q_inter)):

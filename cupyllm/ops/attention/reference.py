@@ -14,13 +14,16 @@ import numpy as np
 
 
 def causal_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int = 0) -> np.ndarray:
-    """allowed[i, j]: key j is at or before query i (and within `window` positions of it when window > 0).
+    """allowed[i, j]: key j is at or before query i (and within `window` positions of it when window > 0; at
+    least -window positions behind it when window < 0: the complement, a mixed cache's tail, kv/window.py).
     Negative key positions mark empty cache slots."""
     q_pos = np.asarray(q_pos)[:, None]
     k_pos = np.asarray(k_pos)[None, :]
     allowed = (k_pos <= q_pos) & (k_pos >= 0)
     if window > 0:
         allowed &= (q_pos - k_pos) < window
+    elif window < 0:
+        allowed &= (q_pos - k_pos) >= -window
     return allowed
 
 
