@@ -35,6 +35,7 @@ from .models.layer_plan import LayerBlocks, boundary_warning, describe, parse_re
 from .models.layers import dca_attention
 from .kv.prompt_cache import PromptCache, layer_state_problem, shared_prefix
 from .kv.shift import ContextShift
+from .kv.spill_cost import best_tier_fits_whole, check_max_slowdown, measure_spill_rates, plan_spill_tier
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
 from .speculative import DraftLength, ModelDrafter, NgramDrafter, SpecConfig, check_same_vocabulary, spec_config
@@ -355,6 +356,7 @@ class Model:
 def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int | None = None,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
+         kv_spill_max_slowdown: float | None = None,
          kv_mirror: bool | None = None, kv_window: int = 0, kv_type_k_tail: str | None = None,
          kv_type_v_tail: str | None = None, threads: int | None = None, progress: bool = True,
          draft_model: "str | os.PathLike | Model | None" = None, spec: SpecConfig | dict | str | None = None,
@@ -371,7 +373,9 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          would exceed it is a BudgetError before anything is allocated.
     kv_spill: (GPU) a cache over the budget keeps only its newest positions on the device and the rest in pinned
          host memory, attention streaming over both (kv/plan.py plan_spill, kv/gpu_spill.py); with "auto"
-         types, the smallest tier spills when no tier fits whole.
+         types, when the best tier does not fit whole, the spill's cost is timed on the device at load and the
+         best tier whose predicted decode slowdown is at most kv_spill_max_slowdown (default 0.20: 20%) is kept,
+         spilled, else the first that fits whole (kv/spill_cost.py; the decision: model.kv_plan.spill_choice).
     kv_mirror: (CPU) also keep a float32 copy of the decoded cache, which kv_budget and the "auto" types then
          count: 4 more bytes per value whatever the KV type, so that decode steps read it instead of decoding
          the rows: faster with the rotated formats, not with f16 or q8_0 (docs/kv-formats.md). Default: no copy, the cache
@@ -412,6 +416,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     auto = "auto" in (kv_type_k, kv_type_v)
     if auto and kv_type_k != kv_type_v:
         raise CupyllmError("kv_type_k='auto' picks K and V together: pass kv_type_v='auto' too (-ctk auto -ctv auto)")
+    max_slowdown = check_max_slowdown(kv_spill_max_slowdown)
+    if kv_spill_max_slowdown is not None and not (auto and kv_spill):
+        raise InputError("kv_spill_max_slowdown (--kv-spill-max-slowdown) weighs the spill cost of the auto KV tiers: "
+                         "it needs kv_type_k='auto', kv_type_v='auto' and kv_spill=True "
+                         "(-ctk auto -ctv auto --kv-spill)")
     for head_dim in sorted(cfg.head_dims()) if not auto else ():  # an unknown or unfit type fails before loading
         get_format(kv_type_k, head_dim=head_dim)
         get_format(kv_type_v, head_dim=head_dim)
@@ -446,7 +455,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         budget = budget if budget is not None else int(0.9 * backend.memory_available())
     kv_type_k, kv_type_v, kv_plan, spill_plan, cache_spec = _fit_cache(
         cfg, ctx, kv_type_k, kv_type_v, budget, auto=auto, spill=kv_spill, mirror=mirror, max_chunk=max_chunk,
-        normalize_k=kv_normalize_k, float_mirror=mirror,
+        normalize_k=kv_normalize_k, float_mirror=mirror, max_slowdown=max_slowdown,
+        spill_rates=lambda: measure_spill_rates(transformer),
         tail=dict(kv_window=kv_window, kv_type_k_tail=kv_type_k_tail, kv_type_v_tail=kv_type_v_tail))
     if budget is None:  # no budget given: the cache must still fit the memory there is, checked before allocating
         check_memory(cfg, cache_spec, backend.memory_available(), backend.name, mirror=mirror)
@@ -504,11 +514,18 @@ def check_load_options(*, ctx: int | None = None, threads: int | None = None, ma
 
 def _fit_cache(cfg: ModelConfig, ctx: int, kv_type_k: str, kv_type_v: str, budget: int | None, *, auto: bool,
                spill: bool, mirror: bool, max_chunk: int, normalize_k: bool | None, float_mirror: bool | None,
+               max_slowdown: float = 0.2, spill_rates=None,
                tail: dict | None = None):
     """(kv_type_k, kv_type_v, kv_plan, spill_plan, spec) of a cache within `budget` (None: no budget): "auto"
     types planned (kv/plan.py), given ones checked, spilled to the host when asked and needed. BudgetError when
-    it cannot fit."""
+    it cannot fit. With auto types and spill, when the best tier does not fit whole, the tiers are weighed by the
+    cost spill_rates() measures (kv/spill_cost.py)."""
     kv_plan = spill_plan = None
+    if auto and spill and not best_tier_fits_whole(cfg, ctx, budget, max_chunk=max_chunk, normalize_k=normalize_k):
+        choice = plan_spill_tier(cfg, ctx, budget, spill_rates(), max_slowdown, max_chunk=max_chunk,
+                                 normalize_k=normalize_k, host_available=host_bytes_available())
+        spec = dataclasses.replace(choice.chosen.spec, float_mirror=float_mirror)
+        return choice.chosen.tier.kv_type_k, choice.chosen.tier.kv_type_v, choice.kv_plan(), choice.spill_plan(), spec
     if auto:
         try:
             kv_plan = plan_kv(cfg, ctx, budget, mirror=mirror, max_chunk=max_chunk, normalize_k=normalize_k)

@@ -56,6 +56,10 @@ def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctkt", "--cache-type-k-tail", default=None, help="KV-cache type of K past --kv-window (or of "
                                                                        "a spilled cache's host part)")
     p.add_argument("-ctvt", "--cache-type-v-tail", default=None, help="KV-cache type of V past --kv-window")
+    p.add_argument("--kv-spill-max-slowdown", metavar="F", default=None,
+                   help="with -ctk auto -ctv auto --kv-spill: keep the best tier whose decode slowdown, predicted "
+                        "from rates timed at load, is at most F (default 0.20), spilled, instead of the first that "
+                        "fits whole (docs/kv-formats.md)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -238,6 +242,9 @@ def _check_flags(args) -> None:
     check_load_options(ctx=args.ctx, threads=getattr(args, "threads", None), dca=_dca_options(args))
     if getattr(args, "kv_budget", None) is not None:
         parse_bytes(args.kv_budget)
+    if getattr(args, "kv_spill_max_slowdown", None) is not None:
+        from .kv.spill_cost import check_max_slowdown
+        check_max_slowdown(args.kv_spill_max_slowdown)
     if hasattr(args, "max_tokens"):
         check_max_tokens(args.max_tokens)
         SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -275,7 +282,8 @@ def _load_model(args):
     dca = _dca_options(args)
     model = load(args.model, device=args.device, ctx=args.ctx, kv_type_k=args.cache_type_k,
                  kv_type_v=args.cache_type_v, dca=dca, kv_normalize_k=args.cache_normalize_k, kv_budget=args.kv_budget,
-                 kv_spill=args.kv_spill, kv_mirror=args.kv_mirror, threads=args.threads, **_kv_window_options(args),
+                 kv_spill=args.kv_spill, kv_spill_max_slowdown=getattr(args, "kv_spill_max_slowdown", None),
+                 kv_mirror=args.kv_mirror, threads=args.threads, **_kv_window_options(args),
                  spec=_spec_options(args), draft_model=getattr(args, "model_draft", None),
                  draft_kv_type_k=getattr(args, "cache_type_k_draft", "f16"),
                  draft_kv_type_v=getattr(args, "cache_type_v_draft", "f16"), repeat_layers=args.repeat_layers)

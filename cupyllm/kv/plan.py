@@ -6,18 +6,23 @@ Qwen2.5-Coder-0.5B, K normalised; a type's quality is the worse of the two): eac
 value than the one before it, and every measured type or pair left out is beaten by some tier in both bits
 and quality (q4_0 and q4_1 by turbo4, turbo3 by turbo3_tcq/turbo2_tcq, q8_0/q4_0 by q6_0, ...;
 tests/test_kv_plan.py recomputes the front from the measurements). `plan_kv` takes the first tier whose
-cache fits the budget; its bytes come from `kv_bytes`, the same count the cache allocates.
+cache fits the budget; its bytes come from `kv_bytes`, the same count the cache allocates. With --kv-spill, a
+better tier that does not fit whole may be kept spilled when its measured cost allows (kv/spill_cost.py).
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..files.config import ModelConfig
 from ..errors import BudgetError, CupyllmError, InputError
 from .cache import KVSpec, host_kv_bytes, kv_bytes
 from ..ops.kv_formats.formats import get_format
+
+if TYPE_CHECKING:
+    from .spill_cost import SpillChoice
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,13 @@ class KVPlan:
     ctx: int
     bytes_needed: int
     budget: int
+    # --kv-spill: the tiers weighed by their measured spill cost (kv/spill_cost.py plan_spill_tier), when the best
+    # tier did not fit whole; None: the first tier that fits was taken
+    spill_choice: "SpillChoice | None" = None
 
     def describe(self) -> str:
+        if self.spill_choice is not None:
+            return self.spill_choice.describe()
         return (f"KV cache {self.tier.name} (auto for {format_bytes(self.budget)}: "
                 f"{format_bytes(self.bytes_needed)} at ctx {self.ctx})")
 
@@ -165,11 +175,14 @@ class SpillPlan:
     spec: KVSpec  # with device_window set
     device_bytes: int
     host_bytes: int
+    predicted_slowdown: float | None = None  # decode, against the whole cache (kv/spill_cost.py); None: not weighed
 
     def describe(self) -> str:
+        cost = "" if self.predicted_slowdown is None else \
+            f"; predicted decode slowdown +{self.predicted_slowdown:.0%}"
         return (f"KV cache spilled: the newest {self.spec.device_window} of {self.spec.ctx} positions on the device "
                 f"({format_bytes(self.device_bytes)}), the rest in pinned host memory "
-                f"({format_bytes(self.host_bytes)})")
+                f"({format_bytes(self.host_bytes)}){cost}")
 
 
 def plan_spill(cfg: ModelConfig, spec: KVSpec, budget: int, host_available: float = float("inf")) -> SpillPlan:
