@@ -106,6 +106,25 @@ class Model:
         cache = self.new_cache()
         return prefill(self._forward_numpy, ids, cache, self.kv_spec.max_chunk, all_logits=True)
 
+    def token_nll(self, ids: Sequence[int], chunk: int | None = None) -> np.ndarray:
+        """float64 [len(ids) - 1]: -log p(ids[t + 1] | ids[:t + 1]) of one fresh sequence (perplexity: the exp of
+        its mean), run in chunks of `chunk` tokens (default: the prefill chunk, at most 64) so that no more than one
+        chunk's logits are held (64 rows of a 262k vocabulary: 67 MB)."""
+        if len(ids) < 2:
+            raise InputError("token_nll() needs at least two token ids")
+        ids = self._prompt_ids(ids, chat=False, chat_template_kwargs=None)
+        chunk = chunk or min(self.kv_spec.max_chunk, 64)
+        cache, nll = self.new_cache(), []
+        for start in range(0, len(ids) - 1, chunk):
+            part = ids[start:start + chunk]
+            logits = prefill(self._forward_numpy, part, cache, chunk, all_logits=True)
+            targets = np.asarray(ids[start + 1:start + 1 + len(part)])
+            logits = logits[:len(targets)]
+            top = logits.max(axis=-1, keepdims=True)
+            log_z = np.log(np.exp(logits - top).sum(axis=-1, dtype=np.float64)) + top[:, 0]
+            nll.append(log_z - logits[np.arange(len(targets)), targets])
+        return np.concatenate(nll)
+
     def generate(self, prompt: str | Sequence[int] | Sequence[dict], max_tokens: int = 256, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  seed: int | None = None, stop: Sequence[str] | str | None = None, stream: bool = False,

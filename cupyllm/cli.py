@@ -161,6 +161,21 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--kv-tiers", action="store_true", help="list every KV tier's cache size at -c and its quality")
     _add_repeat_layers_arg(info)
 
+    probe = sub.add_parser("rys-probe", help="rank blocks of layers to repeat (--repeat-layers) by perplexity and a "
+                                              "task battery; docs/layer-plans.md")
+    probe.add_argument("model", nargs="?", help="GGUF model path (default: the default model)")
+    probe.add_argument("--band", default="auto",
+                       help="layers lo,hi the blocks lie in (default auto: all but max(3, layers / 8) at each end)")
+    probe.add_argument("--widths", default="auto", help="block widths, e.g. 1,2,4 (default auto: 1, 2, 4, ... up to "
+                                                        "half the band)")
+    probe.add_argument("--top-k", type=int, default=10, help="ranked blocks to print (default 10)")
+    probe.add_argument("--corpus", metavar="FILE", help="UTF-8 text to score perplexity on (default: the shipped "
+                                                        "corpus, cupyllm/data/rys/corpus.txt)")
+    probe.add_argument("--json", metavar="FILE", help="also write every score and the chosen plans as JSON")
+    probe.add_argument("-c", "--ctx", type=int, default=2048, help="context length (default 2048)")
+    probe.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    probe.add_argument("-t", "--threads", type=int, default=None)
+
     sub.add_parser("compile", help="compile the CPU kernels into numba's cache now (a first CPU run does it itself)")
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
@@ -427,6 +442,33 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_rys_probe(args) -> int:
+    """Load the model once, score every block of the band (tqdm), print the ranked table and the two plans."""
+    import json
+
+    from .api import check_load_options, load
+    from .rys_probe import band_and_widths, corpus_text, probe
+
+    check_load_options(ctx=args.ctx, threads=args.threads)
+    if args.top_k < 1:
+        raise InputError(f"--top-k must be >= 1, got {args.top_k}")
+    corpus = corpus_text(args.corpus)
+    model = load(args.model, device=args.device, ctx=args.ctx, threads=args.threads)
+    band_and_widths(model.cfg.n_layer, args.band, args.widths)  # (a bad band fails before the first score)
+    result = probe(model, band=args.band, widths=args.widths, corpus=corpus)
+    print(f"{result.model}: {result.n_layer} layers, blocks of widths {','.join(map(str, result.widths))} in layers "
+          f"[{result.band[0]}, {result.band[1]}), perplexity over {result.corpus_tokens} corpus tokens, "
+          f"{result.n_tasks} tasks")
+    print(result.table(args.top_k))
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump({**result.to_json(), "device": model.device}, fh, indent=1)
+        except OSError as exc:
+            raise InputError(f"cannot write {args.json}: {exc.strerror}") from None
+    return 0
+
+
 def cmd_compile(args) -> int:
     from .backend import precompile
 
@@ -470,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _print_warning  # one line, like the errors, not Python's file:line form
-            return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
+            return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "rys-probe": cmd_rys_probe,
                     "compile": cmd_compile, "serve": cmd_serve}[args.command](args)
     except CupyllmError as exc:
         print(f"cupyllm: error: {exc}", file=sys.stderr)
