@@ -542,7 +542,8 @@ def _fit_cache(cfg: ModelConfig, ctx: int, kv_type_k: str, kv_type_v: str, budge
     kv_plan = spill_plan = None
     if auto and spill and not best_tier_fits_whole(cfg, ctx, budget, max_chunk=max_chunk, normalize_k=normalize_k):
         choice = plan_spill_tier(cfg, ctx, budget, spill_rates(), max_slowdown, max_chunk=max_chunk,
-                                 normalize_k=normalize_k, host_available=host_bytes_available())
+                                 normalize_k=normalize_k, host_available=host_bytes_available(),
+                                 host_types=lambda spec: floor_tail(cfg, spec))  # (the q4_0 floor, as below)
         spec = dataclasses.replace(choice.chosen.spec, float_mirror=float_mirror)
         return choice.chosen.tier.kv_type_k, choice.chosen.tier.kv_type_v, choice.kv_plan(), choice.spill_plan(), spec
     if auto:

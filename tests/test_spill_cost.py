@@ -126,6 +126,25 @@ def test_the_choice_is_the_best_tier_within_the_limit(tiny_model, max_slowdown, 
         assert choice.chosen.tier == TIERS[0] and choice.chosen.spills
 
 
+def test_the_host_part_in_its_tail_types(tiny_model):
+    """host_types (api: kv/plan.py floor_tail) stores a spilled tier's host part in q4_0: the streamed bytes are
+    q4_0 rows, so the same spill costs less than in f16."""
+    from cupyllm.kv.plan import floor_tail
+    cfg = _cfg(tiny_model, "qwen2")
+    ctx, max_chunk = 8192, 64
+    budget = kv_bytes(cfg, KVSpec(ctx=ctx, kv_type_k="q8_0", kv_type_v="q8_0", max_chunk=max_chunk))
+    plain = plan_spill_tier(cfg, ctx, budget, RATES, 1e9, max_chunk=max_chunk)
+    floored = plan_spill_tier(cfg, ctx, budget, RATES, 1e9, max_chunk=max_chunk,
+                              host_types=lambda spec: floor_tail(cfg, spec))
+    f16 = floored.costs[0]
+    assert (f16.tier.name, f16.spec.kv_type_k_tail, f16.spec.kv_type_v_tail) == ("f16", "q4_0", "q4_0")
+    host = ctx - f16.spec.device_window
+    assert f16.streamed_bytes == host * sum(cfg.n_kv_head_of(il) * (_row_bytes("q4_0", cfg.head_dim_of(il))
+                                                                  + _row_bytes("q4_0", cfg.v_head_dim_of(il)))
+                                            for il in range(cfg.n_layer))
+    assert f16.slowdown < plain.costs[0].slowdown
+
+
 def test_a_faster_copy_keeps_a_better_tier(tiny_model):
     cfg = _cfg(tiny_model, "qwen2")
     ctx, max_chunk = 8192, 64
@@ -233,9 +252,9 @@ def test_measured_rates_on_the_device(flash_qwen2):
 
 @_gpu
 def test_load_weighs_the_tiers_by_the_measured_cost(flash_qwen2):
-    """A budget between q8_0 and f16 whole: any slowdown allowed keeps f16 spilled (and the choice is what the
-    planner gives for the rates the load measured); none allowed takes q8_0 whole; without --kv-spill nothing is
-    measured."""
+    """A budget between q8_0 and f16 whole: any slowdown allowed keeps f16 spilled, its host part in q4_0 (and
+    the choice is what the planner gives for the rates the load measured); none allowed takes q8_0 whole; without
+    --kv-spill nothing is measured."""
     path = flash_qwen2
     cfg = config_from_gguf(read_gguf(path))
     ctx, max_chunk = 64, 4
@@ -247,7 +266,10 @@ def test_load_weighs_the_tiers_by_the_measured_cost(flash_qwen2):
     assert (kept.kv_spec.kv_type_k, kept.kv_spec.kv_type_v) == ("f16", "f16") and kept.kv_spec.spilled
     assert kept.spill_plan.spec.device_window == kept.kv_spec.device_window
     assert kept.spill_plan.predicted_slowdown == choice.chosen.slowdown
-    assert choice == plan_spill_tier(cfg, ctx, budget, choice.rates, 1e9, max_chunk=max_chunk)
+    from cupyllm.kv.plan import floor_tail
+    assert choice == plan_spill_tier(cfg, ctx, budget, choice.rates, 1e9, max_chunk=max_chunk,
+                                     host_types=lambda spec: floor_tail(cfg, spec))
+    assert (kept.kv_spec.kv_type_k_tail, kept.kv_spec.kv_type_v_tail) == ("q4_0", "q4_0")  # (the q4_0 floor)
     assert kept.generate([5, 17, 99, 3], max_tokens=3, temperature=0) is not None  # the spilled cache runs
     whole = cupyllm.load(path, kv_spill_max_slowdown=0, **options)
     assert whole.kv_spec.kv_type_k == "q8_0" and not whole.kv_spec.spilled and whole.spill_plan is None
