@@ -314,3 +314,163 @@ def test_options_refused_clearly(tiny_model):
                            (dict(kv_window=8, kv_type_v_tail="q9"), "q9")):
         with pytest.raises((InputError, cupyllm.errors.CupyllmError), match=words):
             cupyllm.load(path, device="cpu", ctx=48, progress=False, **options)
+
+
+# --- the GPU (a device, or the CUDA emulator: CUPYLLM_EMULATE=1 python -m pytest -m gpu) -----------------------------
+GPU_IDS = [5, 17, 99, 3, 42, 7, 11, 64, 200, 1, 33, 18, 77, 9, 120, 4, 57, 81]
+
+
+@pytest.fixture(scope="module")
+def flash_qwen(tmp_path_factory):
+    """A Qwen2 of head dim 64 (the flash kernels' dims), every layer global."""
+    import make_tiny_models
+    spec = dataclasses.replace(make_tiny_models.tiny_spec("qwen2"), n_layer=2, head_dim=64)
+    path = tmp_path_factory.mktemp("window") / "tiny-qwen2.gguf"
+    make_tiny_models.write_gguf(spec, path)
+    return path
+
+
+def _run_ids(ops, path, spec, n_prefill: int):
+    """Logits of GPU_IDS: the first n_prefill in chunks of spec.max_chunk, then one-token steps; and the cache."""
+    from cupyllm.files.gguf import read_gguf
+    from cupyllm.models.build import Transformer
+    transformer = Transformer.from_gguf(read_gguf(path), ops, progress=False)
+    cache = ops.new_cache(transformer.cfg, spec)
+
+    def forward(tokens, positions, cache, all_logits=False):
+        return ops.to_numpy(transformer.forward(tokens, positions, cache, all_logits))
+
+    logits = [prefill(forward, GPU_IDS[:n_prefill], cache, spec.max_chunk, all_logits=True)]
+    for token in GPU_IDS[n_prefill:]:
+        logits.append(forward(np.array([token]), np.array([cache.n_past]), cache))
+        cache.n_past += 1
+    return np.concatenate(logits), cache
+
+
+def _gpu_ops():
+    from gpu_helpers import GPU_TEST_MARKS
+    for mark in GPU_TEST_MARKS[1:]:  # (the skip when there is no device, at run time)
+        if mark.args and mark.args[0]:
+            pytest.skip(mark.kwargs["reason"])
+    from cupyllm.backend.gpu import GPUBackend
+    return GPUBackend(attention="dispatch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("main, tail", [("f16", "q4_0"), ("q8_0", "q4_0")])
+def test_gpu_windowed_cache(flash_qwen, main, tail):
+    """The device's windowed cache: each tail row the ring still holds is encode_tail(decode_main(its main row))
+    with the NumPy codecs; attention (the flash kernels, FA-VEC for a decode step and FA-MMA for a chunk, reading
+    the tail with the negative window) is the NumPy reference over the rows decoded from their own formats; the
+    model's logits differ from the CPU's windowed cache by less than the tail itself changes them."""
+    ops = _gpu_ops()
+    whole = KVSpec(ctx=64, kv_type_k=main, kv_type_v=main, max_chunk=4)
+    mixed = dataclasses.replace(whole, kv_window=6, kv_type_k_tail=tail, kv_type_v_tail=tail)
+    got, gpu_cache = _run_ids(ops, flash_qwen, mixed, n_prefill=12)
+    cpu, _ = _run_ids(CPUBackend(), flash_qwen, mixed, n_prefill=12)
+    want, _ = _run_ids(ops, flash_qwen, whole, n_prefill=12)
+    cpu_whole, _ = _run_ids(CPUBackend(), flash_qwen, whole, n_prefill=12)
+    m_fmt, t_fmt = get_format(main, head_dim=64), get_format(tail, head_dim=64)
+    for layer in gpu_cache.own_layers():
+        assert isinstance(layer, WindowedLayerKV)
+        held = layer.main.slot_pos.get()
+        for slot in np.flatnonzero(held >= 0):
+            p = int(held[slot])
+            for data, tail_data in ((layer.main.k_data, layer.tail.k_data), (layer.main.v_data, layer.tail.v_data)):
+                want_row = t_fmt.encode(m_fmt.decode(data[int(slot)].get(), 64))
+                assert np.array_equal(tail_data[p].get(), want_row)
+    from gpu_helpers import MMA_TOL_O
+    layer = gpu_cache.own_layers()[1]
+    host = _HostCopy(layer)
+    rng = np.random.default_rng(4)
+    n = len(GPU_IDS)
+    for n_q in (1, 4):
+        q = rng.normal(size=(n_q, 4, 64)).astype(np.float32)
+        q_pos = np.arange(n - n_q, n)
+        got_o = ops.to_numpy(ops.attention(ops.asarray(q), q_pos, layer, scale=0.125))
+        want_o = _reference(q, q_pos, host, scale=0.125)
+        assert np.abs(got_o - want_o).max() <= 2 * MMA_TOL_O * max(1.0, np.abs(want_o).max())
+    assert np.abs(got - want).max() > 1e-4 * np.abs(want).max()  # (the q4_0 tail is read)
+    assert np.abs(got - cpu).max() < np.abs(cpu - cpu_whole).max()
+
+
+def _spill_and_window(ops, path, base, n_prefill=12):
+    """(spilled with a device window of 6, windowed by 6) caches of one spec with tail types, on the device."""
+    spilled = _run_ids(ops, path, dataclasses.replace(base, device_window=6), n_prefill=n_prefill)
+    windowed = _run_ids(ops, path, dataclasses.replace(base, kv_window=6), n_prefill=n_prefill)
+    return spilled, windowed
+
+
+@pytest.mark.gpu
+def test_gpu_spilled_host_part_is_the_tail(flash_qwen):
+    """Spilled with tail types: the host rows are the tail rows a windowed cache of that window holds (layer 0,
+    whose keys depend on the tokens alone: the same bytes), the bytes counted are the arrays', and each decode
+    step reads what the windowed cache reads (the device ring holds the newest `window` positions, the host the
+    rest): token by token, the same logits up to the order of the merges."""
+    from cupyllm.kv.cache import host_kv_bytes
+    from cupyllm.kv.gpu_spill import SpilledLayerKV
+    ops = _gpu_ops()
+    base = KVSpec(ctx=64, kv_type_k="q8_0", kv_type_v="q8_0", max_chunk=4, normalize_k=False,
+                  kv_type_k_tail="q4_0", kv_type_v_tail="q4_0")
+    (got, spilled), (want, windowed) = _spill_and_window(ops, flash_qwen, base, n_prefill=1)
+    layers = spilled.own_layers()
+    assert all(isinstance(layer, SpilledLayerKV) and layer.retyped and layer.n_host == len(GPU_IDS) - 6
+               for layer in layers)
+    first, first_windowed = layers[0], windowed.own_layers()[0]
+    assert np.array_equal(first.host_k[:first.n_host], first_windowed.tail.k_data[:first.n_host].get())
+    assert np.array_equal(first.host_v[:first.n_host], first_windowed.tail.v_data[:first.n_host].get())
+    assert sum(layer.host_bytes for layer in layers) == host_kv_bytes(
+        _cfg(flash_qwen), dataclasses.replace(base, device_window=6))
+    # (one token a step: a prefill chunk would split the parts at its end, the window at each of its queries)
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.gpu
+def test_gpu_context_shift_of_a_retyped_host_part(flash_qwen):
+    """A shift of a spilled cache whose host part is the tail: the host rows are the windowed cache's tail rows
+    after its shift (the tail's codec on the same bytes: layer 0), the ring holds the new window, and the next
+    step's logits are finite."""
+    ops = _gpu_ops()
+    base = KVSpec(ctx=64, kv_type_k="f16", kv_type_v="f16", max_chunk=4, normalize_k=False,
+                  kv_type_k_tail="q4_0", kv_type_v_tail="q4_0")
+    (_, spilled), (_, windowed) = _spill_and_window(ops, flash_qwen, base)
+    cfg = _cfg(flash_qwen)
+    for keep, discard in ((2, 5), (9, 3)):  # (9: a kept host row comes back into the device window)
+        for cache in (spilled, windowed):
+            shift_cache(cache, cfg, keep, discard)
+        n = spilled.n_past
+        for layer in spilled.own_layers():
+            assert layer.n_host == n - 6
+            held = layer.device.slot_pos.get()
+            assert sorted(held[held >= 0].tolist()) == list(range(n - 6, n))
+        first, first_windowed = spilled.own_layers()[0], windowed.own_layers()[0]
+        assert np.array_equal(first.host_k[:first.n_host], first_windowed.tail.k_data[:first.n_host].get())
+    from cupyllm.files.gguf import read_gguf
+    from cupyllm.models.build import Transformer
+    transformer = Transformer.from_gguf(read_gguf(flash_qwen), ops, progress=False)
+    logits = ops.to_numpy(transformer.forward(np.array([7]), np.array([spilled.n_past]), spilled))
+    assert np.isfinite(logits).all()
+
+
+class _HostCopy:
+    """A device WindowedLayerKV's parts as host arrays (what _decoded reads)."""
+
+    def __init__(self, layer):
+        self.kv_window = layer.kv_window
+        self.main, self.tail = _host_part(layer.main), _host_part(layer.tail)
+
+
+def _host_part(part):
+    copy = LayerKV(part.k_format, part.v_format, part.n_kv, part.head_dim, part.v_head_dim, capacity=part.capacity,
+                   ring=part.ring, window=part.window)
+    copy.k_data, copy.v_data = part.k_data.get(), part.v_data.get()
+    copy.slot_pos, copy.n_used = part.slot_pos.get().astype(np.int64), part.n_used
+    if part.k_offset is not None:
+        copy.k_offset, copy.k_scale = part.k_offset.get(), part.k_scale.get()
+    return copy
+
+
+def _cfg(path):
+    from cupyllm.files.config import config_from_gguf
+    from cupyllm.files.gguf import read_gguf
+    return config_from_gguf(read_gguf(path))

@@ -31,6 +31,7 @@ from ..ops.matmul.reference import WEIGHT_FORMATS, dequantize
 from ..ops.elementwise.reference import inverse_frequencies
 from ..models.weights import Weight
 from ..ops.attention.gpu_decoded import attend_decoded
+from ..ops.attention.reference import merge
 from ..ops.matmul.gpu_blas import matmul_f16_f32
 from ..kv.gpu_cache import DeviceRecurrentState, device_layer_factory
 from ..ops.deltanet.gpu import CONV_WIDTHS, KEY_HEAD_DIMS, DeltaNetKernels
@@ -133,6 +134,7 @@ class GPUBackend:
             raise CupyllmError("kv_spill (--kv-spill) is not implemented for the Qwen3.5 hybrids on the GPU: drop "
                                "it (their linear-attention layers keep a fixed-size state; only the full-attention "
                                "layers have a KV cache)")
+        from ..ops.kv_formats.formats import get_format
         from ..ops.kv_formats.gpu import GpuKVCodec
 
         def codec(fmt, head_dim, n_kv):
@@ -148,7 +150,11 @@ class GPUBackend:
             for il, layer in enumerate(cache.layers):
                 if not cfg.is_sliding(il):
                     if id(layer) not in spilled:
-                        spilled[id(layer)] = SpilledLayerKV(layer, host_capacity=spec.ctx - spec.device_window)
+                        tail = None if not spec.has_tail else (  # the host part is the tail (kv/window.py)
+                            get_format(spec.tail_type_k, head_dim=layer.head_dim),
+                            get_format(spec.tail_type_v, head_dim=layer.v_head_dim))
+                        spilled[id(layer)] = SpilledLayerKV(layer, host_capacity=spec.ctx - spec.device_window,
+                                                            tail_formats=tail)
                     cache.layers[il] = spilled[id(layer)]
         return cache
 
@@ -302,6 +308,12 @@ class GPUBackend:
         # which undoes the normalisation.
         normalized = layer_kv.k_scale is not None
         offset_matters = normalized and (options.get("softcap", 0.0) > 0.0 or options.get("dca") is not None)
+        if getattr(layer_kv, "windowed", False):  # mixed types by position (kv/window.py): each part, merged by LSE
+            out = lse = None
+            for part, window in layer_kv.parts():
+                result = self._attend_lse(q, q_pos, part, offset_matters, **{**options, "window": window})
+                out, lse = result if out is None else merge(out, lse, *result)
+            return out.astype(q.dtype)
         if layer_kv.spilled:
             return self._attend_spilled(q, q_pos, layer_kv, normalized, offset_matters, **options)
         if self._gpu_attention is not None and shape not in self._no_dispatch and not offset_matters:
@@ -313,6 +325,21 @@ class GPUBackend:
                     raise
                 self._no_dispatch[shape] = str(exc)
         return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, **options)
+
+    def _attend_lse(self, q, q_pos, layer_kv, offset_matters: bool, **options):
+        """(O float32, LSE) of `_attend`'s kernels over one part of a windowed layer."""
+        if self._gpu_attention is not None and not offset_matters and \
+                (layer_kv.head_dim, layer_kv.v_head_dim, layer_kv.k_format.name, layer_kv.v_format.name) \
+                not in self._no_dispatch:
+            from ..ops.attention.gpu_dispatch import gpu_attention_lse
+            q_read = q * layer_kv.query_scale(q.shape[1]) if layer_kv.k_scale is not None else q
+            try:
+                out, lse = gpu_attention_lse(q_read, q_pos, layer_kv, **options)
+                return out.astype(self.cp.float32), lse
+            except self._dispatch_refusal:  # checked before any launch
+                if self._attention_mode == "dispatch":
+                    raise
+        return attend_decoded(q, self.inputs.int32(q_pos), layer_kv, with_lse=True, **options)
 
     def _attend_spilled(self, q, q_pos, layer_kv, normalized: bool, offset_matters: bool, **options):
         """Device window and host rows through the flash kernels, merged by LSE (kv/gpu_spill.py)."""

@@ -49,7 +49,7 @@ class KVSpec:
         so a row moves between them in the normalised domain)."""
         if self.normalize_k is not None:
             return bool(self.normalize_k)
-        return not (is_float(self.kv_type_k) and is_float(self.tail_type_k))
+        return not (is_float(self.kv_type_k) and is_float(self.tail_type_k if self.has_tail else self.kv_type_k))
 
     @property
     def tail_type_k(self) -> str:

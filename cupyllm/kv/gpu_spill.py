@@ -6,7 +6,10 @@ pinned host memory, attention over both merged by log-sum-exp (kv/plan.py plan_s
     host    pinned uint8 [host_capacity, n_kv, row_bytes] K and V rows, row p = position p, holding [0, n_host)
 
 A write first moves the rows its slots still hold (positions p - window) to the host, then encodes the new
-rows on the device, so the two parts always partition the positions written. Attention runs the flash kernels
+rows on the device, so the two parts always partition the positions written. With tail types (KVSpec
+kv_type_k_tail / kv_type_v_tail, kv/window.py) the host part is the tail: each row is retyped on its way there,
+encode_tail(decode_main(row)) with the NumPy codecs (kv/window.py retype_rows, the bytes the CPU's tail holds),
+and attention reads the host rows in the tail formats. Attention runs the flash kernels
 (ops/attention/gpu_dispatch.py gpu_attention_lse) on the device ring, then streams the host rows through a device
 staging buffer `stage_tokens` at a time, each chunk one more partial (O, LSE), merged exactly as
 ops/attention/reference.py's merge defines. The rows move as stored bytes (already encoded, already normalised),
@@ -22,6 +25,7 @@ import numpy as np
 
 from ..ops.attention.reference import merge
 from ..errors import CupyllmError
+from .window import retype_rows
 
 STAGE_TOKENS = 8192  # host rows copied to the device per attention chunk
 
@@ -57,17 +61,26 @@ class SpilledLayerKV:
     device: object  # DeviceLayerKV, ring of `window` slots
     host_capacity: int
     stage_tokens: int = STAGE_TOKENS
+    tail_formats: tuple | None = None  # (K, V) KVFormat of the host rows; None: the device's
     spilled = True
     n_host: int = field(init=False, default=0)  # positions [0, n_host) are on the host
 
     def __post_init__(self):
         dev = self.device
         xp = dev.xp
-        self.host_k = _pinned((self.host_capacity, dev.n_kv, dev.k_data.shape[2]))
-        self.host_v = _pinned((self.host_capacity, dev.n_kv, dev.v_data.shape[2]))
+        self.host_k_format, self.host_v_format = self.tail_formats or (dev.k_format, dev.v_format)
+        k_row, v_row = self.host_k_format.row_bytes(dev.head_dim), self.host_v_format.row_bytes(dev.v_head_dim)
+        self.host_k = _pinned((self.host_capacity, dev.n_kv, k_row))
+        self.host_v = _pinned((self.host_capacity, dev.n_kv, v_row))
         stage = min(self.stage_tokens, max(self.host_capacity, 1))
-        self._stage_k = xp.empty((stage, dev.n_kv, dev.k_data.shape[2]), xp.uint8)
-        self._stage_v = xp.empty((stage, dev.n_kv, dev.v_data.shape[2]), xp.uint8)
+        self._stage_k = xp.empty((stage, dev.n_kv, k_row), xp.uint8)
+        self._stage_v = xp.empty((stage, dev.n_kv, v_row), xp.uint8)
+
+    @property
+    def retyped(self) -> bool:
+        """Whether the host rows are in other formats than the device's (tail types)."""
+        return (self.host_k_format.name, self.host_v_format.name) != (self.device.k_format.name,
+                                                                      self.device.v_format.name)
 
     # what the model code and the backend read of a layer cache
     def __getattr__(self, name):
@@ -104,8 +117,12 @@ class SpilledLayerKV:
                     raise CupyllmError(f"position {int(evict[-1])} is past the host part of the cache "
                                        f"({self.host_capacity} positions)")
                 slots = xp.asarray(evict % self.window)
-                self.host_k[evict[0]:evict[-1] + 1] = xp.asnumpy(dev.k_data[slots])
-                self.host_v[evict[0]:evict[-1] + 1] = xp.asnumpy(dev.v_data[slots])
+                k_rows, v_rows = xp.asnumpy(dev.k_data[slots]), xp.asnumpy(dev.v_data[slots])
+                if self.retyped:  # the host part is the tail: rows retyped as they leave the window
+                    k_rows = retype_rows(k_rows, dev.k_format, self.host_k_format, dev.head_dim)
+                    v_rows = retype_rows(v_rows, dev.v_format, self.host_v_format, dev.v_head_dim)
+                self.host_k[evict[0]:evict[-1] + 1] = k_rows
+                self.host_v[evict[0]:evict[-1] + 1] = v_rows
                 self.n_host = int(evict[-1]) + 1
         dev.write(k, v, positions, queries=queries)
 
@@ -119,7 +136,7 @@ class SpilledLayerKV:
             n = stop - start
             self._stage_k[:n] = xp.asarray(self.host_k[start:stop])
             self._stage_v[:n] = xp.asarray(self.host_v[start:stop])
-            rows = _RowsView(dev.k_format, dev.v_format, dev.n_kv, dev.head_dim, dev.v_head_dim,
+            rows = _RowsView(self.host_k_format, self.host_v_format, dev.n_kv, dev.head_dim, dev.v_head_dim,
                              self._stage_k[:n], self._stage_v[:n], xp.arange(start, stop, dtype=xp.int32), n,
                              dev.inputs)
             part, part_lse = attend_lse(q, q_pos, rows, **options)
@@ -161,3 +178,51 @@ class SpilledLayerKV:
 
     def pad_used(self, n_slots: int) -> None:
         self.device.pad_used(n_slots)
+
+    # context shift (kv/shift.py) of a retyped host part: each part in its own codec
+    def shift(self, keep: int, discard: int, rope, dca=None) -> None:
+        """The host rows and the device ring shifted each in its formats; host rows whose new positions fall in
+        the device window (a kept prefix, when keep reaches past it) move to the device, retyped back."""
+        from .shift import layer_rows, put_rows, shift_layer
+        host = _HostRows(self)
+        shift_layer(host, keep, discard, rope, dca)
+        shift_layer(self.device, keep, discard, rope, dca)
+        host_pos, host_k, host_v = layer_rows(host)
+        dev_pos, dev_k, dev_v = layer_rows(self.device)
+        n_past = int(max(host_pos.max(initial=-1), dev_pos.max(initial=-1))) + 1
+        n_host = max(0, n_past - self.window)
+        up = host_pos >= n_host
+        if up.any():
+            dev = self.device
+            k = retype_rows(host_k[up], self.host_k_format, dev.k_format, dev.head_dim)
+            v = retype_rows(host_v[up], self.host_v_format, dev.v_format, dev.v_head_dim)
+            put_rows(dev, np.concatenate([dev_pos, host_pos[up]]), np.concatenate([dev_k, k]),
+                     np.concatenate([dev_v, v]))
+        self.n_host = n_host
+
+
+@dataclass
+class _HostRows:
+    """A spilled layer's host rows as kv/shift.py reads and writes a layer (slot = position, [0, n_host))."""
+
+    layer: SpilledLayerKV
+    ring: bool = False
+    mirror: bool = False
+    xp: object = np
+
+    def __post_init__(self):
+        layer = self.layer
+        self.k_data, self.v_data = layer.host_k, layer.host_v
+        self.k_format, self.v_format = layer.host_k_format, layer.host_v_format
+        self.head_dim, self.n_kv = layer.device.head_dim, layer.device.n_kv
+        k_offset, k_scale = layer.device.k_offset, layer.device.k_scale
+        self.k_offset = None if k_offset is None else _host(k_offset)
+        self.k_scale = None if k_scale is None else _host(k_scale)
+        self.capacity = layer.host_capacity
+        self.slot_pos = np.full(self.capacity, -1, np.int64)
+        self.slot_pos[:layer.n_host] = np.arange(layer.n_host)
+        self.n_used = layer.n_host
+
+
+def _host(array) -> np.ndarray:
+    return array.get() if hasattr(array, "get") else np.asarray(array)

@@ -101,7 +101,8 @@ def shift_cache(cache: KVCache, cfg: ModelConfig, keep: int, discard: int, dca=N
 def shift_layer(layer, keep: int, discard: int, rope: RopeConfig, dca=None) -> None:
     """shift_cache for one layer cache (LayerKV, DeviceLayerKV or SpilledLayerKV) whose keys `rope` rotated
     (at DCA's in-chunk positions when `dca` is given)."""
-    if getattr(layer, "windowed", False):  # mixed types by position (kv/window.py): each part in its own codec
+    if getattr(layer, "windowed", False) or getattr(layer, "retyped", False):  # mixed types by position
+        # (kv/window.py; a spilled layer whose host part is the tail): each part in its own codec
         layer.shift(keep, discard, rope, dca)
         return
     positions, k_rows, v_rows = layer_rows(layer)

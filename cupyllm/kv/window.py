@@ -41,8 +41,14 @@ def retype_rows(rows: np.ndarray, from_format: KVFormat, to_format: KVFormat, d:
     if from_format.name == to_format.name:
         return rows.copy()
     n, n_kv, row_bytes = rows.shape
-    values = decode_rows(from_format, rows.reshape(n * n_kv, row_bytes), d)
+    flat = rows.reshape(n * n_kv, row_bytes)
+    # (the same values either way: decode_rows is the format's decode bit for bit, on every core, which costs
+    # a thread-pool wake-up that a decode step's few rows do not repay)
+    values = from_format.decode(flat, d) if len(flat) <= FEW_ROWS else decode_rows(from_format, flat, d)
     return to_format.encode(values).reshape(n, n_kv, -1)
+
+
+FEW_ROWS = 64  # rows retype_rows decodes with the format's NumPy decode rather than the parallel decode_rows
 
 
 @dataclass

@@ -5,7 +5,8 @@
 // Semantics (cupyllm/attention/reference.py): for query row (i, h) and cache slot j,
 //   s = (q_i . k_j) * scale; s = softcap * tanh(s / softcap) if softcap > 0;
 //   s += mask[i, j] if a mask is given (mask_stride > 0: float32 [n_q, mask_stride], indexed by slot);
-//   key j is used iff 0 <= pos_j <= pos_i and (window <= 0 or pos_i - pos_j < window), with
+//   key j is used iff 0 <= pos_j <= pos_i and (window == 0, or pos_i - pos_j < window when window > 0, or
+//   pos_i - pos_j >= -window when window < 0: the complement, a mixed-type cache's tail, cupyllm/kv/window.py), with
 //   pos_j = slot_pos[j] (int32, -1: an empty slot) and pos_i = q_pos[i] (int32);
 //   O = softmax(s) V, LSE = log sum_j exp(s_j) (natural log); a row with no usable key: O = 0, LSE = -inf.
 // The kernels see Q already multiplied by `scale` and, for rotated K formats, rotated (fa_prep_q); with a
@@ -597,7 +598,8 @@ __device__ __forceinline__ void stage_rows(const StagedRows& L, u8* smem, const 
 
 // ---- mask ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ bool key_visible(long long key_pos, long long query_pos, int window) {
-    return key_pos >= 0 && key_pos <= query_pos && (window <= 0 || query_pos - key_pos < window);
+    return key_pos >= 0 && key_pos <= query_pos &&
+           (window == 0 || (window > 0 ? query_pos - key_pos < window : query_pos - key_pos >= -window));
 }
 
 __device__ __forceinline__ float apply_softcap(float s, float softcap) {
@@ -605,7 +607,8 @@ __device__ __forceinline__ float apply_softcap(float s, float softcap) {
 }
 
 // Key range [begin, end) of one split. When slot j holds position j (a non-ring cache), keys after the
-// last query position or before the window of the first one are all masked: skip them.
+// last query position or before the window of the first one are all masked: skip them (with a negative
+// window, the complement, keys within -window positions of the last query are masked too).
 struct KeyRange {
     int begin, end;
 };
@@ -617,6 +620,7 @@ __device__ __forceinline__ KeyRange split_key_range(int split, int keys_per_spli
     if (slots_are_positions) {
         end = min(end, max_qpos + 1);
         if (window > 0) begin = max(begin, min_qpos - window + 1);
+        if (window < 0) end = min(end, max_qpos + window + 1);
     }
     return KeyRange{static_cast<int>(begin), static_cast<int>(max(begin, end))};
 }

@@ -276,8 +276,8 @@ fa_mma(const __half* __restrict__ q, const cupyllm::u8* __restrict__ k_cache, co
 #pragma unroll
         for (int q = lane; q < kWarpKeys; q += 32) {
             const int j = key0 + q;
-            lane_sees_all = lane_sees_all && j < n_valid && key_visible(pos[j], qpos_lo, 0) &&
-                            (window <= 0 || qpos_hi - pos[j] < window);
+            lane_sees_all = lane_sees_all && j < n_valid && key_visible(pos[j], qpos_lo, window) &&
+                            key_visible(pos[j], qpos_hi, window);  // (every window's rule holds on [lo, hi])
         }
         const bool all_visible = mask_stride <= 0 && __all_sync(kFullMask, lane_sees_all);
         float m_tile[2] = {neg_inf(), neg_inf()};

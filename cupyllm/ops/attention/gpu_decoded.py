@@ -17,8 +17,9 @@ KEY_CHUNK = 4096  # cache slots decoded at a time
 
 
 def attend_decoded(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap: float = 0.0,
-                   key_chunk: int = KEY_CHUNK, dca=None, dca_queries=()):
-    """out [n_q, n_head, dv] float32 for q [n_q, n_head, d] at int32 device positions q_pos [n_q].
+                   key_chunk: int = KEY_CHUNK, dca=None, dca_queries=(), with_lse: bool = False):
+    """out [n_q, n_head, dv] float32 for q [n_q, n_head, d] at int32 device positions q_pos [n_q] (with_lse:
+    (out, LSE [n_q, n_head])). window < 0: keys at least -window positions behind the query (reference.causal_mask).
 
     Dual Chunk Attention with `dca` (DCAConfig): q is the intra rotation, `dca_queries` the successive and
     inter ones; each (query, key) pair is scored with the rotation of its regime, under one softmax."""
@@ -54,6 +55,8 @@ def attend_decoded(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap
         allowed = (k_pos <= q_pos) & (k_pos >= 0)
         if window > 0:
             allowed &= (q_pos - k_pos) < window
+        elif window < 0:
+            allowed &= (q_pos - k_pos) >= -window
         scores = cp.where(by_rows(allowed), scores, np.float32(-np.inf))
         new_max = cp.maximum(row_max, scores.max(axis=-1))
         safe_max = cp.where(cp.isfinite(new_max), new_max, np.float32(0.0))
@@ -63,4 +66,8 @@ def attend_decoded(q, q_pos, layer_kv, *, scale: float, window: int = 0, softcap
         acc = acc * correction[..., None] + batched_matmul(cp, probs, cp.ascontiguousarray(v.transpose(1, 0, 2)))
         row_max = new_max
     out = cp.where(row_sum[..., None] > 0, acc / cp.maximum(row_sum, np.float32(1e-30))[..., None], np.float32(0.0))
-    return cp.ascontiguousarray(out.reshape(n_kv, group, n_q, dv).transpose(2, 0, 1, 3)).reshape(n_q, n_head, dv)
+    out = cp.ascontiguousarray(out.reshape(n_kv, group, n_q, dv).transpose(2, 0, 1, 3)).reshape(n_q, n_head, dv)
+    if not with_lse:
+        return out
+    lse = cp.where(row_sum > 0, row_max + cp.log(cp.maximum(row_sum, np.float32(1e-30))), np.float32(-np.inf))
+    return out, cp.ascontiguousarray(lse.reshape(n_kv, group, n_q).transpose(2, 0, 1)).reshape(n_q, n_head)
