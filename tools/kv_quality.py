@@ -26,6 +26,10 @@ at its storage bits per value R.
     python tools/kv_quality.py                                  # the full table (about 1.5 h on 2 cores)
     python tools/kv_quality.py --models qwen --configs q8_0 turbo3_tcq/turbo2_tcq --tokens 512
     python tools/kv_quality.py --codebook-dir /tmp/cb --configs turbo3_tcq turbo2_tcq   # try other TCQ codebooks
+    python tools/kv_quality.py --configs q8_0 q4_0 "f16>q4_0@128" "q8_0>q4_0@128" --tokens 2048   # mixed tails
+
+A configuration "MAIN>TAIL@N" (each side K or K/V) is a mixed cache (kv/window.py, --kv-window N -ctkt -ctvt):
+every global layer's newest N positions in MAIN, older ones in TAIL.
 
 Writes bench/results/kv_quality.json and bench/results/kv_quality.md.
 """
@@ -65,6 +69,9 @@ BOOTSTRAP = 1000
 NOISE_TOKENS = 256  # tokens of the text the attention-logit noise diagnostic runs over
 
 # Published median KLD (Qwen3.6-27B, 16k context) for the ordering comparison.
+# Mixed types by position (kv/window.py) with a small window: between uniform q8_0 and q4_0 in quality (issue 35).
+DEFAULT_MIXED = ("f16>q4_0@128", "q8_0>q4_0@128")
+
 REFERENCE_MEDIAN_KLD = {"q8_0": 0.0002, "q4_0": 0.0012, "turbo4": 0.0009, "turbo3_tcq": 0.0016, "turbo3": 0.0028,
                         "turbo2_tcq": 0.0056, "turbo2": 0.0108}
 
@@ -76,22 +83,40 @@ REFERENCE_MEDIAN_KLD = {"q8_0": 0.0002, "q4_0": 0.0012, "turbo4": 0.0009, "turbo
 class KVConfig:
     k: str
     v: str
+    tail_k: str | None = None  # mixed by position: the types past the newest `window` positions
+    tail_v: str | None = None
+    window: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "KVConfig":
-        """'q8_0' (K and V) or 'q8_0/q4_0' (K / V)."""
-        k, _, v = text.partition("/")
-        return cls(k, v or k)
+        """'q8_0' (K and V), 'q8_0/q4_0' (K / V), or 'f16>q4_0@128' (newest 128 positions f16, older q4_0)."""
+        main, _, rest = text.partition(">")
+        k, _, v = main.partition("/")
+        if not rest:
+            return cls(k, v or k)
+        tail, _, window = rest.partition("@")
+        tail_k, _, tail_v = tail.partition("/")
+        if not window.isdigit() or int(window) < 1:
+            raise SystemExit(f"mixed configuration {text!r}: write MAIN>TAIL@N with a window N >= 1")
+        return cls(k, v or k, tail_k, tail_v or tail_k, int(window))
 
     @property
     def label(self) -> str:
-        return self.k if self.k == self.v else f"{self.k}/{self.v}"
+        main = self.k if self.k == self.v else f"{self.k}/{self.v}"
+        if not self.window:
+            return main
+        tail = self.tail_k if self.tail_k == self.tail_v else f"{self.tail_k}/{self.tail_v}"
+        return f"{main}>{tail}@{self.window}"
+
+    def spec(self, ctx: int, max_chunk: int, normalize_k: bool | None) -> KVSpec:
+        return KVSpec(ctx=ctx, kv_type_k=self.k, kv_type_v=self.v, max_chunk=max_chunk, normalize_k=normalize_k,
+                      kv_window=self.window, kv_type_k_tail=self.tail_k, kv_type_v_tail=self.tail_v)
 
 
 def default_configs() -> list[KVConfig]:
     """f16 (the baseline) first, then every other format for K and V, then the mixed pairs."""
     same = [KVConfig(BASELINE, BASELINE)] + [KVConfig(f, f) for f in list_formats() if f != BASELINE]
-    return same + [KVConfig.parse(p) for p in DEFAULT_PAIRS]
+    return same + [KVConfig.parse(p) for p in DEFAULT_PAIRS + DEFAULT_MIXED]
 
 
 # -- the statistics (NumPy, float64) -----------------------------------------------------------------------
@@ -193,10 +218,11 @@ def new_cache(model, config: KVConfig, ctx: int, codebooks: dict[str, np.ndarray
               norm_mode: str | None = None, normalize_k: bool | None = None) -> KVCache:
     """An empty cache like ``cupyllm.load(kv_type_k=config.k, kv_type_v=config.v)`` gives, with the overrides
     (normalize_k: KVSpec.normalize_k, None for the engine's default)."""
-    spec = KVSpec(ctx=ctx, kv_type_k=config.k, kv_type_v=config.v, max_chunk=model.kv_spec.max_chunk,
-                  normalize_k=normalize_k)
+    spec = config.spec(ctx, model.kv_spec.max_chunk, normalize_k)
     cache = KVCache.for_model(model.cfg, spec, mirror=bool(model.kv_spec.float_mirror))
     codebooks = codebooks or {}
+    if (codebooks or norm_mode) and config.window:
+        raise SystemExit(f"{config.label}: --codebook-dir / --norm-mode apply to uniform configurations only")
     if codebooks or norm_mode:
         k_fmt = format_for(config.k, model.cfg.head_dim, codebooks, norm_mode)
         v_fmt = format_for(config.v, model.cfg.v_head_dim, codebooks, norm_mode)
@@ -281,8 +307,9 @@ def run_model(name: str, path: Path, text: str, configs: list[KVConfig], max_tok
         if config == base_cfg:
             results[config.label] = _entry(model, config, summarize(base_stats, base_stats[:, 1]), 0.0)
             continue
-        normalized = "-normk" if KVSpec(1, config.k, config.v, normalize_k=normalize_k).k_normalized else ""
-        out = mdir / f"{config.label.replace('/', '__')}{result_tag(config, codebooks, norm_mode)}{normalized}.npy"
+        normalized = "-normk" if config.spec(n, 1, normalize_k).k_normalized else ""
+        stem = config.label.replace("/", "__").replace(">", "--").replace("@", "-w")
+        out = mdir / f"{stem}{result_tag(config, codebooks, norm_mode)}{normalized}.npy"
         t0 = time.time()
         if out.exists():
             stats = np.load(out)
@@ -305,7 +332,12 @@ def run_model(name: str, path: Path, text: str, configs: list[KVConfig], max_tok
 def _entry(model, config: KVConfig, summary: dict, seconds: float) -> dict:
     bk = get_format(config.k, head_dim=model.cfg.head_dim).bits_per_value
     bv = get_format(config.v, head_dim=model.cfg.v_head_dim).bits_per_value
-    return {"k": config.k, "v": config.v, "bits_per_value_k": bk, "bits_per_value_v": bv, **summary,
+    tail = {}
+    if config.window:  # mixed by position: the tail's types and bits, and the window
+        tail = {"tail_k": config.tail_k, "tail_v": config.tail_v, "window": config.window,
+                "bits_per_value_tail_k": get_format(config.tail_k, head_dim=model.cfg.head_dim).bits_per_value,
+                "bits_per_value_tail_v": get_format(config.tail_v, head_dim=model.cfg.v_head_dim).bits_per_value}
+    return {"k": config.k, "v": config.v, "bits_per_value_k": bk, "bits_per_value_v": bv, **tail, **summary,
             "seconds": round(seconds, 1)}
 
 
@@ -413,6 +445,10 @@ def check_targets(models: dict) -> dict:
                 ratio = c[t2q]["kld_median"] / c[t2]["kld_median"]
                 checks[f"{t2q} <= 0.6 x {t2}"] = {
                     "median_ratio": ratio, "mean_ratio": c[t2q]["kld_mean"] / c[t2]["kld_mean"], "met": ratio <= 0.6}
+        for label, r in c.items():  # mixed tails: between uniform q8_0 and uniform q4_0 (median KLD)
+            if r.get("window") and r.get("tail_k") == r.get("tail_v") == "q4_0" and {"q8_0", "q4_0"} <= c.keys():
+                kld = [c["q8_0"]["kld_median"], r["kld_median"], c["q4_0"]["kld_median"]]
+                checks[f"q8_0 <= {label} <= q4_0"] = {"median": kld, "met": kld[0] <= kld[1] <= kld[2]}
         if {"q8_0", "f32"} <= c.keys():
             q8, f32 = c["q8_0"], c["f32"]
             lo, hi = q8["ppl_change_ci95"]
@@ -456,6 +492,9 @@ def markdown(report: dict) -> str:
             plo, phi = r["ppl_change_ci95"]
             bits = (f"{r['bits_per_value_k']:g}" if r["k"] == r["v"] else
                     f"{r['bits_per_value_k']:g} / {r['bits_per_value_v']:g}")
+            if r.get("window"):  # newest `window` positions, then the tail's
+                bits += (f" > {r['bits_per_value_tail_k']:g}" if r["tail_k"] == r["tail_v"] else
+                         f" > {r['bits_per_value_tail_k']:g} / {r['bits_per_value_tail_v']:g}")
             ref = REFERENCE_MEDIAN_KLD.get(label, "")
             lines.append(f"| {label} | {bits} | {_g(r['kld_mean'])} [{_g(lo)}, {_g(hi)}] | {_g(r['kld_median'])} | "
                          f"{ref} | {_g(r['kld_p99'])} | {100 * r['top1_agree']:.2f}% | {r['ppl']:.4f} | "
@@ -549,7 +588,8 @@ def _git_commit() -> str | None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gemma", "qwen"], help="gemma, qwen or GGUF paths")
-    ap.add_argument("--configs", nargs="+", help="K or K/V formats (default: every format and the pairs)")
+    ap.add_argument("--configs", nargs="+", help="K or K/V formats, or MAIN>TAIL@N mixed by position (default: "
+                                                 "every format, the pairs and the mixed tails)")
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     ap.add_argument("--tokens", type=int, default=0, help="evaluate at most this many tokens (0: the whole text)")
     ap.add_argument("--codebook-dir", type=Path, help="folder with tcq_turbo3.npy / tcq_turbo2.npy to use instead")
