@@ -25,7 +25,7 @@ import numpy as np
 
 from ..ops.attention.reference import merge
 from ..errors import CupyllmError
-from .window import retype_rows
+from .window import retype_kv
 
 STAGE_TOKENS = 8192  # host rows copied to the device per attention chunk
 
@@ -119,8 +119,7 @@ class SpilledLayerKV:
                 slots = xp.asarray(evict % self.window)
                 k_rows, v_rows = xp.asnumpy(dev.k_data[slots]), xp.asnumpy(dev.v_data[slots])
                 if self.retyped:  # the host part is the tail: rows retyped as they leave the window
-                    k_rows = retype_rows(k_rows, dev.k_format, self.host_k_format, dev.head_dim)
-                    v_rows = retype_rows(v_rows, dev.v_format, self.host_v_format, dev.v_head_dim)
+                    k_rows, v_rows = retype_kv(k_rows, v_rows, dev, _HostFormats(self))
                 self.host_k[evict[0]:evict[-1] + 1] = k_rows
                 self.host_v[evict[0]:evict[-1] + 1] = v_rows
                 self.n_host = int(evict[-1]) + 1
@@ -194,11 +193,18 @@ class SpilledLayerKV:
         up = host_pos >= n_host
         if up.any():
             dev = self.device
-            k = retype_rows(host_k[up], self.host_k_format, dev.k_format, dev.head_dim)
-            v = retype_rows(host_v[up], self.host_v_format, dev.v_format, dev.v_head_dim)
+            k, v = retype_kv(host_k[up], host_v[up], _HostFormats(self), dev)
             put_rows(dev, np.concatenate([dev_pos, host_pos[up]]), np.concatenate([dev_k, k]),
                      np.concatenate([dev_v, v]))
         self.n_host = n_host
+
+
+class _HostFormats:
+    """A spilled layer's host formats and widths, as retype_kv reads a layer cache."""
+
+    def __init__(self, layer: SpilledLayerKV):
+        self.k_format, self.v_format = layer.host_k_format, layer.host_v_format
+        self.head_dim, self.v_head_dim = layer.device.head_dim, layer.device.v_head_dim
 
 
 @dataclass

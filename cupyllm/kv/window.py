@@ -51,6 +51,19 @@ def retype_rows(rows: np.ndarray, from_format: KVFormat, to_format: KVFormat, d:
 FEW_ROWS = 64  # rows retype_rows decodes with the format's NumPy decode rather than the parallel decode_rows
 
 
+def retype_kv(k_rows: np.ndarray, v_rows: np.ndarray, main, tail) -> tuple[np.ndarray, np.ndarray]:
+    """(K rows, V rows) of layer cache `main`'s formats as `tail`'s (retype_rows of each; one call for both
+    where K and V share their formats and widths: a decode step's few rows cost the call, not the values)."""
+    k_rows, v_rows = np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows)
+    same = (main.k_format.name == main.v_format.name and tail.k_format.name == tail.v_format.name
+            and main.head_dim == main.v_head_dim and k_rows.shape == v_rows.shape)
+    if not same:
+        return (retype_rows(k_rows, main.k_format, tail.k_format, main.head_dim),
+                retype_rows(v_rows, main.v_format, tail.v_format, main.v_head_dim))
+    both = retype_rows(np.concatenate([k_rows, v_rows]), main.k_format, tail.k_format, main.head_dim)
+    return both[:len(k_rows)], both[len(k_rows):]
+
+
 @dataclass
 class WindowedLayerKV:
     main: object  # LayerKV or DeviceLayerKV: ring of kv_window + max_chunk slots, window=kv_window, main types
@@ -100,8 +113,7 @@ class WindowedLayerKV:
             return
         slots = host % main.capacity
         k_rows, v_rows = _host(main.k_data[_index(main, slots)]), _host(main.v_data[_index(main, slots)])
-        self._put_tail(host, retype_rows(k_rows, main.k_format, tail.k_format, main.head_dim),
-                       retype_rows(v_rows, main.v_format, tail.v_format, main.v_head_dim))
+        self._put_tail(host, *retype_kv(k_rows, v_rows, main, tail))
 
     def _put_tail(self, positions: np.ndarray, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
         tail = self.tail
@@ -161,8 +173,7 @@ class WindowedLayerKV:
         missing = np.setdiff1d(np.intersect1d(wanted, tail_pos), main_pos)
         if len(missing):
             rows = np.searchsorted(tail_pos, missing)  # (layer_rows of the tail: positions in order)
-            k = retype_rows(tail_k[rows], self.tail.k_format, self.main.k_format, self.main.head_dim)
-            v = retype_rows(tail_v[rows], self.tail.v_format, self.main.v_format, self.main.v_head_dim)
+            k, v = retype_kv(tail_k[rows], tail_v[rows], self.tail, self.main)
             put_rows(self.main, np.concatenate([main_pos, missing]), np.concatenate([main_k, k]),
                      np.concatenate([main_v, v]))
 
