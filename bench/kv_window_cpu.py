@@ -101,8 +101,8 @@ def main(argv=None) -> int:
         print(f"{name} ({result['models'][name]['model']}), {args.ctx} tokens, {result['host']}")
         print(f"  {'cache':32} {'MiB':>8} {'prefill s':>10} {'ms/step':>8} {'tok/s':>7} {'x f16':>6}")
         for r in rows:
-            print(f"  {r['cache']:32} {r['cache_mib']:8.1f} {r['prefill_seconds']:10.1f} {r['decode_ms_per_step']:8.1f} "
-                  f"{r['decode_tokens_per_s']:7.2f} {r['decode_speed_over_f16']:6.2f}")
+            print(f"  {r['cache']:32} {r['cache_mib']:8.1f} {r['prefill_seconds']:10.1f} "
+                  f"{r['decode_ms_per_step']:8.1f} {r['decode_tokens_per_s']:7.2f} {r['decode_speed_over_f16']:6.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -574,7 +574,8 @@ def host_kv_bytes(cfg: ModelConfig, spec: KVSpec) -> int:
 
 def _row_bytes(cfg: ModelConfig, layer: int, kv_type_k: str, kv_type_v: str) -> tuple[int, int]:
     k_dim, v_dim = cfg.head_dim_of(layer), cfg.v_head_dim_of(layer)
-    return (get_format(kv_type_k, head_dim=k_dim).row_bytes(k_dim), get_format(kv_type_v, head_dim=v_dim).row_bytes(v_dim))
+    return (get_format(kv_type_k, head_dim=k_dim).row_bytes(k_dim),
+            get_format(kv_type_v, head_dim=v_dim).row_bytes(v_dim))
 
 
 def _slots(cfg: ModelConfig, spec: KVSpec, layer: int) -> int:
