@@ -7,6 +7,8 @@ family generates with a mixed cache."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +25,6 @@ from cupyllm.kv.shift import shift_cache
 from cupyllm.kv.window import WindowedLayerKV
 from cupyllm.ops.attention.dca import DCAConfig, attend_dca
 from cupyllm.ops.attention.reference import attend, causal_mask
-from cupyllm.speculative import NgramDrafter
 
 N_KV, N_HEAD, HEAD_DIM = 2, 4, 64
 WINDOW, CHUNK, CTX = 12, 20, 64  # (a chunk past MAX_QUERIES: the prefill path)
@@ -303,6 +304,28 @@ def test_context_shift(tiny_model, keep, discard):
         assert np.abs(got - want).max() <= 2e-5 * max(1.0, np.abs(want).max())
     text = model.generate(ids, max_tokens=60, temperature=0.0, context_shift=True, keep=4)
     assert model.last_stats.generated_tokens == 60 and model.last_stats.context_shifts >= 2 and text
+
+
+def test_cli(tiny_model):
+    """`cupyllm info` counts the tail (the bytes kv_bytes gives) and `cupyllm generate` announces it."""
+    path, _, _ = tiny_model("qwen3")
+    flags = ["-c", "256", "--kv-window", "32", "-ctkt", "q4_0", "-ctvt", "q8_0"]
+    info = subprocess.run([sys.executable, "-m", "cupyllm.cli", "info", str(path), *flags], capture_output=True,
+                          text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    model = cupyllm.load(path, device="cpu", ctx=256, kv_window=32, kv_type_k_tail="q4_0", kv_type_v_tail="q8_0",
+                         progress=False)
+    from cupyllm.kv.plan import format_bytes
+    line = next(line for line in info.stdout.splitlines() if line.startswith("KV cache"))
+    assert f"{format_bytes(kv_bytes(model.cfg, model.kv_spec))} at ctx 256" in line
+    assert "older than the newest 32: K q4_0, V q8_0" in line
+    run = subprocess.run([sys.executable, "-m", "cupyllm.cli", "generate", "-m", str(path), "--device", "cpu",
+                          *flags, "-n", "8", "--temp", "0", "hello world"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "KV tail: positions past the newest 32 stored as K q4_0, V q8_0" in run.stderr
+    refused = subprocess.run([sys.executable, "-m", "cupyllm.cli", "generate", "-m", str(path), "--device", "cpu",
+                              "--kv-window", "32", "-n", "2", "hello"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "-ctkt/--cache-type-k-tail" in refused.stderr
 
 
 def test_options_refused_clearly(tiny_model):
