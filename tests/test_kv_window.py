@@ -475,6 +475,28 @@ def test_gpu_context_shift_of_a_retyped_host_part(flash_qwen):
     assert np.isfinite(logits).all()
 
 
+@pytest.mark.gpu
+def test_gpu_state_restore_of_mixed_caches(flash_qwen):
+    """Prompt caching on the device: a windowed cache's and a spilled cache's (host part in the tail types) state()
+    restores into a fresh cache of the same spec (layer_state_problem passes) and the next step's logits are
+    the original cache's."""
+    from cupyllm.files.gguf import read_gguf
+    from cupyllm.models.build import Transformer
+    ops = _gpu_ops()
+    transformer = Transformer.from_gguf(read_gguf(flash_qwen), ops, progress=False)
+    base = KVSpec(ctx=64, kv_type_k="q8_0", kv_type_v="q8_0", max_chunk=4, kv_type_k_tail="q4_0",
+                  kv_type_v_tail="q4_0")
+    for spec in (dataclasses.replace(base, kv_window=6), dataclasses.replace(base, device_window=6)):
+        _, cache = _run_ids(ops, flash_qwen, spec, n_prefill=12)
+        fresh = ops.new_cache(transformer.cfg, spec)
+        states = cache.state()
+        assert all(layer_state_problem(layer, state, cache.n_past) is None
+                   for layer, state in zip(fresh.own_layers(), states))
+        fresh.restore(states, cache.n_past)
+        step = lambda c: ops.to_numpy(transformer.forward(np.array([7]), np.array([c.n_past]), c))  # noqa: E731
+        assert np.array_equal(step(fresh), step(cache))
+
+
 class _HostCopy:
     """A device WindowedLayerKV's parts as host arrays (what _decoded reads)."""
 
