@@ -3,8 +3,8 @@
     python bench/rys_probe.py [--models gemma qwen] [--out-dir bench/results]
 
 For each model: the probe with its defaults (auto band and widths, the shipped corpus and battery, ctx 2048), its
-table, then perplexity over bench/rys_heldout.txt (text the probe never saw) of the model without a plan and with
-each chosen plan. Writes bench/results/rys_probe_<model>.json and prints the tables (docs/layer-plans.md).
+table, then perplexity over bench/rys_heldout.txt (text the probe never saw) of the model without a plan, with
+each chosen plan and with the top-ranked block (chosen or not). Writes bench/results/rys_probe_<model>.json and prints the tables (docs/layer-plans.md).
 """
 from __future__ import annotations
 
@@ -40,11 +40,13 @@ def main() -> int:
         seconds = time.perf_counter() - start
         held_out_ids = model.tokenize(HELD_OUT.read_text(encoding="utf-8"))
         held_out = {}
+        ranked = result.ranked()
+        # the chosen plans, and the top-ranked block even where it gains nothing (so a loss is reported too)
         for label, best in (("none", None), ("most_efficient", result.most_efficient()),
-                            ("largest_gain", result.largest_gain())):
-            plan = "" if best is None else best.plan
+                            ("largest_gain", result.largest_gain()), ("top_ranked", ranked[0] if ranked else None)):
             if label != "none" and best is None:
                 continue
+            plan = "" if best is None else best.plan
             nll = model.with_layer_plan(plan).token_nll(held_out_ids)
             held_out[label] = {"plan": plan, "perplexity": math.exp(float(nll.mean()))}
         table = result.table(top_k=10)
