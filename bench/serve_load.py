@@ -1,17 +1,25 @@
-"""Load on `cupyllm serve` beside llama-cpp-python's OpenAI server, over loopback: 1, 2, 4 and 8 concurrent
-clients, each sending streamed greedy /v1/completions requests one after another.
+"""Load on `cupyllm serve` beside llama-cpp-python's OpenAI server and llama.cpp's own llama-server, over
+loopback: 1, 2, 4 and 8 concurrent clients, each sending streamed greedy /v1/completions requests one after
+another.
 
     python bench/serve_load.py [--model PATH ...] [--clients 1,2,4,8] [--requests 2] [--max-tokens 48]
-                               [--peers cupyllm,llama-cpp-python] [--out bench/results/serve_load.json]
+                               [--peers cupyllm,llama-cpp-python,llama-server] [--llama-server PATH]
+                               [--out bench/results/serve_load.json]
 
 Per server and client count: aggregate decode tokens/s (all completion tokens over the wall time of the level),
 time to first token (request sent -> first text chunk) and the inter-token latency (gaps between text chunks
 of one stream; a chunk is one token's text but where a token ends inside a UTF-8 character) as p50 / p99.
 cupyllm runs with -np = the largest client count (its slots decode together: models/batch.py); llama-cpp-python's
-server (llama_cpp.server, its `server` extra; --interrupt_requests False, else a new request cuts the running
-one short) decodes one request at a time. llama.cpp's own llama-server is not run (not built here). A server that cannot start (a
-peer not installed) is skipped with the reason in the JSON. The servers run one after the other on the same
-2 cores, THREADS threads each; other jobs on the machine shift the figures, so compare within one run.
+server (llama_cpp.server, its `server` extra: sse-starlette, starlette-context, pydantic-settings;
+--interrupt_requests False, else a new request cuts the running one short) decodes one request at a time;
+llama.cpp's llama-server (built from the llama.cpp that llama-cpp-python 0.3.36 vendors by
+tools/build_llama_server.sh) runs with the same -np, its continuous batching on, and -c = ctx x np (it splits
+its context among the slots); both llama.cpp peers keep ggml's default thread polling. On a machine other jobs
+load, ggml's two decode threads wait on each other whenever one is descheduled: llama-server's decode of Gemma 3
+270M then ranged from 38 to 1,280 ms a token between runs (load average 3-4 on the 2 cores; --poll 0 was no
+steadier), so run this on an idle machine. A server that cannot start (a peer not installed or not built) is
+skipped with the reason in the JSON. The servers run one after the other on the same 2 cores, THREADS threads
+each; other jobs on the machine shift the figures, so compare within one run.
 Every level also reports how many of its greedy texts equal the same prompt's text run alone before the
 levels (cupyllm's batched forward gives each sequence its own logits, bit for bit up to 7 decode rows a step).
 """
@@ -47,21 +55,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(peer: str, model: str, port: int, parallel: int, ctx: int) -> subprocess.Popen:
+PEERS = ("cupyllm", "llama-cpp-python", "llama-server")
+# where tools/build_llama_server.sh puts llama.cpp's server by default
+LLAMA_SERVER = Path.home() / ".cache" / "cupyllm" / "llama-server-0.3.36" / "bin" / "llama-server"
+
+
+def server_command(peer: str, model: str, port: int, parallel: int, ctx: int, llama_server: Path) -> list[str]:
     if peer == "cupyllm":
-        cmd = [sys.executable, "-m", "cupyllm.cli", "serve", "-m", model, "--port", str(port), "-np", str(parallel),
-               "-c", str(ctx), "-t", str(THREADS), "--device", "cpu", "--queue", "64"]
-    else:
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", str(port), "--host", "127.0.0.1",
-               "--n_ctx", str(ctx), "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
-               "--interrupt_requests", "False"]  # (its default: a new request cuts the running one short)
+        return [sys.executable, "-m", "cupyllm.cli", "serve", "-m", model, "--port", str(port), "-np", str(parallel),
+                "-c", str(ctx), "-t", str(THREADS), "--device", "cpu", "--queue", "64"]
+    if peer == "llama-cpp-python":
+        return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", str(port), "--host",
+                "127.0.0.1", "--n_ctx", str(ctx), "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
+                "--interrupt_requests", "False"]  # (its default: a new request cuts the running one short)
+    if peer == "llama-server":
+        if not llama_server.is_file():
+            raise RuntimeError(f"{llama_server} is not built: bash tools/build_llama_server.sh "
+                               "(or --llama-server PATH)")
+        return [str(llama_server), "-m", model, "--port", str(port), "--host", "127.0.0.1", "-np", str(parallel),
+                "-c", str(ctx * parallel), "-t", str(THREADS), "-tb", str(THREADS), "--no-webui"]
+    raise ValueError(f"unknown peer {peer!r}: choose from {', '.join(PEERS)}")
+
+
+def start_server(peer: str, model: str, port: int, parallel: int, ctx: int,
+                 llama_server: Path = LLAMA_SERVER) -> subprocess.Popen:
+    cmd = server_command(peer, model, port, parallel, ctx, llama_server)
     log = tempfile.TemporaryFile("w+")  # (a pipe would fill with llama.cpp's load log and block the server)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, cwd=ROOT)
     proc.log = log
     return proc
 
 
-def wait_ready(proc: subprocess.Popen, url: str, seconds: float = 300) -> None:
+def wait_ready(proc: subprocess.Popen, url: str, seconds: float = 300, path: str = "/v1/models") -> None:
     import httpx
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -69,7 +94,7 @@ def wait_ready(proc: subprocess.Popen, url: str, seconds: float = 300) -> None:
             proc.log.seek(0)
             raise RuntimeError(f"exited with {proc.returncode}: {proc.log.read()[-600:]}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -132,13 +157,16 @@ def bench_model(model: str, levels: list[int], args) -> dict:
     for peer in args.peers.split(","):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = start_server(peer, model, port, max(levels), args.ctx)
+        proc = None
         try:
-            wait_ready(proc, url)
-        except RuntimeError as exc:
+            proc = start_server(peer, model, port, max(levels), args.ctx, Path(args.llama_server))
+            # (llama-server answers some routes while its model still loads; /health says 503 until it has)
+            wait_ready(proc, url, path="/health" if peer == "llama-server" else "/v1/models")
+        except (RuntimeError, OSError) as exc:
             result["servers"][peer] = {"skipped": str(exc)}
             print(f"{peer}: skipped ({exc})", file=sys.stderr)
-            proc.kill()
+            if proc is not None:
+                proc.kill()
             continue
         try:
             # each prompt alone, one after the other: the reference texts (and the warm-up)
@@ -179,7 +207,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per client per level")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--peers", default="cupyllm,llama-cpp-python")
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--llama-server", default=str(LLAMA_SERVER),
+                    help="llama.cpp's llama-server binary (default: where tools/build_llama_server.sh puts it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_load.json"))
     args = ap.parse_args()
     if args.model is None:
@@ -190,7 +220,6 @@ def main() -> None:
     out = {"max_tokens": args.max_tokens, "requests_per_client": args.requests, "threads": THREADS,
            "host": cpu_description(), "load_average": os.getloadavg(),
            "command": " ".join(["python", "bench/serve_load.py"] + sys.argv[1:]),
-           "not_run": "llama.cpp's own llama-server: not built here (it needs the llama.cpp sources compiled)",
            "models": {}}
     for model in args.model:
         out["models"][Path(model).name] = bench_model(model, levels, args)
