@@ -280,7 +280,8 @@ def test_load_weighs_the_tiers_by_the_measured_cost(flash_qwen2):
 
 def test_the_device_validation_runs_on_the_emulator(tmp_path):
     """bench/spill_cost_gpu.py (tools/gpu_check.sh runs it on the device) at tiny size on the CUDA emulator: it runs
-    to its end and writes a measured and a predicted slowdown for both tiers (timings meaningless here)."""
+    to its end and writes a measured and a predicted slowdown for both tiers, their host part uniform and in q4_0
+    (timings meaningless here)."""
     import json
     import os
     import subprocess
@@ -299,7 +300,8 @@ def test_the_device_validation_runs_on_the_emulator(tmp_path):
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "spill_cost_gpu.json").read_text())
-    assert [row["kv_type"] for row in report["results"]] == ["f16", "q8_0"]
+    assert [(row["kv_type"], row["host_types"]) for row in report["results"]] == \
+        [("f16", "uniform"), ("q8_0", "uniform"), ("f16", "q4_0"), ("q8_0", "q4_0")]
     assert rates_from(report["rates"]).h2d_bytes_per_s > 0
     for row in report["results"]:
         assert row["host_bytes"] > 0 and row["streamed_bytes_per_step"] == row["host_bytes"]

@@ -100,8 +100,10 @@ publish
 echo "--- bench/spill_gpu.py (device window + pinned host tail vs the whole cache on the device)"
 timeout $(limit 25) "$PY" bench/spill_gpu.py --budget-s 12 || echo "bench/spill_gpu.py failed or timed out ($?)"
 publish
-echo "--- bench/spill_cost_gpu.py (kv/spill_cost.py: predicted vs measured decode slowdown of a spilled cache, two tiers)"
-timeout $(limit 40) "$PY" bench/spill_cost_gpu.py --ctx 65536 --host-fractions 0.02 0.25 --steps 12 --budget-s 25 \
+echo "--- bench/spill_cost_gpu.py (kv/spill_cost.py: predicted vs measured decode slowdown when spilled,"
+echo "    f16 and q8_0, the host part uniform and in q4_0)"
+timeout $(limit 55) "$PY" bench/spill_cost_gpu.py --ctx 65536 --host-fractions 0.25 0.02 --tails uniform q4_0 \
+    --steps 12 --budget-s 40 \
     || echo "bench/spill_cost_gpu.py failed or timed out ($?)"
 publish
 echo "--- bench/kv_encode.py --device gpu (then the engine's prefill of 8192 tokens on 4 Qwen3-8B layers per KV type)"
