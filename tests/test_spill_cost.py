@@ -278,6 +278,19 @@ def test_load_weighs_the_tiers_by_the_measured_cost(flash_qwen2):
     assert plain.kv_plan.tier.name == "q8_0" and plain.kv_plan.spill_choice is None
 
 
+@_gpu
+def test_the_cli_prints_the_decision_and_the_measured_terms(flash_qwen2, capsys):
+    cfg = config_from_gguf(read_gguf(flash_qwen2))
+    budget = kv_bytes(cfg, KVSpec(ctx=1024, kv_type_k="q8_0", kv_type_v="q8_0")) + 64  # f16 spills past 512 rows
+    assert cli_main(["generate", "the sea", "-m", str(flash_qwen2), "--device", "gpu", "-c", "1024", "-n", "2",
+                     "--temp", "0", "-ctk", "auto", "-ctv", "auto", "--kv-spill", "--kv-budget", str(budget),
+                     "--kv-spill-max-slowdown", "1e9"]) == 0
+    err = capsys.readouterr().err
+    assert "[gpu] KV cache f16 (auto for" in err and "q8_0 fits whole" in err
+    assert "measured: host->device" in err and "ns per position and layer" in err
+    assert "KV cache spilled: the newest" in err and "predicted decode slowdown +" in err
+
+
 def test_the_device_validation_runs_on_the_emulator(tmp_path):
     """bench/spill_cost_gpu.py (tools/gpu_check.sh runs it on the device) at tiny size on the CUDA emulator: it runs
     to its end and writes a measured and a predicted slowdown for both tiers, their host part uniform and in q4_0
