@@ -180,6 +180,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
                              "Qwen3.5 dense and MoE, Qwen3-Next)")
     hp = Hyperparameters(gguf, arch)
     n_layer = hp.integer(f"{arch}.block_count", lo=1)
+    if arch in HYBRID_ARCHITECTURES:  # (a second reading of the file: its MTP blocks were set aside by the first)
+        _put_back_mtp_layers(gguf, hp, arch, n_layer)
     check_block_count(gguf, f"{arch}.block_count", n_layer)  # before anything is sized by it
     if arch in HYBRID_ARCHITECTURES:
         n_layer = _without_mtp_layers(gguf, hp, arch, n_layer)
@@ -338,13 +340,21 @@ def _gemma4_config(gguf: GGUFFile, hp: Hyperparameters, common: dict, kv_heads: 
 
 def _without_mtp_layers(gguf: GGUFFile, hp: Hyperparameters, arch: str, block_count: int) -> int:
     """The decoder layers of a Qwen3.5 file: its last `nextn_predict_layers` blocks are multi-token-prediction
-    heads (llama.cpp's converter counts them in block_count), which cupyllm does not run: their tensors are set
-    aside with the file's other unused tensors."""
+    heads (llama.cpp's converter counts them in block_count), which the decoder does not run: their tensors are
+    set aside with the file's other unused tensors (the MTP drafter, speculative/mtp.py, reads them there)."""
     n_mtp = hp.integer(f"{arch}.nextn_predict_layers", 0, hi=block_count - 1)
     for name in [n for n in gguf.tensors if n.startswith("blk.")]:
         if int(name.split(".")[1]) >= block_count - n_mtp:
             gguf.unused_tensors[name] = gguf.tensors.pop(name)
     return block_count - n_mtp
+
+
+def _put_back_mtp_layers(gguf: GGUFFile, hp: Hyperparameters, arch: str, block_count: int) -> None:
+    """Undo _without_mtp_layers, so that reading a file's config twice reads the same file."""
+    n_mtp = hp.integer(f"{arch}.nextn_predict_layers", 0, hi=block_count - 1)
+    for name in [n for n in gguf.unused_tensors if n.startswith("blk.")] if n_mtp else ():
+        if int(name.split(".")[1]) >= block_count - n_mtp:
+            gguf.tensors[name] = gguf.unused_tensors.pop(name)
 
 
 def _qwen35_config(hp: Hyperparameters, common: dict) -> ModelConfig:
