@@ -39,6 +39,7 @@ from .kv.spill_cost import best_tier_fits_whole, check_max_slowdown, measure_spi
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
 from .speculative import DraftLength, ModelDrafter, NgramDrafter, SpecConfig, check_same_vocabulary, spec_config
+from .speculative.mtp import MTPDrafter, check_mtp_file
 
 DEFAULT_CTX = 4096
 
@@ -170,10 +171,13 @@ class Model:
         def keep_reply(held_ids: list[int], held_logits) -> None:  # (keep_cache; `keep` is context shift's)
             self.last_prompt_cache = self._snapshot(cache, held_ids, held_logits, reused)
 
-        pieces = generate_stream(self._forward_numpy_graphed, self.tokenizer, ids[reused:], cache, sampler,
+        drafter = self._drafter(spec)
+        # (a drafter reading the target's hidden states runs the target's forward, keeping them: the same logits)
+        forward = getattr(drafter, "target_forward", None) or self._forward_numpy_graphed
+        pieces = generate_stream(forward, self.tokenizer, ids[reused:], cache, sampler,
                                  max_tokens=max_tokens, stop=stops, chunk=self.kv_spec.max_chunk,
                                  stats=self.last_stats, progress=progress, history=ids[:reused], logits=logits,
-                                 on_done=keep_reply if keep_cache else None, drafter=self._drafter(spec),
+                                 on_done=keep_reply if keep_cache else None, drafter=drafter,
                                  draft_length=None if spec is None else DraftLength(spec.draft_max, spec.draft_min,
                                                                                     spec.adaptive),
                                  checkpoint_at=self._turn_start(prompt, ids, chat, chat_template_kwargs),
@@ -206,6 +210,8 @@ class Model:
         if spec is not None and spec.type == "draft" and self.draft is None:
             raise InputError("spec type 'draft' needs a draft model: load(..., draft_model=PATH) "
                              "(-md/--model-draft FILE)")
+        if spec is not None and spec.type == "mtp":
+            check_mtp_file(self.gguf, self.transformer.stored.cfg)
 
     def _drafter(self, spec: SpecConfig | None):
         """The drafter of `spec`: a fresh n-gram index; the draft model's (or this model's second) cache, kept
@@ -214,6 +220,12 @@ class Model:
             return None
         if spec.type == "ngram":
             return NgramDrafter(spec.ngram_size, spec.ngram_min)
+        if spec.type == "mtp":  # (the head's weights and cache made once; its state new for each generation)
+            drafter = self._model_drafters.get("mtp") or self._model_drafters.setdefault(
+                "mtp", MTPDrafter.for_model(self))
+            drafter.reset()
+            drafter.p_min = spec.draft_p_min
+            return drafter
         drafter = self._model_drafters.get(spec.type)
         if drafter is None:
             source = self._without_layer_plan() if spec.type == "self" else self.draft
@@ -429,6 +441,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
+    if spec is not None and spec.type == "mtp":  # (before the weights load)
+        check_mtp_file(gguf, cfg)
     blocks = parse_repeat_layers(repeat_layers, cfg.n_layer)
     cfg = planned_config(cfg, blocks)  # the stack's layers: the cache, budgets and tiers count every run
     ctx = min(DEFAULT_CTX, cfg.ctx_train) if ctx is None else ctx

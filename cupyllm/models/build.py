@@ -76,9 +76,14 @@ class Transformer:
         """The model as its file stores it: each layer once."""
         return self.unplanned or self
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache, all_logits: bool = False):
-        """Run `tokens` at `positions` (appending to `cache`); logits of every token, or of the last one."""
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: KVCache, all_logits: bool = False,
+                on_hidden: Callable | None = None):
+        """Run `tokens` at `positions` (appending to `cache`); logits of every token, or of the last one.
+        on_hidden: called with the stack's normed output rows of every token (what the logits are taken from;
+        an MTP drafter reads them, speculative/mtp.py) before the logits are computed."""
         normed = self.hidden(tokens, positions, cache)
+        if on_hidden is not None:
+            on_hidden(normed)
         return self.logits(normed if all_logits else normed[-1:])
 
     def hidden(self, tokens: np.ndarray, positions: np.ndarray, cache, attention: Callable | None = None,

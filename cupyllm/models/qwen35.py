@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ModelFileError
 from ..files.config import ModelConfig
 from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache, RecurrentState
@@ -69,10 +70,12 @@ class DeltaNetWeights(WeightGroup):
         return type(self)(**{name: move(value) for name, value in self.__dict__.items()})
 
 
-def qwen35_layer_weights(gguf: GGUFFile, layer: int, cfg: ModelConfig) -> LayerWeights:
+def qwen35_layer_weights(gguf: GGUFFile, layer: int, cfg: ModelConfig,
+                         recurrent: bool | None = None) -> LayerWeights:
     """Layer `layer`'s weights: its norms and MLP, and its DeltaNet or its gated attention (`wq` [2 n_head
     head_dim, d]: per head its q rows, then its gate rows). `ffn_norm` is the GGUF's post_attention_norm (HF's
-    post_attention_layernorm, the norm before the MLP)."""
+    post_attention_layernorm, the norm before the MLP). recurrent: whether it is a DeltaNet layer (None: as the
+    config says; an MTP block past the decoder's layers is full attention)."""
     p = f"blk.{layer}."
     mlp = "_shexp" if cfg.n_expert else ""  # MoE: the dense MLP's place is the shared expert's
     common = dict(attn_norm=load_vector(gguf, p + "attn_norm.weight"),
@@ -84,7 +87,7 @@ def qwen35_layer_weights(gguf: GGUFFile, layer: int, cfg: ModelConfig) -> LayerW
         gate = load_matrix(gguf, p + "ffn_gate_inp_shexp.weight")
         common.update(moe=MoEWeights.from_gguf(gguf, layer),
                       shared_expert_gate=Weight(gate.name, gate.fmt, (1, cfg.d_model), gate.data))
-    if cfg.is_recurrent(layer):
+    if cfg.is_recurrent(layer) if recurrent is None else recurrent:
         return LayerWeights(wq=None, wk=None, wv=None, wo=None, deltanet=DeltaNetWeights.from_gguf(gguf, layer),
                             **common)
     return LayerWeights(wq=load_matrix(gguf, p + "attn_q.weight"), wk=load_matrix(gguf, p + "attn_k.weight"),
@@ -148,3 +151,73 @@ def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, state: Recurren
     o = ops.gated_rms_norm(o, z.reshape(n, s.n_v_heads, s.v_head_dim), w.norm, cfg.norm_eps)
     state.n_seen = int(positions[-1]) + 1
     return ops.linear(o.reshape(n, s.n_v_heads * s.v_head_dim), w.out)
+
+
+@dataclass(frozen=True)
+class NextNWeights(WeightGroup):
+    """One multi-token-prediction (NextN / MTP) block of a Qwen3.5 / Qwen3-Next file, as llama.cpp's converter
+    stores it after the decoder's blocks (conversion/qwen.py _Qwen35MtpMixin: HF's mtp.fc -> blk.N.nextn.eh_proj,
+    mtp.pre_fc_norm_embedding -> nextn.enorm, mtp.pre_fc_norm_hidden -> nextn.hnorm, mtp.norm ->
+    nextn.shared_head_norm, mtp.layers.0.* -> blk.N.*; norms written as 1 + w like the decoder's). The block is
+    a full-attention decoder layer (gated attention, the dense MLP or the experts). speculative/mtp.py runs it."""
+
+    eh_proj: Weight  # [d, 2d]: columns [0, d) read the normed embedding, [d, 2d) the normed hidden state
+    enorm: np.ndarray  # [d]
+    hnorm: np.ndarray  # [d]
+    head_norm: np.ndarray  # [d]: shared_head_norm (the file's output_norm when absent)
+    block: LayerWeights
+    embed: Weight | None = None  # nextn.embed_tokens: its own embedding (None: the model's token_embd)
+    head: Weight | None = None  # nextn.shared_head_head: its own output head (None: the model's)
+
+    def on(self, backend) -> "NextNWeights":
+        def move(value):
+            if value is None or isinstance(value, LayerWeights):
+                return value.on(backend) if value is not None else None
+            return backend.upload(value) if isinstance(value, Weight) else backend.asarray(value)
+        return type(self)(**{name: move(value) for name, value in self.__dict__.items()})
+
+
+def nextn_layer_count(gguf: GGUFFile, cfg: ModelConfig) -> int:
+    """How many NextN blocks the file carries after its cfg.n_layer decoder blocks (`nextn_predict_layers`)."""
+    value = gguf.get(f"{cfg.arch}.nextn_predict_layers", 0)
+    return int(value) if isinstance(value, (int, np.integer)) and value > 0 else 0
+
+
+def nextn_weights(gguf: GGUFFile, cfg: ModelConfig, index: int = 0) -> NextNWeights:
+    """The file's NextN block `index` (blk.{n_layer + index}), its tensors read from where config_from_gguf set
+    them aside and their shapes checked (ModelFileError names a wrong one)."""
+    layer, d, hd = cfg.n_layer + index, cfg.d_model, cfg.head_dim
+    view = _AsideTensors(gguf)
+    p = f"blk.{layer}."
+    shapes = {p + "nextn.eh_proj.weight": (d, 2 * d), p + "nextn.enorm.weight": (d,),
+              p + "nextn.hnorm.weight": (d,), p + "attn_q.weight": (2 * cfg.n_head * hd, d),
+              p + "attn_k.weight": (cfg.n_kv_head * hd, d), p + "attn_v.weight": (cfg.n_kv_head * hd, d),
+              p + "attn_output.weight": (d, cfg.n_head * hd)}
+    for name, shape in shapes.items():
+        info = view.tensor(name)
+        if tuple(info.shape) != shape:
+            raise ModelFileError(f"{gguf.path}: NextN tensor '{name}' has shape {tuple(info.shape)}, expected "
+                                 f"{shape}; the file's MTP block does not match its decoder")
+    optional = lambda name: load_matrix(view, p + name) if p + name in view.tensors else None  # noqa: E731
+    head_norm = p + "nextn.shared_head_norm.weight"
+    return NextNWeights(
+        eh_proj=load_matrix(view, p + "nextn.eh_proj.weight"), enorm=load_vector(view, p + "nextn.enorm.weight"),
+        hnorm=load_vector(view, p + "nextn.hnorm.weight"),
+        head_norm=load_vector(view, head_norm) if head_norm in view.tensors
+        else load_vector(gguf, "output_norm.weight"),
+        block=qwen35_layer_weights(view, layer, cfg, recurrent=False),
+        embed=optional("nextn.embed_tokens.weight"), head=optional("nextn.shared_head_head.weight"))
+
+
+class _AsideTensors:
+    """The GGUF file seen through the tensors config_from_gguf set aside (a NextN block's): what the weight
+    loaders read (`tensors`, `tensor(name)`, `path`, `get`)."""
+
+    def __init__(self, gguf: GGUFFile):
+        self.path, self.get, self.tensors = gguf.path, gguf.get, gguf.unused_tensors
+
+    def tensor(self, name: str):
+        if name not in self.tensors:
+            raise ModelFileError(f"{self.path}: NextN tensor '{name}' is missing; the file's MTP block is "
+                                 "incomplete")
+        return self.tensors[name]

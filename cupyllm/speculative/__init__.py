@@ -2,7 +2,8 @@
 own sampling would have produced (decoder.py), so the output is the target's, only sooner.
 
 Drafters: n-gram lookup in the text so far (ngram.py), a draft model of the same vocabulary (draft_model.py),
-and the model itself ("self": every greedy draft is kept; the loop's own test).
+the model itself ("self": every greedy draft is kept; the loop's own test), and a Qwen3.5 / Qwen3-Next file's
+own NextN (MTP) head ("mtp", mtp.py).
 """
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from dataclasses import dataclass
 from ..errors import InputError
 from .decoder import DraftLength, DraftStats, Drafter, TokenSource
 from .draft_model import ModelDrafter, check_same_vocabulary
+from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
-SPEC_TYPES = ("ngram", "draft", "self")
+SPEC_TYPES = ("ngram", "draft", "self", "mtp")
 
 __all__ = ["SpecConfig", "SPEC_TYPES", "DraftLength", "DraftStats", "Drafter", "TokenSource", "ModelDrafter",
-           "NgramDrafter", "check_same_vocabulary", "spec_config"]
+           "MTPDrafter", "NgramDrafter", "check_same_vocabulary", "spec_config"]
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,12 @@ class SpecConfig:
     """What to draft with, and how much (llama.cpp's --spec-type, --draft-max, --draft-min, --draft-p-min,
     --spec-ngram-size).
 
-    type: "ngram" (prompt lookup), "draft" (the draft model given to load), "self" (the model drafts for itself).
+    type: "ngram" (prompt lookup), "draft" (the draft model given to load), "self" (the model drafts for itself),
+    "mtp" (the model file's NextN head: Qwen3.5 / Qwen3-Next GGUFs converted with it).
     draft_max: most tokens drafted per step; draft_min: fewest, once drafting (adaptive: 0 lets it stop drafting
     where drafts do not pay). adaptive: choose each step's length from the measured acceptance and forward
-    costs (DraftLength); False: always draft_max. draft_p_min: a draft model stops where its top token's
-    probability is below this. ngram_size / ngram_min: the longest and shortest n-gram looked up."""
+    costs (DraftLength); False: always draft_max. draft_p_min: a draft model (or an MTP head) stops where its
+    top token's probability is below this. ngram_size / ngram_min: the longest and shortest n-gram looked up."""
 
     type: str = "ngram"
     draft_max: int = 16

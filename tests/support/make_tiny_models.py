@@ -79,6 +79,10 @@ class TinySpec:
     conv_kernel: int = 4
     n_rot: int = 0  # rotated dims per head (0: all)
     shared_expert_ffn_dim: int = 0  # Qwen3.5-MoE's shared expert
+    # Qwen3.5 / Qwen3-Next multi-token-prediction (NextN) blocks after the decoder's, as llama.cpp's converter
+    # writes them (block_count counts them, `nextn_predict_layers` says how many); 0: none (the files the stored
+    # references were made from)
+    n_nextn: int = 0
 
     @property
     def gguf_arch(self) -> str:
@@ -431,7 +435,26 @@ def _qwen35_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "attn_q.weight": (2 * nh * hd, d), p + "attn_k.weight": (nkv * hd, d),
                            p + "attn_v.weight": (nkv * hd, d), p + "attn_output.weight": (d, nh * hd),
                            p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+    if spec.n_nextn:
+        shapes.update(_qwen35_nextn_shapes(spec, shapes))
     return shapes
+
+
+def _qwen35_nextn_shapes(spec: TinySpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The MTP blocks blk.{n_layer + i}: a full-attention block shaped as the decoder's (its norms, gated
+    attention and MLP or experts: the last full-attention layer's tensor set) and the NextN tensors llama.cpp's
+    converter maps Qwen3.5's mtp.* to (conversion/qwen.py _Qwen35MtpMixin: mtp.fc -> nextn.eh_proj [d, 2d],
+    pre_fc_norm_embedding -> nextn.enorm, pre_fc_norm_hidden -> nextn.hnorm, norm -> nextn.shared_head_norm)."""
+    d = spec.d_model
+    attention_layer = max(il for il in range(spec.n_layer) if not qwen35_recurrent(spec, il))
+    template = f"blk.{attention_layer}."
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(spec.n_nextn):
+        p = f"blk.{spec.n_layer + i}."
+        out.update({p + name[len(template):]: shape for name, shape in shapes.items() if name.startswith(template)})
+        out.update({p + "nextn.eh_proj.weight": (d, 2 * d), p + "nextn.enorm.weight": (d,),
+                    p + "nextn.hnorm.weight": (d,), p + "nextn.shared_head_norm.weight": (d,)})
+    return out
 
 
 def _write_qwen35_metadata(writer, spec: TinySpec) -> None:
@@ -546,7 +569,9 @@ def write_gguf(spec: TinySpec, path: Path, *, arch_name: str | None = None,
     stored, decoded = build_tensors(spec)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{spec.arch}")
-    writer.add_block_count(spec.n_layer)
+    writer.add_block_count(spec.n_layer + spec.n_nextn)
+    if spec.n_nextn:
+        writer.add_nextn_predict_layers(spec.n_nextn)
     writer.add_context_length(spec.ctx_train)
     writer.add_embedding_length(spec.d_model)
     writer.add_head_count(spec.n_head)

@@ -1,0 +1,182 @@
+"""Qwen NextN (MTP) heads as a drafter (cupyllm/speculative/mtp.py): the engine's head against its NumPy
+definition, the target's hidden rows handed over without changing its logits, greedy text unchanged with MTP
+drafts on the three tiny hybrids under f16 and q8_0 caches, counters that count what the target kept, and one
+clear error for a file without a head."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import cupyllm
+import make_tiny_models
+from cupyllm.errors import InputError
+from cupyllm.speculative.mtp import MTPDrafter, mtp_config, mtp_forward, mtp_reference
+
+ARCHES = ("qwen35", "qwen35-moe", "qwen3next")
+PROMPT = [3, 17, 5, 9, 3, 17, 5, 11, 2, 8, 13, 21, 3, 17]
+DRAFT_ALWAYS = {"type": "mtp", "draft_p_min": 0.0, "adaptive": False, "draft_max": 4}
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """mtp_model(arch) -> (path, decoded float32 tensors): the tiny hybrid with one NextN block (its eh_proj
+    in Q8_0, so a quantized projection runs too)."""
+    made = {}
+    folder = tmp_path_factory.mktemp("tiny_mtp")
+
+    def make(arch: str):
+        if arch not in made:
+            spec = make_tiny_models.tiny_spec(arch)
+            spec.n_nextn = 1
+            spec.types = {**spec.types, "nextn.eh_proj.weight": T.Q8_0}
+            path = folder / f"tiny-{arch}-mtp.gguf"
+            made[arch] = (path, make_tiny_models.write_gguf(spec, path))
+        return made[arch]
+
+    return make
+
+
+def _load(path, **options):
+    options.setdefault("ctx", 96)
+    options.setdefault("max_chunk", 8)
+    return cupyllm.load(path, device="cpu", progress=False, **options)
+
+
+def test_the_tiny_files_without_the_option_are_unchanged(tmp_path):
+    """n_nextn=0 writes the bytes it wrote before the option (the stored references depend on them); with it,
+    block_count counts the head and nextn_predict_layers says so."""
+    plain, with_head = tmp_path / "plain.gguf", tmp_path / "head.gguf"
+    make_tiny_models.write_gguf(make_tiny_models.tiny_spec("qwen35"), plain)
+    spec = make_tiny_models.tiny_spec("qwen35")
+    spec.n_nextn = 1
+    make_tiny_models.write_gguf(spec, with_head)
+    from cupyllm.files.gguf import read_gguf
+
+    a, b = read_gguf(plain), read_gguf(with_head)
+    assert a.get("qwen35.block_count") == 4 and "qwen35.nextn_predict_layers" not in a.metadata
+    assert b.get("qwen35.block_count") == 5 and b.get("qwen35.nextn_predict_layers") == 1
+    assert set(b.tensors) - set(a.tensors) == {n for n in b.tensors if n.startswith("blk.4.")}
+    assert "blk.4.nextn.eh_proj.weight" in b.tensors and b.tensors["blk.4.nextn.eh_proj.weight"].shape == (64, 128)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_engine_head_is_the_reference(mtp_model, arch):
+    """mtp_forward (the backend's ops, the cache of its one layer, in chunks and then one chained row at a time)
+    against mtp_reference over the same rows: the target's hidden rows of the prompt with the tokens after them,
+    then rows chained on the head's own output."""
+    path, decoded = mtp_model(arch)
+    model = _load(path)
+    target, cfg = model.transformer, model.transformer.cfg
+    drafter = MTPDrafter.for_model(model)
+    rows = []
+    cache = model.new_cache()
+    target.forward(np.array(PROMPT), np.arange(len(PROMPT)), cache, on_hidden=rows.append)
+    hidden = np.asarray(rows[0], np.float32)
+    next_tokens = PROMPT[1:] + [7]
+    outs = []
+    for start in range(0, len(next_tokens), 5):  # (chunks of 5 rows, as a prefill of the head's cache)
+        stop = min(start + 5, len(next_tokens))
+        outs.append(mtp_forward(target.ops, cfg, drafter.w, target.token_embd, np.array(next_tokens[start:stop]),
+                                hidden[start:stop], np.arange(start, stop), drafter.cache))
+        drafter.cache.n_past = stop
+    chained_tokens = [11, 2, 40]
+    for i, token in enumerate(chained_tokens):  # (one row at a time on the head's own last output)
+        position = len(next_tokens) + i
+        outs.append(mtp_forward(target.ops, cfg, drafter.w, target.token_embd, np.array([token]), outs[-1][-1:],
+                                np.array([position]), drafter.cache))
+        drafter.cache.n_past = position + 1
+    got = np.concatenate([np.asarray(o, np.float32) for o in outs])
+    got_logits = np.asarray(target.ops.linear(got, target.output), np.float32)
+    inputs = np.concatenate([hidden, got[len(next_tokens) - 1:-1]])  # the chained rows read the head's output
+    want, want_logits = mtp_reference(decoded, cfg, cfg.n_layer, next_tokens + chained_tokens, inputs)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    np.testing.assert_allclose(got_logits, want_logits, rtol=0, atol=2e-3 * np.abs(want_logits).max())
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_target_hands_over_its_hidden_rows_unchanged(mtp_model, arch):
+    """forward(on_hidden=...) gives the logits forward gives without it, bit for bit, and the rows it hands
+    over are Transformer.hidden's (what the logits are taken from)."""
+    path, _ = mtp_model(arch)
+    model = _load(path)
+    target = model.transformer
+    ids, positions = np.array(PROMPT), np.arange(len(PROMPT))
+    plain = np.asarray(target.forward(ids, positions, model.new_cache(), all_logits=True))
+    rows = []
+    seen = np.asarray(target.forward(ids, positions, model.new_cache(), all_logits=True, on_hidden=rows.append))
+    assert np.array_equal(plain, seen)
+    assert np.array_equal(np.asarray(rows[0]), np.asarray(target.hidden(ids, positions, model.new_cache())))
+    assert np.array_equal(np.asarray(target.logits(rows[0])), plain)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_greedy_text_is_unchanged_with_mtp_drafts(mtp_model, arch, kv_type):
+    """The same tokens with the head drafting 4 a step (every draft checked: no adaptive length, no p_min) as
+    without, the held ids and (to rounding, as tests/test_speculative.py) the logits after them; the counters
+    move."""
+    path, _ = mtp_model(arch)
+    model = _load(path, kv_type_k=kv_type, kv_type_v=kv_type)
+    plain = model.generate(PROMPT, max_tokens=40, temperature=0, keep_cache=True)
+    plain_cache = model.last_prompt_cache
+    drafted = model.generate(PROMPT, max_tokens=40, temperature=0, keep_cache=True, spec=DRAFT_ALWAYS)
+    stats = model.last_stats.draft
+    assert drafted == plain
+    assert model.last_prompt_cache.ids == plain_cache.ids
+    want = plain_cache.logits  # (a verify forward's sums of quantized K/V and recurrent runs round otherwise)
+    np.testing.assert_allclose(model.last_prompt_cache.logits, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    assert stats.drafted > 0 and stats.forwards > 0 and stats.by_position[0][0] > 0
+    assert stats.emitted + 1 == model.last_stats.generated_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_counters_count_what_the_target_kept(mtp_model, arch):
+    """Each step's drafts, recorded, checked afterwards against the target's own greedy tokens after the same
+    history and drafts (one fresh forward of them): the kept counts and drafted counts are those."""
+    path, _ = mtp_model(arch)
+    model = _load(path)
+    model.generate(PROMPT, max_tokens=1, temperature=0, spec=DRAFT_ALWAYS)  # (makes the model's drafter)
+    drafter = model._model_drafters["mtp"]
+    calls = []
+    draft = drafter.draft
+
+    def recording(history, n_max):
+        out = draft(history, n_max)
+        calls.append((list(history), list(out)))
+        return out
+
+    drafter.draft = recording
+    model.generate(PROMPT, max_tokens=40, temperature=0, spec=DRAFT_ALWAYS)
+    stats = model.last_stats.draft
+    assert calls and stats.drafted == sum(len(out) for _, out in calls)
+    kept = []
+    for history, out in calls:
+        greedy = np.argmax(model.logits(history + out), axis=-1)[len(history) - 1:]
+        matches = np.asarray(out) == greedy[:len(out)]
+        kept.append(len(out) if matches.all() else int(np.argmin(matches)))
+    assert stats.accepted == sum(kept)
+    assert [a for _, a in stats.by_position] == [sum(k > j for k in kept) for j in range(len(stats.by_position))]
+
+
+def test_a_file_without_a_head_is_one_clear_error(tiny_model, mtp_model):
+    path, _, _ = tiny_model("qwen35")
+    with pytest.raises(InputError, match="no NextN"):
+        _load(path, spec="mtp")
+    model = _load(path)
+    with pytest.raises(InputError, match="no NextN"):
+        model.generate(PROMPT, max_tokens=4, spec="mtp")
+    qwen3, _, _ = tiny_model("qwen3")
+    with pytest.raises(InputError, match="--spec-type ngram"):
+        _load(qwen3, spec={"type": "mtp"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the head's tensors are not reported as unused)
+        assert _load(mtp_model("qwen35")[0], spec="mtp").spec.type == "mtp"
+
+
+def test_mtp_config_is_one_full_attention_layer(mtp_model):
+    model = _load(mtp_model("qwen35")[0])
+    cfg = mtp_config(model.cfg)
+    assert cfg.n_layer == 1 and not cfg.is_recurrent(0) and cfg.head_dim == model.cfg.head_dim
