@@ -385,3 +385,46 @@ def test_a_prompt_goes_to_the_slot_holding_its_prefix(qwen):
         assert metric(url, "prompt_tokens_cached_total") == len(first)
         assert sorted(s["tokens_cached"] for s in httpx.get(url + "/slots").json()) == [len(other) + 5,
                                                                                      len(longer) + 5]
+
+
+def test_slots_save_restore_and_erase(qwen, tmp_path):
+    """llama-server's slot actions: a saved slot restored into an emptied one serves the next request from its
+    cache (only the rest prefilled, the same text); the file is a prompt cache Model.generate reads; errors."""
+    from cupyllm.kv.prompt_cache import PromptCache
+
+    first = PROMPTS[1]
+    follow_up = first + " and more words here"
+    want = qwen.generate(follow_up, max_tokens=6, **GREEDY)
+    with serving(qwen, parallel=1, slot_save_path=tmp_path) as url:
+        c = client(url)
+        c.completions.create(model="m", prompt=first, max_tokens=4, **GREEDY)
+        held = httpx.get(url + "/slots").json()[0]["tokens_cached"]
+        saved = httpx.post(url + "/slots/0?action=save", json={"filename": "first.slot"}).json()
+        assert saved["n_saved"] == held > 0 and saved["n_written"] == (tmp_path / "first.slot").stat().st_size
+        assert httpx.post(url + "/slots/0?action=erase").json() == {"id_slot": 0, "n_erased": held}
+        assert httpx.get(url + "/slots").json()[0]["tokens_cached"] == 0
+        assert httpx.post(url + "/slots/0?action=restore", json={"filename": "first.slot"}).json()["n_restored"] == held
+        reply = c.completions.create(model="m", prompt=follow_up, max_tokens=6, **GREEDY)
+        assert reply.choices[0].text == want
+        assert reply.usage.prompt_tokens_details.cached_tokens == len(qwen.tokenize(first))  # (the prompt part)
+        for path, body, status in [("/slots/0?action=save", {"filename": "../x"}, 400),
+                                   ("/slots/0?action=save", {"filename": ".hidden"}, 400),
+                                   ("/slots/0?action=save", {}, 400),
+                                   ("/slots/0?action=restore", {"filename": "absent.slot"}, 400),
+                                   ("/slots/3?action=erase", None, 400),
+                                   ("/slots/0?action=compact", None, 400)]:
+            response = httpx.post(url + path, json=body)
+            assert response.status_code == status and response.json()["error"]["message"], path
+        with slowed(qwen), httpx.stream("POST", url + "/v1/completions", json=LONG_REQUEST) as s:
+            lines = s.iter_lines()  # (held, as above)
+            next(line for line in lines if line.startswith("data: "))
+            busy = httpx.post(url + "/slots/0?action=save", json={"filename": "busy.slot"})
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "slot_busy"
+    cached = PromptCache.load(tmp_path / "first.slot")
+    assert qwen.generate(follow_up, max_tokens=6, prompt_cache=cached, **GREEDY) == want
+    other = cupyllm.load(qwen.path, device="cpu", ctx=64, progress=False)  # other settings: refused
+    with serving(other, parallel=1, slot_save_path=tmp_path) as url:
+        response = httpx.post(url + "/slots/0?action=restore", json={"filename": "first.slot"})
+        assert response.status_code == 400 and "other settings" in response.json()["error"]["message"]
+    with serving(qwen, parallel=1) as url:
+        assert httpx.post(url + "/slots/0?action=erase").status_code == 501

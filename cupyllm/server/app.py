@@ -11,17 +11,18 @@ import dataclasses
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Union
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ..errors import CupyllmError, InputError, SamplingError
 from ..generate import check_max_tokens
 from ..sampling import SamplingParams
-from .engine import Engine, QueueFull, Request, Result, TokenLogprob, start_cpu_threads
+from .engine import Engine, QueueFull, Request, Result, SlotBusy, TokenLogprob, start_cpu_threads
 from .metrics import metrics_text
 
 Number = Union[StrictInt, float]
@@ -68,6 +69,20 @@ class ChatBody(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+class SlotFileBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    filename: StrictStr | None = None
+
+
+def _slot_file_name(body: SlotFileBody | None) -> str:
+    """The file name a slot action names: a plain name inside --slot-save-path, as llama-server allows."""
+    name = body.filename if body is not None else None
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name or name.startswith("."):
+        raise APIError(400, f"filename must be a plain file name inside the slot save folder, got {name!r}",
+                       "filename")
+    return name
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error", headers: dict | None = None):
@@ -85,10 +100,12 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 def create_app(model, parallel: int = 1, *, api_key: str | None = None, queue_size: int = 16,
-               time_limit: float | None = None, alias: str | None = None) -> FastAPI:
+               time_limit: float | None = None, alias: str | None = None,
+               slot_save_path: str | Path | None = None) -> FastAPI:
     """The app serving `model` with `parallel` slots (engine.Engine); api_key: a bearer token every /v1,
     /props, /slots and /metrics call must carry; queue_size: requests that may wait for a slot beyond the
-    busy ones (more: 503); time_limit: seconds a request may run (then it ends with finish_reason "length")."""
+    busy ones (more: 503); time_limit: seconds a request may run (then it ends with finish_reason "length");
+    slot_save_path: the folder POST /slots/{id}?action=save|restore reads and writes (None: no slot actions)."""
     if model.device == "cpu":
         start_cpu_threads()  # (on this thread, before the batcher's: see its docstring)
     engine_box: dict[str, Engine] = {}
@@ -159,6 +176,33 @@ def create_app(model, parallel: int = 1, *, api_key: str | None = None, queue_si
     async def slots():
         eng = engine()
         return [_slot_props(model, slot) for slot in eng.slots]
+
+    @app.post("/slots/{slot_id}")
+    async def slot_action(slot_id: int, action: str, body: SlotFileBody | None = None):
+        """llama-server's slot actions: save the idle slot's cache to a file of the --slot-save-path folder,
+        restore it from one (a later prompt sharing its beginning prefills only the rest), or erase it."""
+        if slot_save_path is None:
+            raise APIError(501, "this server does not support slot actions: start it with --slot-save-path DIR",
+                           kind="not_supported_error")
+        if action not in ("save", "restore", "erase"):
+            raise APIError(400, f"unknown slot action {action!r}: save, restore or erase", "action")
+        eng, start = engine(), time.perf_counter()
+        try:
+            if action == "erase":
+                n = await asyncio.to_thread(eng.erase_slot, slot_id)
+                return {"id_slot": slot_id, "n_erased": n}
+            path = Path(slot_save_path) / _slot_file_name(body)
+            if action == "save":
+                n = await asyncio.to_thread(eng.save_slot, slot_id, path)
+                return {"id_slot": slot_id, "filename": path.name, "n_saved": n, "n_written": path.stat().st_size,
+                        "timings": {"save_ms": 1e3 * (time.perf_counter() - start)}}
+            n = await asyncio.to_thread(eng.restore_slot, slot_id, path)
+            return {"id_slot": slot_id, "filename": path.name, "n_restored": n, "n_read": path.stat().st_size,
+                    "timings": {"restore_ms": 1e3 * (time.perf_counter() - start)}}
+        except SlotBusy as exc:
+            raise APIError(409, str(exc), code="slot_busy") from None
+        except InputError as exc:
+            raise APIError(400, str(exc)) from None
 
     @app.get("/metrics")
     async def metrics():

@@ -12,7 +12,9 @@ the batcher's thread (the numba kernels and the device are not shared between th
 
 A slot keeps what its cache holds (the token ids, in `Slot.cached`); a request goes to the free slot whose
 cache shares the longest prefix with its prompt, and only the rest is prefilled (KVCache.truncate, as
-Model._cache_holding_prefix does for one cache).
+Model._cache_holding_prefix does for one cache). An idle slot's cache can be saved to a file and restored
+(llama-server's /slots actions): the file is a prompt cache (kv/prompt_cache.py), which `cupyllm generate
+--prompt-cache` and Model.generate(prompt_cache=) read as well.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ import numba
 import numpy as np
 
 from ..generate import GenerationStats, generate_stream
-from ..kv.prompt_cache import shared_prefix
+from ..errors import InputError
+from ..kv.prompt_cache import PromptCache, shared_prefix
 from ..models.batch import Segment, batchable, forward_batch
 from ..sampling import Sampler, SamplingParams
 from ..speculative import DraftLength, ModelDrafter, NgramDrafter
@@ -54,6 +57,10 @@ FINISH_REASONS = {"max_tokens": "length", "context full": "length", "end of gene
 
 class QueueFull(Exception):
     """Every slot is busy and the queue of waiting requests is full (HTTP 503 with Retry-After)."""
+
+
+class SlotBusy(Exception):
+    """A slot action asked of a slot that is serving a request."""
 
 
 class Cancelled(Exception):
@@ -139,6 +146,7 @@ class Slot:
     n_decoded: int = 0
     last_used: float = 0.0  # when its last request ended (time.monotonic)
     drafter: object = None  # ModelDrafter of this slot (its own draft cache), when drafting with a model
+    settled: tuple | None = None  # (ids, logits after them) where the cache was when its last stream ended
     wake: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -302,7 +310,12 @@ class Engine:
                                                                             all_logits)))
 
         drafter = self._drafter(slot, spec)
-        pieces = generate_stream(forward, model.tokenizer, ids[reused:], cache, sampler,
+        slot.settled = None
+
+        def settled(held_ids, logits):  # (what a slot save writes; absent after an error inside the model)
+            slot.settled = (list(held_ids), np.asarray(logits, np.float32).reshape(-1))
+
+        pieces = generate_stream(forward, model.tokenizer, ids[reused:], cache, sampler, on_done=settled,
                                  max_tokens=request.max_tokens, stop=request.stop, chunk=model.kv_spec.max_chunk,
                                  stats=stats, progress=False, history=ids[:reused], drafter=drafter,
                                  draft_length=None if spec is None else DraftLength(spec.draft_max, spec.draft_min,
@@ -345,6 +358,67 @@ class Engine:
                 c.drafted += stats.draft.drafted
                 c.draft_accepted += stats.draft.accepted
         return Result(FINISH_REASONS[reason or stats.stop_reason], len(ids), reused, max(completion, 0))
+
+    # --- saved slots (llama-server's POST /slots/{id}?action=save|restore|erase) ---------------------------
+    # Each runs as a job on the batcher's thread (the one that touches caches on the device), holding _lock so
+    # that no request is given to the slot meanwhile.
+    def save_slot(self, slot_id: int, path) -> int:
+        """Write what the idle slot's cache holds to `path` as a prompt cache; the tokens written."""
+        def copy() -> PromptCache:
+            with self._lock:
+                slot = self._idle_slot(slot_id)
+                held = slot.held()
+                if not held or slot.settled is None or slot.settled[0] != held:
+                    raise InputError(f"slot {slot_id} holds no finished generation to save")
+                return PromptCache(ids=tuple(held), layer_states=slot.cache.state(), logits=slot.settled[1],
+                                   key=self.model.prompt_cache_key())
+
+        saved = self._slot_job(copy)
+        saved.save(path)  # (state() copied the arrays: the slot may serve again meanwhile)
+        return len(saved.ids)
+
+    def restore_slot(self, slot_id: int, path) -> int:
+        """Fill the idle slot's cache from a prompt-cache file of this model and settings; the tokens read."""
+        saved = PromptCache.load(path)
+        self.model.check_prompt_cache(saved)
+
+        def restore() -> int:
+            with self._lock:
+                slot = self._idle_slot(slot_id)
+                slot.cache.restore(saved.layer_states, len(saved.ids))
+                slot.cached = list(saved.ids)
+                slot.settled = (list(saved.ids), saved.logits)
+                slot.last_used = time.monotonic()
+            return len(saved.ids)
+
+        return self._slot_job(restore)
+
+    def erase_slot(self, slot_id: int) -> int:
+        """Empty the idle slot's cache; the tokens it held."""
+        def erase() -> int:
+            with self._lock:
+                slot = self._idle_slot(slot_id)
+                n = len(slot.held())
+                slot.cache.clear()
+                slot.cached, slot.settled = [], None
+            return n
+
+        return self._slot_job(erase)
+
+    def _slot_job(self, action: Callable):
+        with self._lock:
+            if self._closing:
+                raise SlotBusy("the server is shutting down")
+        return self._wait(_Job(run=action))
+
+    def _idle_slot(self, slot_id: int) -> Slot:
+        """The slot `slot_id`, which must be idle (holds _lock)."""
+        if not 0 <= slot_id < len(self.slots):
+            raise InputError(f"no slot {slot_id}: this server has slots 0 .. {len(self.slots) - 1}")
+        slot = self.slots[slot_id]
+        if slot.request is not None:
+            raise SlotBusy(f"slot {slot_id} is serving a request; retry when it is idle")
+        return slot
 
     def _reuse(self, slot: Slot, ids: Sequence[int]) -> int:
         """Keep the part of the slot's cache that `ids` starts with (at least one prompt token is left to run:
