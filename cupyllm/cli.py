@@ -88,8 +88,9 @@ def _add_context_shift_args(p: argparse.ArgumentParser) -> None:
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same text, sooner where drafts are kept; docs/speculative.md)")
-    g.add_argument("--spec-type", choices=("ngram", "draft", "self"), default=None,
-                   help="draft with: ngram (prompt lookup in the text so far), draft (the -md model), self (the model "
+    g.add_argument("--spec-type", choices=("ngram", "draft", "self", "mtp"), default=None,
+                   help="draft with: ngram (prompt lookup in the text so far), draft (the -md model), mtp (the model "
+                        "file's own NextN head: Qwen3.5 / Qwen3-Next GGUFs converted with it), self (the model "
                         "itself: a check of the loop). Default: draft with -md, else none")
     g.add_argument("-md", "--model-draft", metavar="FILE", help="draft model GGUF of the same vocabulary")
     g.add_argument("--draft-max", type=int, default=16, help="most tokens drafted per step (default 16)")

@@ -180,3 +180,21 @@ def test_mtp_config_is_one_full_attention_layer(mtp_model):
     model = _load(mtp_model("qwen35")[0])
     cfg = mtp_config(model.cfg)
     assert cfg.n_layer == 1 and not cfg.is_recurrent(0) and cfg.head_dim == model.cfg.head_dim
+
+
+def test_cli_spec_type_mtp(mtp_model, tiny_model):
+    """--spec-type mtp: the same text, the summary's draft counts; a file without a head: one error line."""
+    import subprocess
+    import sys
+
+    path, _ = mtp_model("qwen35")
+    base = [sys.executable, "-m", "cupyllm.cli", "generate", "-m", str(path), "the cat sat on the mat and the cat",
+            "-n", "16", "--temp", "0", "-c", "96"]
+    plain = subprocess.run(base, capture_output=True, text=True, check=True)
+    drafted = subprocess.run(base + ["--spec-type", "mtp", "--draft-p-min", "0", "--draft-fixed", "--draft-max", "3"],
+                             capture_output=True, text=True, check=True)
+    assert drafted.stdout == plain.stdout
+    assert "drafts:" in drafted.stderr and "drafts:" not in plain.stderr
+    base[5] = str(tiny_model("qwen35")[0])
+    bad = subprocess.run(base + ["--spec-type", "mtp"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "no NextN (MTP) head" in bad.stderr and "Traceback" not in bad.stderr
