@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 import cupyllm
 import make_tiny_models
+from gpu_helpers import GPU_TEST_MARKS
 from cupyllm.errors import InputError
 from cupyllm.speculative.mtp import MTPDrafter, mtp_config, mtp_forward, mtp_reference
 
@@ -198,3 +199,64 @@ def test_cli_spec_type_mtp(mtp_model, tiny_model):
     base[5] = str(tiny_model("qwen35")[0])
     bad = subprocess.run(base + ["--spec-type", "mtp"], capture_output=True, text=True)
     assert bad.returncode == 1 and "no NextN (MTP) head" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --- the GPU backend (a CUDA device, or the emulator: CUPYLLM_EMULATE=1 python -m pytest -m gpu ...) -------------
+
+@pytest.fixture(scope="module")
+def gpu_mtp_model(tmp_path_factory):
+    """gpu_mtp_model(arch) -> (path, decoded): the tiny hybrid with its head and DeltaNet head dims of 32 (the
+    tiny models' 16 is below what the GPU kernels take: tests/test_gpu_backend.py hybrid_models)."""
+    made = {}
+    folder = tmp_path_factory.mktemp("tiny_mtp_gpu")
+
+    def make(arch: str):
+        if arch not in made:
+            spec = make_tiny_models.tiny_spec(arch)
+            spec.ssm_k_dim = spec.ssm_v_dim = 32
+            spec.n_nextn = 1
+            spec.types = {**spec.types, "nextn.eh_proj.weight": T.Q8_0}
+            path = folder / f"tiny-{arch}-mtp-32.gguf"
+            made[arch] = (path, make_tiny_models.write_gguf(spec, path))
+        return made[arch]
+
+    return make
+
+
+def on_the_gpu(test):
+    """gpu_helpers.GPU_TEST_MARKS on one test: selected by -m gpu, skipped without a device."""
+    for mark in GPU_TEST_MARKS:
+        test = mark(test)
+    return test
+
+
+@on_the_gpu
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_gpu_head_is_the_reference(gpu_mtp_model, arch):
+    """mtp_forward on the GPU backend's ops against the definition (f16-rounded GEMM inputs: 5e-3 of the
+    largest value, as tests/test_gpu_backend.py's prefill tolerance)."""
+    path, decoded = gpu_mtp_model(arch)
+    model = cupyllm.load(path, device="gpu", ctx=96, max_chunk=8, progress=False)
+    target, cfg = model.transformer, model.transformer.cfg
+    drafter = MTPDrafter.for_model(model)
+    rows = []
+    target.forward(np.array(PROMPT), np.arange(len(PROMPT)), model.new_cache(), on_hidden=rows.append)
+    hidden = target.ops.to_numpy(rows[0])
+    next_tokens = PROMPT[1:] + [7]
+    out = mtp_forward(target.ops, cfg, drafter.w, target.token_embd, np.array(next_tokens),
+                      target.ops.asarray(hidden), np.arange(len(next_tokens)), drafter.cache)
+    got = np.asarray(target.ops.to_numpy(out), np.float32)
+    want, _ = mtp_reference(decoded, cfg, cfg.n_layer, next_tokens, hidden)
+    np.testing.assert_allclose(got, want, rtol=0, atol=5e-3 * np.abs(want).max())
+
+
+@on_the_gpu
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_gpu_greedy_text_is_unchanged_with_mtp_drafts(gpu_mtp_model, kv_type):
+    """The head drafting on the GPU backend (its cache a device cache): the plain greedy text."""
+    path, _ = gpu_mtp_model("qwen35")
+    model = cupyllm.load(path, device="gpu", ctx=96, max_chunk=8, progress=False, kv_type_k=kv_type,
+                         kv_type_v=kv_type)
+    plain = model.generate(PROMPT, max_tokens=24, temperature=0)
+    assert model.generate(PROMPT, max_tokens=24, temperature=0, spec=DRAFT_ALWAYS) == plain
+    assert model.last_stats.draft.drafted > 0
