@@ -191,6 +191,9 @@ class Engine:
     def __init__(self, model, parallel: int = 1, queue_size: int = 16, time_limit: float | None = None):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
+        if model.spec is not None and model.spec.type == "mtp":  # (its forwards would need the target's hidden rows)
+            raise InputError("the server does not draft with a model's NextN (MTP) head yet; serve with --spec-type "
+                             "ngram or a draft model (-md FILE), or generate with spec='mtp' from Python")
         self.model = model
         self.queue_size = queue_size
         self.time_limit = time_limit
