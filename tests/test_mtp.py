@@ -46,9 +46,9 @@ def _load(path, **options):
     return cupyllm.load(path, device="cpu", progress=False, **options)
 
 
-def test_the_tiny_files_without_the_option_are_unchanged(tmp_path):
-    """n_nextn=0 writes the bytes it wrote before the option (the stored references depend on them); with it,
-    block_count counts the head and nextn_predict_layers says so."""
+def test_the_tiny_writer_adds_the_head_only_when_asked(tmp_path):
+    """n_nextn=0 (the default: the files the stored references were made from) writes no head and no key; with
+    it, block_count counts the head, nextn_predict_layers says so, and only the head's block is added."""
     plain, with_head = tmp_path / "plain.gguf", tmp_path / "head.gguf"
     make_tiny_models.write_gguf(make_tiny_models.tiny_spec("qwen35"), plain)
     spec = make_tiny_models.tiny_spec("qwen35")
