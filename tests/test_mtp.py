@@ -269,3 +269,17 @@ def test_the_server_refuses_mtp_drafting_in_one_error(mtp_model):
 
     with pytest.raises(InputError, match="NextN"):
         Engine(_load(mtp_model("qwen35")[0], spec="mtp"))
+
+
+def test_drafting_after_a_prompt_cache(mtp_model):
+    """A prompt cache's positions have no hidden rows: the head starts at the first position it sees, and the
+    text is still the plain one."""
+    model = _load(mtp_model("qwen35")[0])
+    prefix, tail = PROMPT, [7, 8, 9]
+    plain = model.generate(prefix + tail, max_tokens=12, temperature=0)
+    cached = model.cache_prompt(prefix)
+    assert model.generate(prefix + tail, max_tokens=12, temperature=0, prompt_cache=cached,
+                          spec=DRAFT_ALWAYS) == plain
+    assert model.last_stats.cached_tokens == len(prefix) and model.last_stats.draft.drafted > 0
+    drafter = model._model_drafters["mtp"]
+    assert drafter.base == len(prefix)  # (head position 0 is the first target position with a hidden row)

@@ -143,8 +143,8 @@ class MTPDrafter:
 
     `target_forward` replaces the target's forward in the token loop: the same logits, and the hidden rows kept
     for the head. The head's cache position of target position i is i - base, base being the first position
-    whose hidden row it saw (a prompt cache's positions have none; after a context shift the head starts over
-    at the shifted positions): attention is relative, so the offset changes nothing within what it holds."""
+    whose hidden row it saw (a prompt cache's positions have none; should the target go back past what the head
+    holds, it starts over there): attention is relative, so the offset changes nothing within what it holds."""
 
     def __init__(self, target, weights: NextNWeights, cache: KVCache, chunk: int, p_min: float = 0.75,
                  threads: int | None = None):
@@ -179,7 +179,7 @@ class MTPDrafter:
             return np.asarray(ops.to_numpy(out), dtype=np.float32)
 
     def _keep(self, start: int, rows) -> None:
-        if start < self.done:  # the target went back past what the head folded in: a context shift
+        if start < self.done:  # the target went back past what the head folded in (a cache reused or shifted)
             self.cache.clear()
             self.base = self.done = start
         if self._rows is None or not self._rows_start <= start <= self._rows_start + len(self._rows):
