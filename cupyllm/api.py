@@ -39,6 +39,7 @@ from .kv.spill_cost import best_tier_fits_whole, check_max_slowdown, measure_spi
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
 from .speculative import DraftLength, ModelDrafter, NgramDrafter, SpecConfig, check_same_vocabulary, spec_config
+from .speculative.gemma4_assistant import AssistantDrafter, Gemma4Assistant, is_assistant
 from .speculative.mtp import MTPDrafter, check_mtp_file
 
 DEFAULT_CTX = 4096
@@ -58,7 +59,7 @@ class Model:
     dca: DCAConfig | None = None  # Dual Chunk Attention, when on
     threads: int | None = None  # CPU threads of the parallel work (None: every core)
     spec: SpecConfig | None = None  # speculative decoding of every generate() (None: off)
-    draft: "Model | None" = None  # the draft model of spec type "draft"
+    draft: "Model | Gemma4Assistant | None" = None  # the draft model of spec type "draft" (or "assistant")
     repeat_layers: LayerBlocks = ()  # blocks of stored layers the stack runs twice (models/layer_plan.py)
     last_stats: GenerationStats = field(default_factory=GenerationStats)
     last_prompt_cache: PromptCache | None = None  # generate(keep_cache=True): the prompt's and reply's cache
@@ -210,6 +211,11 @@ class Model:
         if spec is not None and spec.type == "draft" and self.draft is None:
             raise InputError("spec type 'draft' needs a draft model: load(..., draft_model=PATH) "
                              "(-md/--model-draft FILE)")
+        if spec is not None and (spec.type == "assistant") != isinstance(self.draft, Gemma4Assistant) and \
+                spec.type in ("assistant", "draft"):
+            raise InputError("spec type 'assistant' drafts with a Gemma 4 assistant, 'draft' with a draft model: "
+                             "load(..., draft_model=PATH) (-md FILE) took " + ("an assistant" if isinstance(
+                                 self.draft, Gemma4Assistant) else "none" if self.draft is None else "a model"))
         if spec is not None and spec.type == "mtp":
             check_mtp_file(self.gguf, self.transformer.stored.cfg)
 
@@ -220,6 +226,11 @@ class Model:
             return None
         if spec.type == "ngram":
             return NgramDrafter(spec.ngram_size, spec.ngram_min)
+        if spec.type == "assistant":  # (reads the target's cache and hidden rows: nothing of its own to keep)
+            drafter = self._model_drafters.get("assistant") or self._model_drafters.setdefault(
+                "assistant", AssistantDrafter(self.draft, self.transformer, self.threads))
+            drafter.p_min = spec.draft_p_min
+            return drafter
         if spec.type == "mtp":  # (the head's weights and cache made once; its state new for each generation)
             drafter = self._model_drafters.get("mtp") or self._model_drafters.setdefault(
                 "mtp", MTPDrafter.for_model(self))
@@ -438,6 +449,9 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     spec = spec_config(spec) if spec is not None else (SpecConfig(type="draft") if draft_model is not None else None)
     if spec is not None and spec.type == "draft" and draft_model is None:
         raise InputError("spec type 'draft' needs a draft model: load(..., draft_model=PATH) (-md/--model-draft FILE)")
+    if spec is not None and spec.type == "assistant" and draft_model is None:
+        raise InputError("spec type 'assistant' needs a Gemma 4 assistant: load(..., draft_model=ASSISTANT.gguf) "
+                         "(-md ASSISTANT.gguf)")
     path = Path(model) if model is not None else default_model_path()
     gguf = read_gguf(path)
     cfg = config_from_gguf(gguf)
@@ -499,7 +513,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
                       "dca=True (--dca) to keep every query-key distance in the trained range",
                       ContextPastTrainingWarning, stacklevel=2)
     draft = None
-    if draft_model is not None:
+    assistant = None if isinstance(draft_model, Model) or draft_model is None else read_gguf(draft_model)
+    if assistant is not None and is_assistant(assistant):  # a Gemma 4 assistant: drafts from this model's state
+        draft = Gemma4Assistant.from_gguf(assistant, backend).bind(transformer.cfg)
+        spec = dataclasses.replace(spec, type="assistant") if spec.type == "draft" else spec
+    elif draft_model is not None:
         draft = draft_model if isinstance(draft_model, Model) else load(
             draft_model, device=backend.name, ctx=ctx, kv_type_k=draft_kv_type_k, kv_type_v=draft_kv_type_v,
             max_chunk=max_chunk, threads=threads, progress=progress)

@@ -88,9 +88,10 @@ def _add_context_shift_args(p: argparse.ArgumentParser) -> None:
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (the same text, sooner where drafts are kept; docs/speculative.md)")
-    g.add_argument("--spec-type", choices=("ngram", "draft", "self", "mtp"), default=None,
+    g.add_argument("--spec-type", choices=("ngram", "draft", "self", "mtp", "assistant"), default=None,
                    help="draft with: ngram (prompt lookup in the text so far), draft (the -md model), mtp (the model "
-                        "file's own NextN head: Qwen3.5 / Qwen3-Next GGUFs converted with it), self (the model "
+                        "file's own NextN head: Qwen3.5 / Qwen3-Next GGUFs converted with it), assistant (the -md "
+                        "Gemma 4 assistant: picked by the file), self (the model "
                         "itself: a check of the loop). Default: draft with -md, else none")
     g.add_argument("-md", "--model-draft", metavar="FILE", help="draft model GGUF of the same vocabulary")
     g.add_argument("--draft-max", type=int, default=16, help="most tokens drafted per step (default 16)")

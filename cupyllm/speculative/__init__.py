@@ -16,7 +16,7 @@ from .draft_model import ModelDrafter, check_same_vocabulary
 from .mtp import MTPDrafter
 from .ngram import NgramDrafter
 
-SPEC_TYPES = ("ngram", "draft", "self", "mtp")
+SPEC_TYPES = ("ngram", "draft", "self", "mtp", "assistant")
 
 __all__ = ["SpecConfig", "SPEC_TYPES", "DraftLength", "DraftStats", "Drafter", "TokenSource", "ModelDrafter",
            "MTPDrafter", "NgramDrafter", "check_same_vocabulary", "spec_config"]
@@ -27,7 +27,8 @@ class SpecConfig:
     """What to draft with, and how much (llama.cpp's --spec-type, --draft-max, --draft-min, --draft-p-min,
     --spec-ngram-size).
 
-    type: "ngram" (prompt lookup), "draft" (the draft model given to load), "self" (the model drafts for itself),
+    type: "ngram" (prompt lookup), "draft" (the draft model given to load), "assistant" (the Gemma 4 assistant
+    given to load as its draft model: gemma4_assistant.py), "self" (the model drafts for itself),
     "mtp" (the model file's NextN head: Qwen3.5 / Qwen3-Next GGUFs converted with it).
     draft_max: most tokens drafted per step; draft_min: fewest, once drafting (adaptive: 0 lets it stop drafting
     where drafts do not pay). adaptive: choose each step's length from the measured acceptance and forward

@@ -842,6 +842,189 @@ def hf_model(spec: TinySpec, decoded: dict[str, np.ndarray]):
     return model.float().eval()
 
 
+# --- the Gemma 4 assistant (MTP drafter, transformers' gemma4_assistant) -------------------------------------------
+
+ASSISTANT_ARCH = "gemma4-assistant"  # llama.cpp's MODEL_ARCH.GEMMA4_ASSISTANT
+
+
+@dataclass
+class AssistantSpec:
+    """A tiny Gemma 4 assistant for a tiny Gemma 4 target (`target`): Q-only layers reading the target's last
+    sliding and last global caches (`sliding` per layer; the last layer global, as transformers forces), tied
+    embeddings of its own width, and with n_centroids > 0 the E-series' masked embedder (the tokens of the top
+    `centroid_top_k` centroids scored)."""
+
+    target: TinySpec
+    n_layer: int = 2
+    d_model: int = 32
+    n_head: int = 4
+    ffn_dim: int = 64
+    sliding: tuple[bool, ...] = (True, False)
+    n_centroids: int = 0
+    centroid_top_k: int = 0
+    seed: int = 1
+    types: dict = field(default_factory=lambda: {"attn_q.weight": T.Q8_0, "ffn_down.weight": T.F16})
+
+
+def assistant_target_spec() -> TinySpec:
+    """The E2B-like tiny Gemma 4 with its vocabulary padded to 288 (8 centroids of 36 tokens)."""
+    spec = tiny_spec("gemma4")
+    spec.n_vocab = 288
+    return spec
+
+
+def assistant_spec(masked: bool = False) -> AssistantSpec:
+    """The tests' assistants: a 31B-like one (full output head) and an E-series-like one (masked embedder)."""
+    target = assistant_target_spec()
+    return AssistantSpec(target, n_centroids=8 if masked else 0, centroid_top_k=2 if masked else 0,
+                         seed=2 if masked else 1)
+
+
+def _assistant_shapes(spec: AssistantSpec, vocab: int) -> dict[str, tuple[int, ...]]:
+    d, bb, nh = spec.d_model, spec.target.d_model, spec.n_head
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (vocab, d), "output_norm.weight": (d,), "rope_freqs.weight": (spec.target.global_head_dim // 2,),
+        "nextn.pre_projection.weight": (d, 2 * bb), "nextn.post_projection.weight": (bb, d)}
+    if spec.n_centroids:
+        shapes["masked_embd_centroids.weight"] = (spec.n_centroids, d)
+    for il, sliding in enumerate(spec.sliding):
+        p, hd = f"blk.{il}.", spec.target.head_dim if sliding else spec.target.global_head_dim
+        shapes.update({
+            p + "attn_norm.weight": (d,), p + "attn_q.weight": (nh * hd, d), p + "attn_q_norm.weight": (hd,),
+            p + "attn_output.weight": (d, nh * hd), p + "post_attention_norm.weight": (d,),
+            p + "ffn_norm.weight": (d,), p + "ffn_gate.weight": (spec.ffn_dim, d), p + "ffn_up.weight": (spec.ffn_dim, d),
+            p + "ffn_down.weight": (d, spec.ffn_dim), p + "post_ffw_norm.weight": (d,),
+            p + "layer_output_scale.weight": (1,)})
+    return shapes
+
+
+def write_assistant_gguf(spec: AssistantSpec, path: Path) -> dict[str, np.ndarray]:
+    """Write the tiny assistant as llama.cpp's converter (Gemma4AssistantModel) writes the real ones: arch
+    `gemma4-assistant`, the Gemma 4 text keys, `embedding_length_out` (the target's width), `nextn_predict_layers`
+    (every layer), `nextn.pre_projection` / `nextn.post_projection`; and, where the model has the masked embedder
+    (which llama.cpp's converter drops), `masked_embd_centroids.weight`, `masked_embd_ordering` (I32) and
+    `gemma4-assistant.centroid_intermediate_top_k`. Returns the decoded float32 tensors."""
+    assert spec.n_layer == len(spec.sliding) and not spec.sliding[-1]
+    target = spec.target
+    tokens, types, merges = gemma4_vocab()
+    filler = _unused_tokens(len(tokens), target.n_vocab)
+    vocab = len(tokens) + len(filler)
+    rng = np.random.default_rng(spec.seed)
+    stored, decoded = {}, {}
+    for name, shape in _assistant_shapes(spec, vocab).items():
+        qtype = next((t for suffix, t in spec.types.items() if name.endswith(suffix)), T.F32)
+        if len(shape) == 1 or shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            qtype = T.F32
+        if name == "rope_freqs.weight":
+            values = _gemma4_rope_freqs(target)
+        elif "norm" in name or name.endswith("scale.weight"):
+            values = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            if name.endswith("attn_q_norm.weight"):  # (as the target's: unscaled q . k kept as sharp as elsewhere)
+                values /= np.float32(np.sqrt(shape[0]))
+        else:
+            values = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+            if name == "token_embd.weight":  # logits of a useful spread (the head's input is RMS-normed)
+                values *= np.float32(4.0)
+        raw, dec = _store(values, qtype)
+        stored[name] = (raw, qtype)
+        decoded[name] = dec
+    if spec.n_centroids:
+        ordering = rng.permutation(vocab).astype(np.int32)
+        stored["masked_embd_ordering"] = (ordering, None)
+        decoded["masked_embd_ordering"] = ordering
+    arch = ASSISTANT_ARCH
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gemma4-assistant")
+    writer.add_block_count(spec.n_layer)
+    writer.add_context_length(target.ctx_train)
+    writer.add_embedding_length(spec.d_model)
+    writer.add_feed_forward_length(spec.ffn_dim)
+    writer.add_head_count(spec.n_head)
+    writer.add_head_count_kv(target.n_kv_head)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_key_length(target.global_head_dim)
+    writer.add_value_length(target.global_head_dim)
+    writer.add_key_length_swa(target.head_dim)
+    writer.add_value_length_swa(target.head_dim)
+    writer.add_rope_freq_base(target.rope_base)
+    writer.add_rope_freq_base_swa(10000.0)
+    writer.add_rope_dimension_count(target.global_head_dim)
+    writer.add_rope_dimension_count_swa(target.head_dim)
+    writer.add_sliding_window(target.sliding_window)
+    writer.add_sliding_window_pattern(list(spec.sliding))
+    writer.add_shared_kv_layers(spec.n_layer)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_uint32(f"{arch}.embedding_length_out", target.d_model)
+    writer.add_uint32(f"{arch}.nextn_predict_layers", spec.n_layer)
+    if spec.n_centroids:
+        writer.add_uint32(f"{arch}.centroid_intermediate_top_k", spec.centroid_top_k)
+    writer.add_tokenizer_model("gemma4")
+    writer.add_tokenizer_pre("gemma4")
+    writer.add_token_list(tokens + filler)
+    writer.add_token_types(types + [5] * len(filler))
+    writer.add_token_merges(merges)
+    _add_gemma_specials(writer)
+    for name, (raw, qtype) in stored.items():
+        writer.add_tensor(name, raw, raw_dtype=qtype if qtype not in (T.F32, None) else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return decoded
+
+
+_ASSISTANT_LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "attn_q.weight": "self_attn.q_proj.weight",
+                          "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_output.weight": "self_attn.o_proj.weight",
+                          "post_attention_norm.weight": "post_attention_layernorm.weight",
+                          "ffn_norm.weight": "pre_feedforward_layernorm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+                          "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+                          "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+                          "layer_output_scale.weight": "layer_scalar"}
+
+
+def hf_assistant_model(spec: AssistantSpec, decoded: dict[str, np.ndarray]):
+    """transformers' Gemma4AssistantForCausalLM with the spec's shapes and exactly the decoded GGUF weights."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    target = spec.target
+    vocab = decoded["token_embd.weight"].shape[0]
+    text = Gemma4TextConfig(
+        vocab_size=vocab, hidden_size=spec.d_model, intermediate_size=spec.ffn_dim, num_hidden_layers=spec.n_layer,
+        num_attention_heads=spec.n_head, num_key_value_heads=target.n_kv_head, head_dim=target.head_dim,
+        global_head_dim=target.global_head_dim, max_position_embeddings=target.ctx_train, rms_norm_eps=1e-6,
+        sliding_window=target.sliding_window,
+        layer_types=["sliding_attention" if s else "full_attention" for s in spec.sliding],
+        hidden_activation="gelu_pytorch_tanh", hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        num_kv_shared_layers=spec.n_layer, use_double_wide_mlp=False, enable_moe_block=False, tie_word_embeddings=True,
+        final_logit_softcapping=None,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": target.rope_base}})
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.d_model,
+                                   use_ordered_embeddings=bool(spec.n_centroids), num_centroids=spec.n_centroids or 1,
+                                   centroid_intermediate_top_k=spec.centroid_top_k or 1, tie_word_embeddings=True)
+    model = Gemma4AssistantForCausalLM(config)
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "nextn.pre_projection.weight": "pre_projection.weight",
+             "nextn.post_projection.weight": "post_projection.weight",
+             "masked_embd_centroids.weight": "masked_embedding.centroids.weight",
+             "masked_embd_ordering": "masked_embedding.token_ordering"}
+    for il in range(spec.n_layer):
+        names.update({f"blk.{il}.{g}": f"model.layers.{il}.{h}" for g, h in _ASSISTANT_LAYER_NAMES.items()})
+    state = {names[g]: torch.from_numpy(np.ascontiguousarray(values)) for g, values in decoded.items()
+             if g != "rope_freqs.weight"}
+    if "masked_embedding.token_ordering" in state:
+        state["masked_embedding.token_ordering"] = state["masked_embedding.token_ordering"].long()
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    if missing or unexpected:
+        raise RuntimeError(f"HF assistant state mismatch: missing {missing}, unexpected {unexpected}")
+    model.generation_config.num_assistant_tokens = 4
+    return model.float().eval()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
