@@ -113,12 +113,12 @@ def test_the_target_hands_over_its_hidden_rows_unchanged(mtp_model, arch):
     assert np.array_equal(np.asarray(target.logits(rows[0])), plain)
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "turbo3_tcq"])
 @pytest.mark.parametrize("arch", ARCHES)
 def test_greedy_text_is_unchanged_with_mtp_drafts(mtp_model, arch, kv_type):
     """The same tokens with the head drafting 4 a step (every draft checked: no adaptive length, no p_min) as
     without, the held ids and (to rounding, as tests/test_speculative.py) the logits after them; the counters
-    move."""
+    move. The head's cache takes the target's KV types (a rotated, trellis-coded one too)."""
     path, _ = mtp_model(arch)
     model = _load(path, kv_type_k=kv_type, kv_type_v=kv_type)
     plain = model.generate(PROMPT, max_tokens=40, temperature=0, keep_cache=True)
