@@ -211,11 +211,11 @@ class Model:
         if spec is not None and spec.type == "draft" and self.draft is None:
             raise InputError("spec type 'draft' needs a draft model: load(..., draft_model=PATH) "
                              "(-md/--model-draft FILE)")
-        if spec is not None and (spec.type == "assistant") != isinstance(self.draft, Gemma4Assistant) and \
-                spec.type in ("assistant", "draft"):
-            raise InputError("spec type 'assistant' drafts with a Gemma 4 assistant, 'draft' with a draft model: "
-                             "load(..., draft_model=PATH) (-md FILE) took " + ("an assistant" if isinstance(
-                                 self.draft, Gemma4Assistant) else "none" if self.draft is None else "a model"))
+        if spec is not None and spec.type in ("assistant", "draft") and \
+                (spec.type == "assistant") != isinstance(self.draft, Gemma4Assistant):
+            wanted = "a Gemma 4 assistant" if spec.type == "assistant" else "a draft model"
+            raise InputError(f"spec type '{spec.type}' needs {wanted} as load()'s draft_model (-md FILE); this model "
+                             f"was loaded with {'none' if self.draft is None else 'the other kind'}")
         if spec is not None and spec.type == "mtp":
             check_mtp_file(self.gguf, self.transformer.stored.cfg)
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import cupyllm
-from cupyllm.errors import CupyllmError, InputError
+from cupyllm.errors import InputError
 from cupyllm.files.gguf import read_gguf
 from cupyllm.generate import prefill
 from cupyllm.speculative import SpecConfig
@@ -61,7 +61,7 @@ def _kv_of(stored, upto: int):
             False: (stored["target_full_attention_k"][:upto], stored["target_full_attention_v"][:upto], pos)}
 
 
-def _chain(step, stored, start: int, token: int, hidden):
+def _chain(step, token: int, hidden):
     """STEPS chained drafts from `start`: [(logits, state, argmax)] with step(token, hidden) -> (logits, state)."""
     out = []
     for _ in range(hf_reference.STEPS):
@@ -82,7 +82,7 @@ def test_reference_step_is_transformers(variant, models, stored):
     for i, start in enumerate(hf_reference.STARTS):
         kv = _kv_of(stored, start)
         run = _chain(lambda t, h: reference_step(cfg, decoded, target_embd[t], np.sqrt(64.0), h, start, kv),
-                     stored, start, int(ids[start]), stored["target_hidden"][start - 1])
+                     int(ids[start]), stored["target_hidden"][start - 1])
         for j, (logits, state, token) in enumerate(run):
             np.testing.assert_allclose(logits, stored[f"{variant}_logits"][i, j], atol=2e-4, rtol=0,
                                        err_msg=f"start {start} step {j}")
@@ -108,7 +108,7 @@ def _engine_chain(model, drafter, ids, start: int):
         logits, state = drafter.assistant.step(model.transformer, cache, token, h, start)
         return np.asarray(ops.to_numpy(logits)).reshape(-1), state
 
-    run = _chain(step, None, start, int(ids[start]), hidden)
+    run = _chain(step, int(ids[start]), hidden)
     return [(logits, np.asarray(ops.to_numpy(state)).reshape(-1), token) for logits, state, token in run], cache
 
 
@@ -122,15 +122,10 @@ def test_engine_matches_reference_and_transformers(variant, models, stored):
     ids = stored["prompt_ids"].tolist()
     for i, start in enumerate(hf_reference.STARTS):
         run, cache = _engine_chain(model, drafter, ids, start)
-        kv = {}
-        for sliding, layer in ((True, drafter.assistant.sources[0]), (False, drafter.assistant.sources[-1])):
-            layer_kv = cache.layers[layer]
-            k, v, pos = layer_kv.decode(0, layer_kv.n_used)
-            keep = pos >= 0
-            kv[sliding] = (k[keep], v[keep], pos[keep])
+        kv = _cache_kv(cache, drafter.assistant.sources)
         hidden = np.asarray(model.transformer.ops.to_numpy(drafter._rows[2][-1]))
         want = _chain(lambda t, h: reference_step(cfg, decoded, target_embd[t], np.sqrt(64.0), h, start, kv),
-                      None, start, ids[start], hidden)
+                      ids[start], hidden)
         for j, ((logits, state, token), (ref_logits, ref_state, ref_token)) in enumerate(zip(run, want)):
             np.testing.assert_allclose(logits, ref_logits, atol=2e-3, rtol=0, err_msg=f"start {start} step {j}")
             np.testing.assert_allclose(state, ref_state, atol=2e-3, rtol=0)
@@ -176,8 +171,9 @@ def test_drafts_read_quantized_caches_as_stored(kv_type, models, stored):
         return np.asarray(model.transformer.ops.to_numpy(logits)).reshape(-1)
 
     logits, want = step(), base[0][0]
-    definition, _ = reference_step(assistant.cfg, models["plain"][1], models["target"][1]["token_embd.weight"][ids[start]],
-                                   np.sqrt(64.0), np.asarray(hidden).reshape(-1), start, _cache_kv(cache, assistant.sources))
+    embedding = models["target"][1]["token_embd.weight"][ids[start]]
+    definition, _ = reference_step(assistant.cfg, models["plain"][1], embedding, np.sqrt(64.0),
+                                   np.asarray(hidden).reshape(-1), start, _cache_kv(cache, assistant.sources))
     np.testing.assert_allclose(logits, definition, atol=1e-3, rtol=0)
     error = np.linalg.norm(logits - want) / np.linalg.norm(want)
     assert error < QUANTIZED_REL[kv_type]
@@ -286,6 +282,25 @@ def test_assistant_of_another_model_is_a_clear_error(models, tmp_path):
         cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, draft_model=path)
     with pytest.raises(InputError, match="assistant"):
         cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, spec="assistant")
+    model = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, draft_model=models["plain"][0])
+    with pytest.raises(InputError, match="spec type 'draft' needs a draft model"):
+        model.generate([2, 40, 50], max_tokens=2, spec="draft")
+
+
+def test_cli_picks_the_assistant_by_its_file(models):
+    """-md ASSISTANT.gguf drafts with the assistant (no --spec-type needed): the plain text, with drafts made;
+    --spec-type assistant without -md is one error."""
+    import subprocess
+
+    base = [sys.executable, "-m", "cupyllm.cli", "generate", "-m", str(models["target"][0]), "the water",
+            "-n", "8", "--temp", "0", "-c", "64", "--device", "cpu"]
+    plain = subprocess.run(base, capture_output=True, text=True, check=True)
+    drafted = subprocess.run(base + ["-md", str(models["masked"][0]), "--draft-p-min", "0", "--draft-fixed",
+                                     "--draft-max", "3"], capture_output=True, text=True, check=True)
+    assert drafted.stdout == plain.stdout
+    assert "drafts: 0/0" not in drafted.stderr and "drafts:" in drafted.stderr
+    bad = subprocess.run(base + ["--spec-type", "assistant"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "needs a Gemma 4 assistant" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_stored_reference_is_what_transformers_computes(stored, tmp_path):

@@ -28,7 +28,7 @@ llama.cpp key exists for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -107,7 +107,6 @@ def assistant_config(gguf: GGUFFile) -> AssistantConfig:
     n_rot = _rotary_dims(hp, f"{a}.rope.dimension_count", head_dim, partial=True)
     rope = _rope_scaling(hp, a, n_rot, hp.real(f"{a}.rope.freq_base", 10000.0))
     if "rope_freqs.weight" in gguf.tensors:
-        from dataclasses import replace
         rope = replace(rope, freq_factors=_rope_freq_factors(gguf))
     rope_local = RopeConfig(base=hp.real(f"{a}.rope.freq_base_swa", rope.base),
                             n_rot=_rotary_dims(hp, f"{a}.rope.dimension_count_swa", head_dim_swa, partial=True))
@@ -319,7 +318,8 @@ def reference_step(cfg: AssistantConfig, tensors: dict[str, np.ndarray], target_
         h = f32(rms_norm(x, tensors[p + "ffn_norm.weight"], eps))
         mlp = tensors[p + "ffn_down.weight"] @ (gelu_tanh(f32(tensors[p + "ffn_gate.weight"] @ h))
                                                 * f32(tensors[p + "ffn_up.weight"] @ h))
-        x = (x + f32(rms_norm(f32(mlp), tensors[p + "post_ffw_norm.weight"], eps))) * tensors[p + "layer_output_scale.weight"]
+        x = x + f32(rms_norm(f32(mlp), tensors[p + "post_ffw_norm.weight"], eps))
+        x = x * tensors[p + "layer_output_scale.weight"]
     n = f32(rms_norm(x, tensors["output_norm.weight"], eps))
     embd = tensors["token_embd.weight"]
     if cfg.n_centroids:
