@@ -303,6 +303,15 @@ def test_cli_picks_the_assistant_by_its_file(models):
     assert bad.returncode == 1 and "needs a Gemma 4 assistant" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_server_refuses_the_assistant_in_one_error(models):
+    """The server's batched engine does not keep the target's hidden rows: an assistant there is one error."""
+    from cupyllm.server.engine import Engine
+
+    model = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, draft_model=models["plain"][0])
+    with pytest.raises(InputError, match="does not draft with a Gemma 4 assistant"):
+        Engine(model)
+
+
 def test_stored_reference_is_what_transformers_computes(stored, tmp_path):
     """Where torch and transformers are installed: the stored arrays, recomputed now, equal (floats within
     1e-5: BLAS builds sum in other orders; ids and hashes exactly)."""

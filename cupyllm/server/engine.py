@@ -194,6 +194,9 @@ class Engine:
         if model.spec is not None and model.spec.type == "mtp":  # (its forwards would need the target's hidden rows)
             raise InputError("the server does not draft with a model's NextN (MTP) head yet; serve with --spec-type "
                              "ngram or a draft model (-md FILE), or generate with spec='mtp' from Python")
+        if model.spec is not None and model.spec.type == "assistant":  # (the same: it reads the hidden rows)
+            raise InputError("the server does not draft with a Gemma 4 assistant yet; serve with --spec-type ngram, or "
+                             "generate with draft_model=ASSISTANT.gguf from Python or `cupyllm generate -md`")
         self.model = model
         self.queue_size = queue_size
         self.time_limit = time_limit
