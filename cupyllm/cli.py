@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a request may run before it ends with finish_reason length (default: none)")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     serve.add_argument("-a", "--alias", default=None, help="model name /v1/models reports (default: the file name)")
+    serve.add_argument("--slot-save-path", metavar="DIR", default=None,
+                       help="folder where POST /slots/ID?action=save|restore writes and reads slot caches (prompt "
+                            "cache files; default: no slot actions)")
     return parser
 
 
@@ -496,9 +499,15 @@ def cmd_serve(args) -> int:
     except ImportError as exc:
         raise CupyllmError(f"cupyllm serve needs the `serve` extra ({exc.name} is missing): "
                            "pip install 'cupyllm[serve]'") from None
+    if args.slot_save_path is not None:
+        try:
+            os.makedirs(args.slot_save_path, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"--slot-save-path {args.slot_save_path}: {exc.strerror}; give a folder you can "
+                             "write") from None
     model = _load_model(args)
     app = create_app(model, parallel=args.parallel, api_key=args.api_key, queue_size=args.queue,
-                     time_limit=args.timeout, alias=args.alias)
+                     time_limit=args.timeout, alias=args.alias, slot_save_path=args.slot_save_path)
     print(f"[{model.device}] serving {model.path.name} on http://{args.host}:{args.port}/v1 with {args.parallel} "
           f"slot(s) of {model.kv_spec.ctx} tokens", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
