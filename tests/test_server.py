@@ -428,3 +428,11 @@ def test_slots_save_restore_and_erase(qwen, tmp_path):
         assert response.status_code == 400 and "other settings" in response.json()["error"]["message"]
     with serving(qwen, parallel=1) as url:
         assert httpx.post(url + "/slots/0?action=erase").status_code == 501
+
+
+def test_slot_save_path_that_cannot_be_made_is_one_error(tiny_model, capsys):
+    from cupyllm.cli import main
+
+    path, _, _ = tiny_model("qwen2")
+    assert main(["serve", "-m", str(path), "--slot-save-path", "/dev/null/slots"]) == 1
+    assert "--slot-save-path /dev/null/slots" in capsys.readouterr().err
