@@ -283,3 +283,33 @@ def test_drafting_after_a_prompt_cache(mtp_model):
     assert model.last_stats.cached_tokens == len(prefix) and model.last_stats.draft.drafted > 0
     drafter = model._model_drafters["mtp"]
     assert drafter.base == len(prefix)  # (head position 0 is the first target position with a hidden row)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_head_cache_holds_only_what_the_target_kept(mtp_model, arch):
+    """After a generation with drafts (many rejected), the head's cache cut where the next step cuts it holds
+    the rows of a head that only ever saw the kept tokens: K and V against a fresh head run over a fresh
+    prefill's hidden rows of the same tokens (to the rounding of other batchings), positions alike. (Each step
+    ran its chained drafts into the cache; a row of one left behind would sit where a kept token's belongs.)"""
+    path, _ = mtp_model(arch)
+    model = _load(path)
+    model.generate(PROMPT, max_tokens=30, temperature=0, keep_cache=True, spec=DRAFT_ALWAYS)
+    held = list(model.last_prompt_cache.ids)
+    drafter = model._model_drafters["mtp"]
+    assert model.last_stats.draft.drafted > model.last_stats.draft.accepted  # (rejected drafts were run)
+    assert drafter.base == 0 and len(PROMPT) < drafter.done <= len(held)
+    done = drafter.done
+    assert drafter.cache.n_past >= done  # (and the last step's chained rows, when it chained any)
+    drafter.cache.truncate(done)
+    target, cfg = model.transformer, model.transformer.cfg
+    rows = []
+    target.forward(np.array(held[:done]), np.arange(done), model.new_cache(), on_hidden=rows.append)
+    fresh = target.ops.new_cache(mtp_config(cfg), drafter.cache.spec)
+    mtp_forward(target.ops, cfg, drafter.w, target.token_embd, np.array(held[1:done + 1]), rows[0],
+                np.arange(done), fresh)
+    fresh.n_past = done
+    got_k, got_v, got_pos = drafter.cache.layers[0].decode(0, done)
+    want_k, want_v, want_pos = fresh.layers[0].decode(0, done)
+    np.testing.assert_array_equal(got_pos, want_pos)
+    np.testing.assert_allclose(got_k, want_k, rtol=0, atol=2e-3 * np.abs(want_k).max())
+    np.testing.assert_allclose(got_v, want_v, rtol=0, atol=2e-3 * np.abs(want_v).max())
