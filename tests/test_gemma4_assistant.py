@@ -216,6 +216,33 @@ def test_greedy_with_the_assistant_is_plain_greedy_and_transformers(variant, mod
     assert model.last_stats.draft.drafted > 0
 
 
+def test_drafts_during_generation_are_those_of_a_fresh_state(models, stored):
+    """Every draft run a generation makes (after verify steps that rejected drafts and rewound the cache) is the
+    one a fresh target gives after prefilling the same history: the h row at P - 1 and the cache are the
+    right ones."""
+    ids = stored["prompt_ids"][:hf_reference.GENERATE_PROMPT].tolist()
+    spec = {"type": "assistant", "draft_max": 3, "draft_p_min": 0.0, "adaptive": False}
+    model = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, draft_model=models["masked"][0],
+                         spec=spec)
+    drafter = model._drafter(model.spec)
+    calls, drafting = [], drafter.draft
+
+    def recorded(history, n_max):
+        out = drafting(history, n_max)
+        calls.append((list(history), n_max, out))
+        return out
+
+    drafter.draft = recorded
+    model.generate(ids, max_tokens=10, temperature=0.0)
+    assert len(calls) >= 3 and all(out for _, _, out in calls)
+    fresh_model = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False)
+    assistant = Gemma4Assistant.from_gguf(read_gguf(models["masked"][0]), fresh_model.transformer.ops)
+    for history, n_max, out in calls:
+        fresh = AssistantDrafter(assistant, fresh_model.transformer)
+        prefill(fresh.target_forward, history[:-1], fresh_model.new_cache(), fresh_model.kv_spec.max_chunk)
+        assert fresh.draft(history, n_max) == out
+
+
 def test_greedy_ids_with_the_assistant_on_quantized_caches(models, stored):
     """The loop stays lossless on turbo3 and q8_0 caches: the same ids as without drafts."""
     ids = stored["prompt_ids"][:hf_reference.GENERATE_PROMPT].tolist()
