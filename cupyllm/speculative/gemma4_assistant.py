@@ -347,6 +347,7 @@ class AssistantDrafter:
         self.assistant, self.target, self.threads, self.p_min = assistant.bind(target.cfg), target, threads, p_min
         self.cache = None
         self._rows = None  # (positions, tokens, normed rows on the backend) of the last target forward
+        self.execute = lambda work: work()  # runs the assistant's steps (a server: on its batcher's thread)
 
     def target_forward(self, tokens, positions, cache, all_logits: bool = False) -> np.ndarray:
         """The target's forward (logits as float32 NumPy), keeping its normed output rows."""
@@ -367,19 +368,24 @@ class AssistantDrafter:
                 int(tokens[at[0]]) != int(history[position - 1]):
             return []  # that row is not the last forward's (a shifted or another cache)
         ops = self.target.ops
-        drafts: list[int] = []
         token, hidden = int(history[-1]), normed[int(at[0]):int(at[0]) + 1]
-        with ops.running_on(self.threads):
-            for _ in range(n_max):
-                logits, hidden = self.assistant.step(self.target, self.cache, token, hidden, position)
-                logits = np.asarray(ops.to_numpy(logits), np.float32).reshape(-1)
-                token = int(np.argmax(logits))
-                if self.p_min > 0.0 and 1.0 / np.exp(logits - logits[token]).sum() < self.p_min:
-                    break
-                if token >= self.target.cfg.n_vocab:
-                    break
-                drafts.append(token)
-        return drafts
+
+        def work() -> list[int]:
+            drafts: list[int] = []
+            with ops.running_on(self.threads):
+                step, state = token, hidden
+                for _ in range(n_max):
+                    logits, state = self.assistant.step(self.target, self.cache, step, state, position)
+                    logits = np.asarray(ops.to_numpy(logits), np.float32).reshape(-1)
+                    step = int(np.argmax(logits))
+                    if self.p_min > 0.0 and 1.0 / np.exp(logits - logits[step]).sum() < self.p_min:
+                        break
+                    if step >= self.target.cfg.n_vocab:
+                        break
+                    drafts.append(step)
+            return drafts
+
+        return self.execute(work)
 
 
 __all__ = ["ARCH", "AssistantConfig", "AssistantDrafter", "Gemma4Assistant", "assistant_config", "is_assistant",
