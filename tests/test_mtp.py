@@ -262,13 +262,24 @@ def test_gpu_greedy_text_is_unchanged_with_mtp_drafts(gpu_mtp_model, kv_type):
     assert model.last_stats.draft.drafted > 0
 
 
-def test_the_server_refuses_mtp_drafting_in_one_error(mtp_model):
-    """The server's batched forwards do not hand over hidden rows yet: spec type mtp there is one InputError."""
-    pytest.importorskip("fastapi")
-    from cupyllm.server.engine import Engine
+def test_server_slots_draft_with_the_head(mtp_model):
+    """`cupyllm serve` with spec mtp: each slot keeps a head cache of its own and runs its target forwards
+    alone (they hand over hidden rows); two concurrent requests get Model.generate's texts, which are the plain
+    greedy ones, and the drafting counters move."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    with pytest.raises(InputError, match="NextN"):
-        Engine(_load(mtp_model("qwen35")[0], spec="mtp"))
+    server = pytest.importorskip("test_server")  # (its loopback harness; skipped without the serve extra)
+    model = _load(mtp_model("qwen35")[0], spec=DRAFT_ALWAYS)
+    prompts = ["the cat sat on the mat", "one two one two"]
+    want = [model.generate(p, max_tokens=16, temperature=0, spec=False) for p in prompts]
+    assert want == [model.generate(p, max_tokens=16, temperature=0) for p in prompts]
+    with server.serving(model, parallel=2) as url:
+        c = server.client(url)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model="m", prompt=p, max_tokens=16, temperature=0)
+                                .choices[0].text, prompts))
+        assert got == want
+        assert server.metric(url, "draft_tokens_total") > 0
 
 
 def test_drafting_after_a_prompt_cache(mtp_model):

@@ -32,7 +32,7 @@ from ..errors import InputError
 from ..kv.prompt_cache import PromptCache, shared_prefix
 from ..models.batch import Segment, batchable, forward_batch
 from ..sampling import Sampler, SamplingParams
-from ..speculative import DraftLength, ModelDrafter, NgramDrafter
+from ..speculative import DraftLength, ModelDrafter, MTPDrafter, NgramDrafter
 
 def start_cpu_threads() -> None:
     """Run one parallel numba region on the calling thread. With numba's OpenMP layer, a process whose first
@@ -191,9 +191,6 @@ class Engine:
     def __init__(self, model, parallel: int = 1, queue_size: int = 16, time_limit: float | None = None):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
-        if model.spec is not None and model.spec.type == "mtp":  # (its forwards would need the target's hidden rows)
-            raise InputError("the server does not draft with a model's NextN (MTP) head yet; serve with --spec-type "
-                             "ngram or a draft model (-md FILE), or generate with spec='mtp' from Python")
         if model.spec is not None and model.spec.type == "assistant":  # (the same: it reads the hidden rows)
             raise InputError("the server does not draft with a Gemma 4 assistant yet; serve with --spec-type ngram, or "
                              "generate with draft_model=ASSISTANT.gguf from Python or `cupyllm generate -md`")
@@ -309,11 +306,13 @@ class Engine:
             start = int(positions[0])
             slot.cached[start:] = tokens.tolist()  # what the cache holds from here on (n_past says how far)
             small = len(tokens) <= seq_cache.spec.max_chunk and (len(tokens) == 1 or all_logits)
-            if self.batched and small:
+            # (an MTP head reads the target's hidden rows: its slot's forwards run alone, through its drafter)
+            target = getattr(drafter, "target_forward", None)
+            if self.batched and small and target is None:
                 logits = self._wait(_Job(segment=Segment(tokens, seq_cache, all_logits)))
                 return logits if all_logits else logits[-1:]
-            return self._wait(_Job(run=lambda: model._forward_numpy_graphed(tokens, positions, seq_cache,
-                                                                            all_logits)))
+            return self._wait(_Job(run=lambda: (target or model._forward_numpy_graphed)(tokens, positions, seq_cache,
+                                                                                         all_logits)))
 
         drafter = self._drafter(slot, spec)
         slot.settled = None
@@ -442,6 +441,13 @@ class Engine:
             return None
         if spec.type == "ngram":
             return NgramDrafter(spec.ngram_size, spec.ngram_min)
+        if spec.type == "mtp":  # a head cache per slot, its forwards on the batcher's thread; new state per request
+            if slot.drafter is None:
+                slot.drafter = MTPDrafter.for_model(self.model)
+                slot.drafter.execute = lambda work: self._wait(_Job(run=work))
+            slot.drafter.reset()
+            slot.drafter.p_min = spec.draft_p_min
+            return slot.drafter
         if slot.drafter is None:  # a draft cache per slot; its forwards run on the batcher's thread, one by one
             source = self.model if spec.type == "self" else self.model.draft
             cache = source.transformer.ops.new_cache(source.cfg, source.kv_spec)

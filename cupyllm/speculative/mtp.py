@@ -151,6 +151,7 @@ class MTPDrafter:
         self.target, self.w, self.cache, self.chunk, self.p_min, self.threads = \
             target, weights, cache, chunk, p_min, threads
         self.output = weights.head if weights.head is not None else target.output
+        self.execute = lambda work: work()  # runs the head's forwards (the server: on its batcher's thread)
         self.reset()
 
     @classmethod
@@ -212,8 +213,9 @@ class MTPDrafter:
         self._rows, self._rows_start = self._rows[n - self._rows_start:], n  # (folded rows are not needed again)
         drafts: list[int] = []
         hidden = out[-1:]
+        ops = self.target.ops
         for i in range(n_max):
-            logits = np.asarray(self.target.ops.to_numpy(self.target.ops.linear(hidden, self.output)),
+            logits = np.asarray(self.execute(lambda: ops.to_numpy(ops.linear(hidden, self.output))),
                                 np.float32).reshape(-1)
             token = int(np.argmax(logits))
             if self.p_min > 0.0 and 1.0 / np.exp(logits - logits[token]).sum() < self.p_min:
@@ -228,9 +230,11 @@ class MTPDrafter:
         """The head over rows at target positions [start, start + len(tokens)), appended to its cache."""
         ops = self.target.ops
         positions = np.arange(start - self.base, start - self.base + len(tokens))
-        with ops.running_on(self.threads):
-            out = mtp_forward(ops, self.target.cfg, self.w, self.target.token_embd, tokens, hidden, positions,
-                              self.cache)
+        def work():
+            with ops.running_on(self.threads):
+                return mtp_forward(ops, self.target.cfg, self.w, self.target.token_embd, tokens, hidden, positions,
+                                   self.cache)
+        out = self.execute(work)
         self.cache.n_past += len(tokens)
         return out
 
