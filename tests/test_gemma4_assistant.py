@@ -330,13 +330,24 @@ def test_cli_picks_the_assistant_by_its_file(models):
     assert bad.returncode == 1 and "needs a Gemma 4 assistant" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_server_refuses_the_assistant_in_one_error(models):
-    """The server's batched engine does not keep the target's hidden rows: an assistant there is one error."""
-    from cupyllm.server.engine import Engine
+def test_server_slots_draft_with_the_assistant(models, stored):
+    """Served, each slot drafts with its own assistant drafter (the slot's hidden rows; its steps on the batcher's
+    thread): two concurrent greedy completions are plain generation's text, and drafts were checked."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    model = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, draft_model=models["plain"][0])
-    with pytest.raises(InputError, match="does not draft with a Gemma 4 assistant"):
-        Engine(model)
+    from test_server import client, metric, serving
+
+    model = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, draft_model=models["masked"][0],
+                         spec={"type": "assistant", "draft_max": 3, "draft_p_min": 0.0, "adaptive": False})
+    prompts = [stored["prompt_ids"][:hf_reference.GENERATE_PROMPT].tolist(), stored["prompt_ids"][3:].tolist()]
+    want = [model.generate(p, max_tokens=10, temperature=0.0, spec=False) for p in prompts]
+    with serving(model, parallel=2) as url:
+        c = client(url)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model="m", prompt=p, max_tokens=10, temperature=0)
+                                .choices[0].text, prompts))
+        assert got == want
+        assert metric(url, "draft_tokens_total") > 0
 
 
 def test_stored_reference_is_what_transformers_computes(stored, tmp_path):

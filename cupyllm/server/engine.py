@@ -33,6 +33,7 @@ from ..kv.prompt_cache import PromptCache, shared_prefix
 from ..models.batch import Segment, batchable, forward_batch
 from ..sampling import Sampler, SamplingParams
 from ..speculative import DraftLength, ModelDrafter, MTPDrafter, NgramDrafter
+from ..speculative.gemma4_assistant import AssistantDrafter
 
 def start_cpu_threads() -> None:
     """Run one parallel numba region on the calling thread. With numba's OpenMP layer, a process whose first
@@ -191,9 +192,6 @@ class Engine:
     def __init__(self, model, parallel: int = 1, queue_size: int = 16, time_limit: float | None = None):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
-        if model.spec is not None and model.spec.type == "assistant":  # (the same: it reads the hidden rows)
-            raise InputError("the server does not draft with a Gemma 4 assistant yet; serve with --spec-type ngram, or "
-                             "generate with draft_model=ASSISTANT.gguf from Python or `cupyllm generate -md`")
         self.model = model
         self.queue_size = queue_size
         self.time_limit = time_limit
@@ -446,6 +444,12 @@ class Engine:
                 slot.drafter = MTPDrafter.for_model(self.model)
                 slot.drafter.execute = lambda work: self._wait(_Job(run=work))
             slot.drafter.reset()
+            slot.drafter.p_min = spec.draft_p_min
+            return slot.drafter
+        if spec.type == "assistant":  # per slot: it keeps the slot's last hidden rows; its steps on the batcher's thread
+            if slot.drafter is None:
+                slot.drafter = AssistantDrafter(self.model.draft, self.model.transformer, self.model.threads)
+                slot.drafter.execute = lambda work: self._wait(_Job(run=work))
             slot.drafter.p_min = spec.draft_p_min
             return slot.drafter
         if slot.drafter is None:  # a draft cache per slot; its forwards run on the batcher's thread, one by one
