@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from ..errors import CupyllmError, InputError, SamplingError
 from ..generate import check_max_tokens
 from ..sampling import SamplingParams
-from .engine import Engine, QueueFull, Request, Result, SlotBusy, TokenLogprob, start_cpu_threads
+from .engine import Engine, QueueFull, Request, Result, SlotBusy, TokenLogprob
 from .metrics import metrics_text
 
 Number = Union[StrictInt, float]
@@ -106,8 +106,6 @@ def create_app(model, parallel: int = 1, *, api_key: str | None = None, queue_si
     /props, /slots and /metrics call must carry; queue_size: requests that may wait for a slot beyond the
     busy ones (more: 503); time_limit: seconds a request may run (then it ends with finish_reason "length");
     slot_save_path: the folder POST /slots/{id}?action=save|restore reads and writes (None: no slot actions)."""
-    if model.device == "cpu":
-        start_cpu_threads()  # (on this thread, before the batcher's: see its docstring)
     engine_box: dict[str, Engine] = {}
     model_name = alias or model.path.name
     created = int(time.time())

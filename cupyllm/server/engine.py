@@ -36,10 +36,10 @@ from ..speculative import DraftLength, ModelDrafter, MTPDrafter, NgramDrafter
 from ..speculative.gemma4_assistant import AssistantDrafter
 
 def start_cpu_threads() -> None:
-    """Run one parallel numba region on the calling thread. With numba's OpenMP layer, a process whose first
-    parallel region starts on another thread (here: the batcher's) runs every later region many times slower:
-    measured, Gemma 3 270M decode at 0.9 tok/s on 2 cores instead of 22.7. The server calls this on the thread
-    that creates it (the main thread, under `cupyllm serve`) before the batcher starts."""
+    """Run one parallel numba region on the calling thread (the batcher's, first thing). With numba's OpenMP layer
+    every thread that starts parallel regions gets a libgomp team of its own, and once their threads outnumber the
+    cores libgomp throttles their spinning between regions: a third slower decode (docs/server.md, Limits). So in
+    a serving process only the batcher runs model work."""
     _parallel_sum(np.ones(64, np.float32))
 
 
@@ -474,6 +474,8 @@ class Engine:
         return job.result
 
     def _batch_loop(self) -> None:
+        if self.model.device == "cpu":
+            start_cpu_threads()  # (before anything else runs here: see its docstring)
         while True:
             with self._lock:
                 # run when every busy slot waits on a job (a slot between jobs samples its next token: briefly);
