@@ -14,15 +14,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from ..files.config import ModelConfig
 from ..errors import BudgetError, CupyllmError, InputError
 from .cache import KVSpec, host_kv_bytes, kv_bytes
 from ..ops.kv_formats.formats import get_format
-
-if TYPE_CHECKING:
-    from .spill_cost import SpillChoice
 
 
 @dataclass(frozen=True)
@@ -78,7 +74,7 @@ class KVPlan:
     budget: int
     # --kv-spill: the tiers weighed by their measured spill cost (kv/spill_cost.py plan_spill_tier), when the best
     # tier did not fit whole; None: the first tier that fits was taken
-    spill_choice: "SpillChoice | None" = None
+    spill_choice: object = None  # a kv/spill_cost.py SpillChoice (not imported: spill_cost builds on this module)
 
     def describe(self) -> str:
         if self.spill_choice is not None:

@@ -35,6 +35,7 @@ from ..files.config import ModelConfig, RopeConfig
 from ..ops.elementwise.reference import apply_rope, inverse_frequencies
 from ..ops.kv_formats.cpu import decode_rows
 from .cache import EMPTY, KVCache, RecurrentState
+from .window import retype_kv
 
 
 def context_shift_problem(cfg: ModelConfig) -> str | None:
@@ -101,8 +102,10 @@ def shift_cache(cache: KVCache, cfg: ModelConfig, keep: int, discard: int, dca=N
 def shift_layer(layer, keep: int, discard: int, rope: RopeConfig, dca=None) -> None:
     """shift_cache for one layer cache (LayerKV, DeviceLayerKV or SpilledLayerKV) whose keys `rope` rotated
     (at DCA's in-chunk positions when `dca` is given)."""
-    if getattr(layer, "windowed", False) or getattr(layer, "retyped", False):  # mixed types by position
-        # (kv/window.py; a spilled layer whose host part is the tail): each part in its own codec
+    if getattr(layer, "windowed", False):  # mixed types by position (kv/window.py)
+        shift_windowed(layer, keep, discard, rope, dca)
+        return
+    if getattr(layer, "retyped", False):  # a spilled layer whose host part is the tail: each part in its codec
         layer.shift(keep, discard, rope, dca)
         return
     positions, k_rows, v_rows = layer_rows(layer)
@@ -115,6 +118,24 @@ def shift_layer(layer, keep: int, discard: int, rope: RopeConfig, dca=None) -> N
     if len(rows):
         k_rows[rows] = rerope_rows(layer, k_rows[rows], turn[rows], rope)
     put_rows(layer, new_positions, k_rows, v_rows)
+
+
+def shift_windowed(layer, keep: int, discard: int, rope: RopeConfig, dca=None) -> None:
+    """shift_layer for a kv/window.py WindowedLayerKV: each part shifted in its own format, then the window
+    refilled: a kept position that the shift brings within the newest kv_window, which the ring dropped long ago,
+    comes back from its tail row."""
+    shift_layer(layer.main, keep, discard, rope, dca)
+    shift_layer(layer.tail, keep, discard, rope, dca)
+    tail_pos, tail_k, tail_v = layer_rows(layer.tail)
+    n_past = int(tail_pos.max()) + 1 if len(tail_pos) else 0
+    main_pos, main_k, main_v = layer_rows(layer.main)
+    wanted = np.arange(max(0, n_past - layer.kv_window), n_past)
+    missing = np.setdiff1d(np.intersect1d(wanted, tail_pos), main_pos)
+    if len(missing):
+        rows = np.searchsorted(tail_pos, missing)  # (layer_rows of the tail: positions in order)
+        k, v = retype_kv(tail_k[rows], tail_v[rows], layer.tail, layer.main)
+        put_rows(layer.main, np.concatenate([main_pos, missing]), np.concatenate([main_k, k]),
+                 np.concatenate([main_v, v]))
 
 
 def _key_positions(positions: np.ndarray, dca) -> np.ndarray:

@@ -159,24 +159,6 @@ class WindowedLayerKV:
     def pad_used(self, n_slots: int) -> None:
         raise CupyllmError("a windowed KV cache is not captured as a CUDA graph")
 
-    # context shift (kv/shift.py)
-    def shift(self, keep: int, discard: int, rope, dca=None) -> None:
-        """Each part shifted in its own format, then the window refilled: a kept position that the shift brings
-        within the newest kv_window, which the ring dropped long ago, comes back from its tail row."""
-        from .shift import layer_rows, put_rows, shift_layer
-        shift_layer(self.main, keep, discard, rope, dca)
-        shift_layer(self.tail, keep, discard, rope, dca)
-        tail_pos, tail_k, tail_v = layer_rows(self.tail)
-        n_past = int(tail_pos.max()) + 1 if len(tail_pos) else 0
-        main_pos, main_k, main_v = layer_rows(self.main)
-        wanted = np.arange(max(0, n_past - self.kv_window), n_past)
-        missing = np.setdiff1d(np.intersect1d(wanted, tail_pos), main_pos)
-        if len(missing):
-            rows = np.searchsorted(tail_pos, missing)  # (layer_rows of the tail: positions in order)
-            k, v = retype_kv(tail_k[rows], tail_v[rows], self.tail, self.main)
-            put_rows(self.main, np.concatenate([main_pos, missing]), np.concatenate([main_k, k]),
-                     np.concatenate([main_v, v]))
-
 
 TAIL = "tail_"  # prefix of the tail part's arrays in a windowed layer's state
 
