@@ -436,3 +436,26 @@ def test_slot_save_path_that_cannot_be_made_is_one_error(tiny_model, capsys):
     path, _, _ = tiny_model("qwen2")
     assert main(["serve", "-m", str(path), "--slot-save-path", "/dev/null/slots"]) == 1
     assert "--slot-save-path /dev/null/slots" in capsys.readouterr().err
+
+
+def test_a_slot_drafting_for_itself_runs_the_stored_layers(tiny_model):
+    """As Model.generate's: a layer plan's self-drafter drafts with the stored layers, not the plan's."""
+    import warnings
+
+    from cupyllm.server.engine import Engine
+
+    path, _, _ = tiny_model("qwen2")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="repeat_layers")  # (a 3-layer model: every block is near an end)
+        model = cupyllm.load(path, device="cpu", ctx=96, progress=False, repeat_layers="1,2",
+                             spec={"type": "self", "draft_max": 4, "adaptive": False})
+    engine = Engine(model, parallel=1)
+    try:
+        drafter = engine._drafter(engine.slots[0], model.spec)
+        assert len(drafter.cache.layers) == model.cfg.n_stored_layer == 3 and model.cfg.n_layer == 4
+    finally:
+        engine.close()
+    want = model.generate("one two one two", max_tokens=12, spec=False, **GREEDY)
+    with serving(model, parallel=1) as url:
+        got = client(url).completions.create(model="m", prompt="one two one two", max_tokens=12, **GREEDY)
+    assert got.choices[0].text == want

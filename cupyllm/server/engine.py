@@ -453,7 +453,8 @@ class Engine:
             slot.drafter.p_min = spec.draft_p_min
             return slot.drafter
         if slot.drafter is None:  # a draft cache per slot; its forwards run on the batcher's thread, one by one
-            source = self.model if spec.type == "self" else self.model.draft
+            # (self: the stored layers, as Model._drafter drafts: a drafter never runs the layer plan)
+            source = self.model._without_layer_plan() if spec.type == "self" else self.model.draft
             cache = source.transformer.ops.new_cache(source.cfg, source.kv_spec)
 
             def draft_forward(tokens, positions, seq_cache, all_logits=False):
