@@ -482,11 +482,11 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
                            f"on the {backend.name} the kernels read the encoded cache and keep none: drop it")
     mirror = bool(kv_mirror)
     tokenizer = Tokenizer.from_metadata(gguf.metadata)
+    draft_gguf = None if draft_model is None or isinstance(draft_model, Model) else read_gguf(draft_model)
     if draft_model is not None:  # a draft model of another vocabulary fails before either model loads
-        draft_path = draft_model.path if isinstance(draft_model, Model) else Path(draft_model)
-        draft_tokens = draft_model.tokenizer.tokens if isinstance(draft_model, Model) else \
-            Tokenizer.from_metadata(read_gguf(draft_path).metadata).tokens
-        check_same_vocabulary(tokenizer.tokens, draft_tokens, draft_path.name)
+        tokens, name = ((draft_model.tokenizer.tokens, draft_model.path.name) if draft_gguf is None else
+                        (Tokenizer.from_metadata(draft_gguf.metadata).tokens, Path(draft_gguf.path).name))
+        check_same_vocabulary(tokenizer.tokens, tokens, name)
     dca_cfg = _dca_config(dca, cfg)
     warning = boundary_warning(blocks, cfg.n_stored_layer)
     if warning is not None:
@@ -513,9 +513,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
                       "dca=True (--dca) to keep every query-key distance in the trained range",
                       ContextPastTrainingWarning, stacklevel=2)
     draft = None
-    assistant = None if isinstance(draft_model, Model) or draft_model is None else read_gguf(draft_model)
-    if assistant is not None and is_assistant(assistant):  # a Gemma 4 assistant: drafts from this model's state
-        draft = Gemma4Assistant.from_gguf(assistant, backend).bind(transformer.cfg)
+    if draft_gguf is not None and is_assistant(draft_gguf):  # a Gemma 4 assistant: drafts from this model's state
+        draft = Gemma4Assistant.from_gguf(draft_gguf, backend).bind(transformer.cfg)
         spec = dataclasses.replace(spec, type="assistant") if spec.type == "draft" else spec
     elif draft_model is not None:
         draft = draft_model if isinstance(draft_model, Model) else load(
