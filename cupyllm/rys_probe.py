@@ -75,29 +75,31 @@ class ProbeResult:
 
     def most_efficient(self) -> PlanScore | None:
         """The kept plan with the largest perplexity gain per added layer (None: no plan lowers perplexity)."""
-        gaining = [c for c in self.ranked() if self.gain(c) > 0]
-        return max(gaining, key=lambda c: (self.gain(c) / c.added_layers, -c.added_layers), default=None)
+        return max(self._gaining(), key=lambda c: (self.gain(c) / c.added_layers, -c.added_layers), default=None)
 
     def largest_gain(self) -> PlanScore | None:
-        gaining = [c for c in self.ranked() if self.gain(c) > 0]
-        return max(gaining, key=lambda c: (self.gain(c), -c.added_layers), default=None)
+        return max(self._gaining(), key=lambda c: (self.gain(c), -c.added_layers), default=None)
+
+    def _gaining(self) -> list[PlanScore]:
+        return [c for c in self.ranked() if self.gain(c) > 0]
 
     def to_json(self) -> dict:
         def row(score: PlanScore) -> dict:
             return {**asdict(score), "perplexity": score.perplexity, "gain": self.gain(score)}
         chosen = {name: (best.plan if best else None) for name, best in
                   (("most_efficient", self.most_efficient()), ("largest_gain", self.largest_gain()))}
+        ranked = self.ranked()
         return {"model": self.model, "n_layer": self.n_layer, "band": list(self.band), "widths": list(self.widths),
                 "corpus_tokens": self.corpus_tokens, "n_tasks": self.n_tasks, "base": row(self.base),
-                "ranked": [row(c) for c in self.ranked()], "dropped": [row(c) for c in self.candidates
-                                                                       if c not in self.ranked()],
+                "ranked": [row(c) for c in ranked], "dropped": [row(c) for c in self.candidates if c not in ranked],
                 "plans": chosen}
 
     def table(self, top_k: int = 10) -> str:
         lines = [f"{'plan':<12}{'layers':>7}{'perplexity':>12}{'change':>9}{'tasks':>8}   by kind",
                  self._line(self.base, "(none)")]
-        lines += [self._line(c) for c in self.ranked()[:top_k]]
-        dropped = len(self.candidates) - len(self.ranked())
+        ranked = self.ranked()
+        lines += [self._line(c) for c in ranked[:top_k]]
+        dropped = len(self.candidates) - len(ranked)
         lines.append(f"{len(self.candidates)} blocks scored, {dropped} dropped (fewer tasks passed than without a "
                      "plan)")
         for name, best in (("most efficient", self.most_efficient()), ("largest gain", self.largest_gain())):
