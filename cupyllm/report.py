@@ -31,9 +31,10 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         plan = plan_kv(cfg, ctx, budget, normalize_k=normalize_k)  # the device cache: no float32 copy
         kv_type_k, kv_type_v = plan.tier.kv_type_k, plan.tier.kv_type_v
         budget_line = [f"KV plan         {plan.tier.name}: the best tier that fits {_gib(budget)} (kv/plan.py)"]
-    weight_bytes = sum(t.data.nbytes for t in gguf.tensors.values())
-    n_params = sum(t.n_elements for t in gguf.tensors.values())
-    types = Counter(t.type.name for t in gguf.tensors.values())
+    tensors = [t for name, t in gguf.tensors.items() if not cfg.is_nextn_tensor(name)]  # (an MTP head: not loaded)
+    weight_bytes = sum(t.data.nbytes for t in tensors)
+    n_params = sum(t.n_elements for t in tensors)
+    types = Counter(t.type.name for t in tensors)
     spec = KVSpec(ctx=ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, normalize_k=normalize_k,
                   kv_window=kv_window, kv_type_k_tail=kv_type_k_tail, kv_type_v_tail=kv_type_v_tail)
     cache = kv_bytes(cfg, spec)
@@ -42,7 +43,7 @@ def model_report(model: str | Path | None, *, ctx: int = 4096, kv_type_k: str = 
         f"file            {path}",
         f"name            {cfg.name}",
         f"architecture    {cfg.arch}",
-        f"parameters      {n_params / 1e6:,.1f} M in {len(gguf.tensors)} tensors ({_gib(weight_bytes)})",
+        f"parameters      {n_params / 1e6:,.1f} M in {len(tensors)} tensors ({_gib(weight_bytes)})",
         "tensor types    " + ", ".join(f"{name} x{count}" for name, count in types.most_common()),
         f"layers          {cfg.n_layer}" + (f" ({n_sliding} sliding-window of {cfg.sliding_window}, "
                                               f"{cfg.n_layer - n_sliding} global)" if n_sliding else "")

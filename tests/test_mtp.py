@@ -183,6 +183,40 @@ def test_mtp_config_is_one_full_attention_layer(mtp_model):
     assert cfg.n_layer == 1 and not cfg.is_recurrent(0) and cfg.head_dim == model.cfg.head_dim
 
 
+def test_reading_the_config_leaves_the_file_as_it_is(mtp_model):
+    """config_from_gguf read twice from one GGUFFile: its tensors (the same objects, in the same order) and the
+    ones it set aside are as read_gguf left them, both readings agree, and the NextN block is counted apart from
+    the decoder's layers (block_count counts it)."""
+    from cupyllm.files.config import config_from_gguf
+    from cupyllm.files.gguf import read_gguf
+
+    gguf = read_gguf(mtp_model("qwen35")[0])
+    tensors, unused = list(gguf.tensors.items()), list(gguf.unused_tensors.items())
+    snapshot = lambda items: [(name, id(info)) for name, info in items]  # noqa: E731
+    configs = []
+    for _ in range(2):
+        configs.append(config_from_gguf(gguf))
+        assert snapshot(gguf.tensors.items()) == snapshot(tensors)
+        assert snapshot(gguf.unused_tensors.items()) == snapshot(unused)
+    assert configs[0] == configs[1]
+    block_count = gguf.get("qwen35.block_count")
+    assert configs[0].n_layer == block_count - 1 and list(configs[0].nextn_layers) == [block_count - 1]
+    head = [name for name in gguf.tensors if name.startswith(f"blk.{block_count - 1}.")]
+    assert head and all(configs[0].is_nextn_tensor(name) for name in head)
+    assert not any(configs[0].is_nextn_tensor(name) for name in gguf.tensors if name not in head)
+
+
+def test_the_report_counts_the_decoder_without_the_head(mtp_model, tiny_model):
+    """`cupyllm info` of a file with a head gives the parameters and tensor types of the same file without it."""
+    from cupyllm.report import model_report
+
+    def counts(path):
+        return [line for line in model_report(path, ctx=96).splitlines()
+                if line.startswith(("parameters", "tensor types", "layers"))]
+
+    assert counts(mtp_model("qwen35")[0]) == counts(tiny_model("qwen35")[0])
+
+
 def test_cli_spec_type_mtp(mtp_model, tiny_model):
     """--spec-type mtp: the same text, the summary's draft counts; a file without a head: one error line."""
     import subprocess

@@ -100,6 +100,9 @@ class ModelConfig:
     shared_expert_ffn: int = 0  # Qwen3.5-MoE: width of the shared expert beside the routed ones (0: none)
     # A layer plan (models/layer_plan.py): the stored block each layer of the stack runs; () runs each once
     layer_order: tuple[int, ...] = ()
+    # Qwen3.5: NextN (MTP) heads the file stores after the decoder's blocks (`nextn_predict_layers`); the decoder
+    # neither runs nor checks them, the MTP drafter (speculative/mtp.py) does
+    n_nextn_layer: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def is_sliding(self, layer: int) -> bool:
@@ -114,6 +117,17 @@ class ModelConfig:
     def n_stored_layer(self) -> int:
         """Blocks the GGUF stores (n_layer counts the layers the stack runs, repeats included)."""
         return len(set(self.layer_order)) if self.layer_order else self.n_layer
+
+    @property
+    def nextn_layers(self) -> range:
+        """The blocks (`blk.N`) of the file's NextN heads: the ones after the decoder's."""
+        return range(self.n_stored_layer, self.n_stored_layer + self.n_nextn_layer)
+
+    def is_nextn_tensor(self, name: str) -> bool:
+        """Whether the tensor `name` belongs to a NextN head's block rather than to the decoder."""
+        kind, _, rest = name.partition(".")
+        block = rest.partition(".")[0]
+        return kind == "blk" and block.isdigit() and int(block) in self.nextn_layers
 
     def is_recurrent(self, layer: int) -> bool:
         """Whether `layer` is a linear-attention (Gated DeltaNet) layer: a fixed-size state, no KV cache."""
@@ -172,7 +186,9 @@ def _rotary_dims(hp: Hyperparameters, key: str, head_dim: int, partial: bool) ->
 
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
     """The model's configuration, every hyperparameter checked against its range and the tensors it
-    describes. Tensors of unknown names are set aside into gguf.unused_tensors with a ModelFileWarning."""
+    describes. Tensors of unknown names are set aside into gguf.unused_tensors with a ModelFileWarning. A Qwen3.5
+    file's NextN (MTP) blocks stay where they are: the config counts them (n_nextn_layer) apart from the
+    decoder's layers."""
     arch = gguf.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFileError(f"{gguf.path}: architecture '{arch}' is not supported; cupyllm runs "
@@ -180,11 +196,10 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
                              "Qwen3.5 dense and MoE, Qwen3-Next)")
     hp = Hyperparameters(gguf, arch)
     n_layer = hp.integer(f"{arch}.block_count", lo=1)
-    if arch in HYBRID_ARCHITECTURES:  # (a second reading of the file: its MTP blocks were set aside by the first)
-        _put_back_mtp_layers(gguf, hp, arch, n_layer)
     check_block_count(gguf, f"{arch}.block_count", n_layer)  # before anything is sized by it
-    if arch in HYBRID_ARCHITECTURES:
-        n_layer = _without_mtp_layers(gguf, hp, arch, n_layer)
+    # llama.cpp's converter counts a Qwen3.5 file's NextN blocks, its last ones, in block_count
+    n_nextn = hp.integer(f"{arch}.nextn_predict_layers", 0, hi=n_layer - 1) if arch in HYBRID_ARCHITECTURES else 0
+    n_layer -= n_nextn
     d_model = hp.integer(f"{arch}.embedding_length", lo=1)
     n_head = hp.uniform(f"{arch}.attention.head_count", n_layer, lo=1)
     kv_heads = hp.per_layer(f"{arch}.attention.head_count_kv", n_layer, n_head, lo=1)
@@ -220,6 +235,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         norm_eps=hp.real(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         ctx_train=hp.integer(f"{arch}.context_length", 4096, lo=1), rope=rope,
         tied_output="output.weight" not in gguf.tensors, n_expert=n_expert, n_expert_used=n_expert_used,
+        n_nextn_layer=n_nextn,
     )
     if arch in ("qwen2", "qwen3", "qwen3moe"):
         cfg = ModelConfig(**common, attn_scale=1.0 / math.sqrt(head_dim), qkv_bias=arch == "qwen2",
@@ -336,25 +352,6 @@ def _gemma4_config(gguf: GGUFFile, hp: Hyperparameters, common: dict, kv_heads: 
         kv_sources=tuple(sources), v_norm=True,
         per_layer_dim=hp.integer(f"{arch}.embedding_length_per_layer_input", 0),
     )
-
-
-def _without_mtp_layers(gguf: GGUFFile, hp: Hyperparameters, arch: str, block_count: int) -> int:
-    """The decoder layers of a Qwen3.5 file: its last `nextn_predict_layers` blocks are multi-token-prediction
-    heads (llama.cpp's converter counts them in block_count), which the decoder does not run: their tensors are
-    set aside with the file's other unused tensors (the MTP drafter, speculative/mtp.py, reads them there)."""
-    n_mtp = hp.integer(f"{arch}.nextn_predict_layers", 0, hi=block_count - 1)
-    for name in [n for n in gguf.tensors if n.startswith("blk.")]:
-        if int(name.split(".")[1]) >= block_count - n_mtp:
-            gguf.unused_tensors[name] = gguf.tensors.pop(name)
-    return block_count - n_mtp
-
-
-def _put_back_mtp_layers(gguf: GGUFFile, hp: Hyperparameters, arch: str, block_count: int) -> None:
-    """Undo _without_mtp_layers, so that reading a file's config twice reads the same file."""
-    n_mtp = hp.integer(f"{arch}.nextn_predict_layers", 0, hi=block_count - 1)
-    for name in [n for n in gguf.unused_tensors if n.startswith("blk.")] if n_mtp else ():
-        if int(name.split(".")[1]) >= block_count - n_mtp:
-            gguf.tensors[name] = gguf.unused_tensors.pop(name)
 
 
 def _qwen35_config(hp: Hyperparameters, common: dict) -> ModelConfig:

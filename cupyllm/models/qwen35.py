@@ -177,17 +177,11 @@ class NextNWeights(WeightGroup):
         return type(self)(**{name: move(value) for name, value in self.__dict__.items()})
 
 
-def nextn_layer_count(gguf: GGUFFile, cfg: ModelConfig) -> int:
-    """How many NextN blocks the file carries after its cfg.n_layer decoder blocks (`nextn_predict_layers`)."""
-    value = gguf.get(f"{cfg.arch}.nextn_predict_layers", 0)
-    return int(value) if isinstance(value, (int, np.integer)) and value > 0 else 0
-
-
 def nextn_weights(gguf: GGUFFile, cfg: ModelConfig, index: int = 0) -> NextNWeights:
-    """The file's NextN block `index` (blk.{n_layer + index}), its tensors read from where config_from_gguf set
-    them aside and their shapes checked (ModelFileError names a wrong one)."""
+    """The file's NextN block `index` (blk.{n_layer + index}, cfg.nextn_layers), its tensors' shapes checked
+    (ModelFileError names a wrong one)."""
     layer, d, hd = cfg.n_layer + index, cfg.d_model, cfg.head_dim
-    view = _AsideTensors(gguf)
+    view = _NextNTensors(gguf)
     p = f"blk.{layer}."
     shapes = {p + "nextn.eh_proj.weight": (d, 2 * d), p + "nextn.enorm.weight": (d,),
               p + "nextn.hnorm.weight": (d,), p + "attn_q.weight": (2 * cfg.n_head * hd, d),
@@ -209,12 +203,12 @@ def nextn_weights(gguf: GGUFFile, cfg: ModelConfig, index: int = 0) -> NextNWeig
         embed=optional("nextn.embed_tokens.weight"), head=optional("nextn.shared_head_head.weight"))
 
 
-class _AsideTensors:
-    """The GGUF file seen through the tensors config_from_gguf set aside (a NextN block's): what the weight
-    loaders read (`tensors`, `tensor(name)`, `path`, `get`)."""
+class _NextNTensors:
+    """The GGUF file as the weight loaders read it (`tensors`, `tensor(name)`, `path`, `get`), a missing tensor
+    named as a NextN block's."""
 
     def __init__(self, gguf: GGUFFile):
-        self.path, self.get, self.tensors = gguf.path, gguf.get, gguf.unused_tensors
+        self.path, self.get, self.tensors = gguf.path, gguf.get, gguf.tensors
 
     def tensor(self, name: str):
         if name not in self.tensors:

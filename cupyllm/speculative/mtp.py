@@ -36,10 +36,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..errors import InputError
-from ..files.config import HYBRID_ARCHITECTURES, ModelConfig
+from ..files.config import ModelConfig
 from ..files.gguf import GGUFFile
 from ..kv.cache import KVCache, KVSpec
-from ..models.qwen35 import NextNWeights, nextn_layer_count, nextn_weights, qwen35_block
+from ..models.qwen35 import NextNWeights, nextn_weights, qwen35_block
 from ..models.residual import ResidualStream
 
 
@@ -247,7 +247,7 @@ def mtp_cache_spec(spec: KVSpec) -> KVSpec:
 
 def check_mtp_file(gguf: GGUFFile, cfg: ModelConfig) -> None:
     """InputError unless the file carries a NextN head cupyllm runs (spec type "mtp")."""
-    if cfg.arch not in HYBRID_ARCHITECTURES or nextn_layer_count(gguf, cfg) == 0:
+    if cfg.n_nextn_layer == 0:
         raise InputError(f"{gguf.path.name} has no NextN (MTP) head: spec type 'mtp' (--spec-type mtp) drafts with "
                          "the multi-token-prediction layers of Qwen3.5 / Qwen3-Next GGUFs converted with them "
                          f"(`{cfg.arch}.nextn_predict_layers` > 0); use a GGUF that carries them, or --spec-type "
