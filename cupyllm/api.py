@@ -38,9 +38,10 @@ from .kv.shift import ContextShift
 from .kv.spill_cost import best_tier_fits_whole, check_max_slowdown, measure_spill_rates, plan_spill_tier
 from .sampling import Sampler, SamplingParams
 from .files.tokenizer import Tokenizer
-from .speculative import DraftLength, ModelDrafter, NgramDrafter, SpecConfig, check_same_vocabulary, spec_config
-from .speculative.gemma4_assistant import AssistantDrafter, Gemma4Assistant, is_assistant
-from .speculative.mtp import MTPDrafter, check_mtp_file
+from .speculative import DraftLength, SpecConfig, check_same_vocabulary, spec_config
+from .speculative.factory import drafter_for
+from .speculative.gemma4_assistant import Gemma4Assistant, is_assistant
+from .speculative.mtp import check_mtp_file
 
 DEFAULT_CTX = 4096
 
@@ -66,7 +67,7 @@ class Model:
     _cache: KVCache | None = field(default=None, repr=False)
     _cache_holds: PromptCache | None = field(default=None, repr=False)  # the working cache holds exactly this one
     _warned_base_chat: bool = field(default=False, repr=False)  # chat on a base model: said once
-    _model_drafters: dict = field(default_factory=dict, repr=False)  # spec type -> ModelDrafter (its cache kept)
+    _model_drafters: dict = field(default_factory=dict, repr=False)  # spec type -> its drafter (cache kept)
 
     # --- text <-> ids -----------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -220,31 +221,13 @@ class Model:
             check_mtp_file(self.gguf, self.transformer.stored.cfg)
 
     def _drafter(self, spec: SpecConfig | None):
-        """The drafter of `spec`: a fresh n-gram index; the draft model's (or this model's second) cache, kept
-        between calls so that a conversation's next turn drafts after running only what is new."""
-        if spec is None:
-            return None
-        if spec.type == "ngram":
-            return NgramDrafter(spec.ngram_size, spec.ngram_min)
-        if spec.type == "assistant":  # (reads the target's cache and hidden rows: nothing of its own to keep)
-            drafter = self._model_drafters.get("assistant") or self._model_drafters.setdefault(
-                "assistant", AssistantDrafter(self.draft, self.transformer, self.threads))
-            drafter.p_min = spec.draft_p_min
-            return drafter
-        if spec.type == "mtp":  # (the head's weights and cache made once; its state new for each generation)
-            drafter = self._model_drafters.get("mtp") or self._model_drafters.setdefault(
-                "mtp", MTPDrafter.for_model(self))
-            drafter.reset()
-            drafter.p_min = spec.draft_p_min
-            return drafter
-        drafter = self._model_drafters.get(spec.type)
-        if drafter is None:
-            source = self._without_layer_plan() if spec.type == "self" else self.draft
-            cache = source.transformer.ops.new_cache(source.cfg, source.kv_spec)  # (self: a second cache)
-            drafter = ModelDrafter(source._forward_numpy, cache, source.kv_spec.max_chunk, n_vocab=self.cfg.n_vocab)
-            self._model_drafters[spec.type] = drafter
-        drafter.p_min = 0.0 if spec.type == "self" else spec.draft_p_min  # (self: its drafts are what it would say)
-        return drafter
+        """The drafter of `spec` (speculative/factory.py): a fresh n-gram index; the others made once and kept
+        between calls (a draft model's or this model's second cache: a conversation's next turn drafts after
+        running only what is new)."""
+        if spec is None or spec.type == "ngram":
+            return drafter_for(spec, self)
+        self._model_drafters[spec.type] = drafter_for(spec, self, kept=self._model_drafters.get(spec.type))
+        return self._model_drafters[spec.type]
 
     def _without_layer_plan(self) -> "Model":
         """This model as its file stores it, sharing the weights (a drafter never runs the layer plan: with one,

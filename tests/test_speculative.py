@@ -248,6 +248,33 @@ def test_self_drafting_keeps_every_draft_and_the_stop_rules(tiny_model, arch):
             model.generate(PROMPT, max_tokens=n, temperature=0)
 
 
+def test_the_drafter_factory_keeps_and_hooks_what_it_makes(tiny_model):
+    """speculative/factory.py, as generate() and the server's slots use it: a model drafter whose forwards an
+    execute hook runs (the server's batcher) drafts what one without it drafts, every forward through the hook;
+    a kept drafter comes back with its spec's p_min; n-gram lookup is new each time."""
+    from cupyllm.speculative.factory import drafter_for
+
+    model = _load(tiny_model, "qwen2")
+    spec = SpecConfig(type="self", draft_p_min=0.5)
+    through_hook, direct = [], []
+
+    def execute(work):
+        through_hook.append(1)
+        return work()
+
+    hooked, plain = drafter_for(spec, model, execute=execute), drafter_for(spec, model)
+    forward = plain.forward
+    plain.forward = lambda *args, **kwargs: direct.append(1) or forward(*args, **kwargs)
+    drafts = hooked.draft(PROMPT, 4)
+    assert drafts == plain.draft(PROMPT, 4) and len(drafts) == 4  # (self: p_min 0, every draft made)
+    assert len(through_hook) == len(direct) > 0
+    hooked.p_min = 0.3
+    assert drafter_for(spec, model, kept=hooked) is hooked and hooked.p_min == 0.0  # (self: its drafts are kept)
+    ngram = SpecConfig(type="ngram")
+    assert drafter_for(ngram, model, kept=hooked) is not hooked and isinstance(drafter_for(ngram, model), NgramDrafter)
+    assert drafter_for(None, model, kept=hooked) is None
+
+
 def test_ngram_drafter_looks_up_the_longest_latest_match():
     drafter = NgramDrafter(size=3, min_size=1)
     history = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]

@@ -32,8 +32,8 @@ from ..errors import InputError
 from ..kv.prompt_cache import PromptCache, shared_prefix
 from ..models.batch import Segment, batchable, forward_batch
 from ..sampling import Sampler, SamplingParams
-from ..speculative import DraftLength, ModelDrafter, MTPDrafter, NgramDrafter
-from ..speculative.gemma4_assistant import AssistantDrafter
+from ..speculative import DraftLength
+from ..speculative.factory import drafter_for
 
 def start_cpu_threads() -> None:
     """Run one parallel numba region on the calling thread (the batcher's, first thing). With numba's OpenMP layer
@@ -146,7 +146,7 @@ class Slot:
     n_prompt: int = 0
     n_decoded: int = 0
     last_used: float = 0.0  # when its last request ended (time.monotonic)
-    drafter: object = None  # ModelDrafter of this slot (its own draft cache), when drafting with a model
+    drafter: object = None  # the slot's drafter, kept between requests (none for n-gram lookup)
     settled: tuple | None = None  # (ids, logits after them) where the cache was when its last stream ended
     wake: threading.Condition = field(default_factory=threading.Condition)
 
@@ -435,32 +435,12 @@ class Engine:
         return keep
 
     def _drafter(self, slot: Slot, spec):
-        if spec is None:
-            return None
-        if spec.type == "ngram":
-            return NgramDrafter(spec.ngram_size, spec.ngram_min)
-        if spec.type == "mtp":  # a head cache per slot, its forwards on the batcher's thread; new state per request
-            if slot.drafter is None:
-                slot.drafter = MTPDrafter.for_model(self.model)
-                slot.drafter.execute = lambda work: self._wait(_Job(run=work))
-            slot.drafter.reset()
-            slot.drafter.p_min = spec.draft_p_min
-            return slot.drafter
-        if spec.type == "assistant":  # per slot: it keeps the slot's last hidden rows; its steps on the batcher's thread
-            if slot.drafter is None:
-                slot.drafter = AssistantDrafter(self.model.draft, self.model.transformer, self.model.threads)
-                slot.drafter.execute = lambda work: self._wait(_Job(run=work))
-            slot.drafter.p_min = spec.draft_p_min
-            return slot.drafter
-        if slot.drafter is None:  # a draft cache per slot; its forwards run on the batcher's thread, one by one
-            # (self: the stored layers, as Model._drafter drafts: a drafter never runs the layer plan)
-            source = self.model._without_layer_plan() if spec.type == "self" else self.model.draft
-            cache = source.transformer.ops.new_cache(source.cfg, source.kv_spec)
-
-            def draft_forward(tokens, positions, seq_cache, all_logits=False):
-                return self._wait(_Job(run=lambda: source._forward_numpy(tokens, positions, seq_cache, all_logits)))
-            slot.drafter = ModelDrafter(draft_forward, cache, source.kv_spec.max_chunk, n_vocab=self.model.cfg.n_vocab)
-        slot.drafter.p_min = 0.0 if spec.type == "self" else spec.draft_p_min
+        """The slot's drafter of `spec` (speculative/factory.py): kept in the slot between requests (a draft
+        cache or head cache per slot), its own forwards run on the batcher's thread, one by one."""
+        if spec is None or spec.type == "ngram":
+            return drafter_for(spec, self.model)
+        slot.drafter = drafter_for(spec, self.model, kept=slot.drafter,
+                                   execute=lambda work: self._wait(_Job(run=work)))
         return slot.drafter
 
     # --- the batcher ------------------------------------------------------------------------------------

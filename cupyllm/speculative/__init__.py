@@ -2,8 +2,9 @@
 own sampling would have produced (decoder.py), so the output is the target's, only sooner.
 
 Drafters: n-gram lookup in the text so far (ngram.py), a draft model of the same vocabulary (draft_model.py),
-the model itself ("self": every greedy draft is kept; the loop's own test), and a Qwen3.5 / Qwen3-Next file's
-own NextN (MTP) head ("mtp", mtp.py).
+the model itself ("self": every greedy draft is kept; the loop's own test), a Qwen3.5 / Qwen3-Next file's own
+NextN (MTP) head ("mtp", mtp.py) and a Gemma 4 assistant ("assistant", gemma4_assistant.py). factory.py makes the
+drafter of a SpecConfig for a loaded model.
 """
 from __future__ import annotations
 
