@@ -378,7 +378,7 @@ class Model:
             return np.asarray(self.transformer.ops.to_numpy(out), dtype=np.float32)
 
 
-def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: int | None = None,
+def load(model: str | os.PathLike | GGUFFile | None = None, *, device: str = "auto", ctx: int | None = None,
          kv_type_k: str = "f16", kv_type_v: str = "f16", max_chunk: int = 512, dca: bool | dict | None = None,
          kv_normalize_k: bool | None = None, kv_budget: int | str | None = None, kv_spill: bool = False,
          kv_spill_max_slowdown: float | None = None,
@@ -387,7 +387,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
          draft_model: "str | os.PathLike | Model | None" = None, spec: SpecConfig | dict | str | None = None,
          draft_kv_type_k: str = "f16", draft_kv_type_v: str = "f16",
          repeat_layers: str | Sequence[Sequence[int]] | None = None, **options) -> Model:
-    """Load a GGUF model (None: the default model, Gemma 3 270M Q4_K_M from its PyPI package).
+    """Load a GGUF model: its path, the GGUFFile read_gguf opened from it, or None (the default model, Gemma 3 270M
+    Q4_K_M from its PyPI package).
 
     device: "auto" (GPU when CuPy sees one, else CPU), "cpu" or "gpu". ctx: KV positions to hold (default 4096, or
          the trained context when that is shorter; past the trained context, without dca, load warns).
@@ -435,8 +436,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
     if spec is not None and spec.type == "assistant" and draft_model is None:
         raise InputError("spec type 'assistant' needs a Gemma 4 assistant: load(..., draft_model=ASSISTANT.gguf) "
                          "(-md ASSISTANT.gguf)")
-    path = Path(model) if model is not None else default_model_path()
-    gguf = read_gguf(path)
+    gguf = model if isinstance(model, GGUFFile) else read_gguf(model if model is not None else default_model_path())
+    path = gguf.path
     cfg = config_from_gguf(gguf)
     if spec is not None and spec.type == "mtp":  # (before the weights load)
         check_mtp_file(gguf, cfg)
@@ -500,8 +501,8 @@ def load(model: str | os.PathLike | None = None, *, device: str = "auto", ctx: i
         draft = Gemma4Assistant.from_gguf(draft_gguf, backend).bind(transformer.cfg)
         spec = dataclasses.replace(spec, type="assistant") if spec.type == "draft" else spec
     elif draft_model is not None:
-        draft = draft_model if isinstance(draft_model, Model) else load(
-            draft_model, device=backend.name, ctx=ctx, kv_type_k=draft_kv_type_k, kv_type_v=draft_kv_type_v,
+        draft = draft_model if isinstance(draft_model, Model) else load(  # (its file read once: draft_gguf)
+            draft_gguf, device=backend.name, ctx=ctx, kv_type_k=draft_kv_type_k, kv_type_v=draft_kv_type_v,
             max_chunk=max_chunk, threads=threads, progress=progress)
     return Model(path=path, gguf=gguf, cfg=transformer.cfg, tokenizer=tokenizer, transformer=transformer,
                  kv_spec=cache_spec, device=backend.name, kv_plan=kv_plan, spill_plan=spill_plan, dca=dca_cfg,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -298,14 +299,20 @@ def test_draft_length_stops_drafting_what_is_not_kept():
     assert length.choose(3) == 3 and length.choose(20) == 8
 
 
-def test_draft_model_gives_the_plain_text(tiny_model, tmp_path):
-    """A draft model of the same vocabulary (other random weights): greedy text unchanged; one of another
-    vocabulary refused before loading, with the words that say what to do."""
-    path, _, _ = tiny_model("qwen2")
+def _draft_file(tmp_path):
+    """A draft model for the tiny qwen2: its vocabulary, other random weights, fewer layers."""
     spec = make_tiny_models.tiny_spec("qwen2")
     spec.seed, spec.n_layer = 5, 2
     draft_path = tmp_path / "draft.gguf"
     make_tiny_models.write_gguf(spec, draft_path)
+    return draft_path
+
+
+def test_draft_model_gives_the_plain_text(tiny_model, tmp_path):
+    """A draft model of the same vocabulary (other random weights): greedy text unchanged; one of another
+    vocabulary refused before loading, with the words that say what to do."""
+    path, _, _ = tiny_model("qwen2")
+    draft_path = _draft_file(tmp_path)
     model = cupyllm.load(path, device="cpu", ctx=96, progress=False, draft_model=draft_path,
                          spec={"type": "draft", "draft_p_min": 0.0, "adaptive": False, "draft_max": 4})
     plain = model.generate(PROMPT, max_tokens=30, temperature=0, spec=False)
@@ -317,6 +324,24 @@ def test_draft_model_gives_the_plain_text(tiny_model, tmp_path):
         cupyllm.load(path, device="cpu", ctx=96, progress=False, draft_model=tiny_model("gemma3")[0])
     with pytest.raises(InputError, match="needs a draft model"):
         cupyllm.load(path, device="cpu", ctx=96, progress=False, spec="draft")
+
+
+def test_a_draft_models_file_is_read_once(tiny_model, tmp_path, monkeypatch):
+    """load(draft_model=PATH) parses each file once: the draft's GGUF serves its vocabulary check, its kind and
+    its weights. load() of an opened GGUFFile is load() of its path."""
+    import cupyllm.api
+    from cupyllm.files.gguf import read_gguf
+
+    path, _, _ = tiny_model("qwen2")
+    draft_path = _draft_file(tmp_path)
+    reads = []
+    monkeypatch.setattr(cupyllm.api, "read_gguf", lambda file: reads.append(Path(file)) or read_gguf(file))
+    model = cupyllm.load(path, device="cpu", ctx=96, progress=False, draft_model=draft_path)
+    assert sorted(reads) == sorted([Path(path), draft_path])
+    assert model.draft.path == draft_path and model.draft.cfg.n_layer == 2
+    opened = cupyllm.load(read_gguf(draft_path), device="cpu", ctx=96, progress=False)
+    assert opened.path == draft_path
+    np.testing.assert_array_equal(opened.logits(PROMPT), model.draft.logits(PROMPT))
 
 
 @pytest.mark.parametrize("spec", [{"draft_max": 0}, {"type": "medusa"}, {"draft_min": 5, "draft_max": 2},
