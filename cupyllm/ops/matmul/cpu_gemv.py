@@ -4,7 +4,8 @@ dequantization (`ops/matmul/cpu.py` picks between them and the prefill GEMM of `
 - `gemv_blocks` (few tokens, decode) walks each weight row once, unpacking block by block in registers and
   multiplying the weight's integer codes with x rounded to 16-bit codes per 32 values (x_hat,
   `ops/matmul/activation_codes.py`; 16 products an instruction), so a decode step reads the quantized bytes with few
-  instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser);
+  instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser); several tokens (a batched
+  decode, a verify run of drafts) go four at a time, each block unpacked once for the four;
 - `dequantize_rows` / `gather_rows` expand rows to f32 (embedding lookups; float-weight tiles for BLAS).
 Both are written with the explicit vectors of `ops/simd.py`. The row decoders reproduce the NumPy
 definitions of `ops/matmul/reference.py` bit for bit, the activation codes those of `ops/matmul/activation_codes.py`; the
@@ -234,14 +235,21 @@ def _codes16(xq, k):
 
 
 @njit(inline="always")
+def _block_step(lo, hi, d, xq, xd, b, acc):
+    """acc + (the 32-value block b's codes lo | hi . the activation codes) * (d * xd[b]): one token's share of
+    a block of a 32-value format, the codes unpacked once for every token (_dot_*_4)."""
+    s = madd(madd(izeros(), lo, _codes16(xq, 32 * b)), hi, _codes16(xq, 32 * b + 16))
+    return fma(to_f32(s), splat(d * xd[b]), acc)
+
+
+@njit(inline="always")
 def _dot_q8_0(row, xq, xd, xsum, f16, ahead):
     acc, acc_next = zeros(), zeros()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 34
         _prefetch_ahead(row, o + ahead, 34)
-        s = madd(madd(izeros(), load_i8w(row, o + 2), _codes16(xq, 32 * b)), load_i8w(row, o + 18),
-                 _codes16(xq, 32 * b + 16))
-        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+        acc, acc_next = acc_next, _block_step(load_i8w(row, o + 2), load_i8w(row, o + 18), _half(row, o, f16),
+                                              xq, xd, b, acc)
     return hsum(fadd(acc, acc_next))
 
 
@@ -296,13 +304,6 @@ def _q6_scales(row, o, d, xd, half, xb):
 
 
 @njit(inline="always")
-def _block_sum(row, qs, h, offset, xq, k):
-    """Integer sum of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block's codes (_codes32) times the activation codes k .. k+31."""
-    lo, hi = _codes32(row, qs, h, offset)
-    return madd(madd(izeros(), lo, _codes16(xq, k)), hi, _codes16(xq, k + 16))
-
-
-@njit(inline="always")
 def _small_layout(affine, five_bit):
     """(block bytes, offset of the nibbles, code offset) of Q4_0 / Q4_1 / Q5_0 / Q5_1."""
     if five_bit:
@@ -320,28 +321,29 @@ def _dot_small(row, xq, xd, xsum, f16, ahead, affine, five_bit):
     for b in range(xq.shape[0] // 32):
         o = b * block_bytes
         _prefetch_ahead(row, o + ahead, block_bytes)
-        s = _block_sum(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset, xq, 32 * b)
-        acc, acc_next = acc_next, fma(to_f32(s), splat(_half(row, o, f16) * xd[b]), acc)
+        lo, hi = _codes32(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset)
+        acc, acc_next = acc_next, _block_step(lo, hi, _half(row, o, f16), xq, xd, b, acc)
         if affine:
             mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
     return hsum(fadd(acc, acc_next)) + (mins + mins_next)
 
 
 @njit(inline="always")
-def _k_pair(lo0, lo1, hi0, hi1, xq, k):
-    """Integer sums of K-quant sub-blocks k (codes lo0 | lo1) and k + 1 (hi0 | hi1), 32 values each."""
-    lo = madd(madd(izeros(), lo0, _codes16(xq, 32 * k)), lo1, _codes16(xq, 32 * k + 16))
-    hi = madd(madd(izeros(), hi0, _codes16(xq, 32 * k + 32)), hi1, _codes16(xq, 32 * k + 48))
-    return lo, hi
+def _k_scales(sc, m, d, dmin, xd, xsum, k):
+    """A Q4_K / Q5_K super-block's 8 sub-block scales times their activation scales, (d * sc_j) * xd[k + j], and
+    its mins terms (dmin * m_j) * xsum[k + j], as lanes j (sc, m: _k_scale_mins of the block)."""
+    scales = fmul(fmul(splat(d), to_f32(sc)), load_f32(xd, k))
+    return scales, fmul(fmul(splat(dmin), to_f32(m)), load_f32(xsum, k))
 
 
 @njit(inline="always")
-def _k_scales(row, o, d, dmin, xd, xsum, k):
-    """A Q4_K / Q5_K super-block's 8 sub-block scales times their activation scales, (d * sc_j) * xd[k + j], and
-    its mins terms (dmin * m_j) * xsum[k + j], as lanes j."""
-    sc, m = _k_scale_mins(row, o)
-    scales = fmul(fmul(splat(d), to_f32(sc)), load_f32(xd, k))
-    return scales, fmul(fmul(splat(dmin), to_f32(m)), load_f32(xsum, k))
+def _k_step(lo0, lo1, hi0, hi1, xq, k, scales, pair, acc_lo, acc_hi):
+    """acc_lo + sub-block k's integer sum (codes lo0 | lo1) times scale lane 2*pair, acc_hi + sub-block k + 1's
+    (hi0 | hi1) times lane 2*pair + 1: one token's share of a K-quant pair of sub-blocks."""
+    lo = madd(madd(izeros(), lo0, _codes16(xq, 32 * k)), lo1, _codes16(xq, 32 * k + 16))
+    hi = madd(madd(izeros(), hi0, _codes16(xq, 32 * k + 32)), hi1, _codes16(xq, 32 * k + 48))
+    return (fma(to_f32(lo), lane_splat(scales, 2 * pair), acc_lo),
+            fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc_hi))
 
 
 @njit(inline="always")
@@ -353,13 +355,13 @@ def _dot_k(row, xq, xd, xsum, f16, ahead, five_bit):
     for b in range(xq.shape[0] // 256):
         o = b * size
         _prefetch_ahead(row, o + ahead, size)
-        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        sc, m = _k_scale_mins(row, o)
+        scales, block_mins = _k_scales(sc, m, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
         for pair in range(4):
             lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
-            lo, hi = _k_pair(lo0, lo1, hi0, hi1, xq, b * 8 + 2 * pair)
-            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi, fma(to_f32(lo), lane_splat(scales, 2 * pair), acc_lo),
-                                                fma(to_f32(hi), lane_splat(scales, 2 * pair + 1), acc_hi))
+            acc_lo, acc_hi, (next_lo, next_hi) = next_lo, next_hi, _k_step(lo0, lo1, hi0, hi1, xq, b * 8 + 2 * pair,
+                                                                           scales, pair, acc_lo, acc_hi)
     return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
 
 
@@ -375,6 +377,15 @@ def _k_codes_wide(row, o, pair, five_bit):
 
 
 @njit(inline="always")
+def _k_step_wide(lo_codes, hi_codes, xq, k, scales, pair, acc_lo, acc_hi):
+    """_k_step in 512-bit registers: the pair's two sub-blocks from activation code k on."""
+    lo = madd(izeros_16(), lo_codes, load_i16_32(xq, k))
+    hi = madd(izeros_16(), hi_codes, load_i16_32(xq, k + 32))
+    return (fma(to_f32(lo), lane_splat_16(scales, 2 * pair), acc_lo),
+            fma(to_f32(hi), lane_splat_16(scales, 2 * pair + 1), acc_hi))
+
+
+@njit(inline="always")
 def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
     """_dot_k in 512-bit registers (MACHINE_HAS_512_BIT_LANES): a sub-block's 32 products in one madd, half the
     instructions; the same products and integer sums, the float sums in another order."""
@@ -384,16 +395,14 @@ def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
     for b in range(xq.shape[0] // 256):
         o = b * size
         _prefetch_ahead(row, o + ahead, size)
-        scales, block_mins = _k_scales(row, o, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        sc, m = _k_scale_mins(row, o)
+        scales, block_mins = _k_scales(sc, m, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
         for pair in range(4):
             lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
-            k = b * 256 + pair * 64
-            lo = madd(izeros_16(), lo_codes, load_i16_32(xq, k))
-            hi = madd(izeros_16(), hi_codes, load_i16_32(xq, k + 32))
-            acc_lo, acc_hi, next_lo, next_hi = (next_lo, next_hi,
-                                                fma(to_f32(lo), lane_splat_16(scales, 2 * pair), acc_lo),
-                                                fma(to_f32(hi), lane_splat_16(scales, 2 * pair + 1), acc_hi))
+            acc_lo, acc_hi, (next_lo, next_hi) = next_lo, next_hi, _k_step_wide(lo_codes, hi_codes, xq,
+                                                                                b * 256 + pair * 64, scales, pair,
+                                                                                acc_lo, acc_hi)
     return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
 
 
@@ -401,6 +410,17 @@ def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
 def _q6_part(v, xq, k, scale, acc):
     """acc + v . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
     return fma(to_f32(madd(izeros(), v, _codes16(xq, k))), scale, acc)
+
+
+@njit(inline="always")
+def _q6_step(v0, v1, v2, v3, xq, xb, scales, sub, acc0, acc1, acc2, acc3):
+    """One token's share of lanes l = 16*sub .. 16*sub+15 of the four 32-value groups of a Q6_K half (codes
+    v0..v3 from _q6_codes, activation codes from xb on)."""
+    l = 16 * sub
+    return (_q6_part(v0, xq, xb + l, lane_splat(scales, sub), acc0),
+            _q6_part(v1, xq, xb + 32 + l, lane_splat(scales, sub + 2), acc1),
+            _q6_part(v2, xq, xb + 64 + l, lane_splat(scales, sub + 4), acc2),
+            _q6_part(v3, xq, xb + 96 + l, lane_splat(scales, sub + 6), acc3))
 
 
 @njit(inline="always")
@@ -416,12 +436,8 @@ def _dot_q6_k(row, xq, xd, xsum, f16, ahead):
             xb = b * 256 + half * 128
             scales = _q6_scales(row, o, d, xd, half, xb)
             for sub in range(2):  # lanes l = 16*sub .. 16*sub+15 of each of the four 32-value groups share a scale
-                l = 16 * sub
-                v0, v1, v2, v3 = _q6_codes(row, ql, qh, l)
-                acc0 = _q6_part(v0, xq, xb + l, lane_splat(scales, sub), acc0)
-                acc1 = _q6_part(v1, xq, xb + 32 + l, lane_splat(scales, sub + 2), acc1)
-                acc2 = _q6_part(v2, xq, xb + 64 + l, lane_splat(scales, sub + 4), acc2)
-                acc3 = _q6_part(v3, xq, xb + 96 + l, lane_splat(scales, sub + 6), acc3)
+                v0, v1, v2, v3 = _q6_codes(row, ql, qh, 16 * sub)
+                acc0, acc1, acc2, acc3 = _q6_step(v0, v1, v2, v3, xq, xb, scales, sub, acc0, acc1, acc2, acc3)
     return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
 
 
@@ -430,13 +446,18 @@ def _dot_q6_k(row, xq, xd, xsum, f16, ahead):
 # the same float scale; only the order in which the float lanes are summed differs.
 
 @njit(inline="always")
+def _block_step_wide(codes, d, xq, xd, b, acc):
+    """_block_step with the block's 32 codes in one register."""
+    return fma(to_f32(madd(izeros_16(), codes, load_i16_32(xq, 32 * b))), splat_16(d * xd[b]), acc)
+
+
+@njit(inline="always")
 def _dot_q8_0_wide(row, xq, xd, xsum, f16, ahead):
     acc, acc_next = zeros_16(), zeros_16()  # (two chains: the next block's FMA need not wait for this one's)
     for b in range(xq.shape[0] // 32):
         o = b * 34
         _prefetch_ahead(row, o + ahead, 34)
-        s = madd(izeros_16(), load_i8w_32(row, o + 2), load_i16_32(xq, 32 * b))
-        acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
+        acc, acc_next = acc_next, _block_step_wide(load_i8w_32(row, o + 2), _half(row, o, f16), xq, xd, b, acc)
     return hsum(fadd(acc, acc_next))
 
 
@@ -460,8 +481,7 @@ def _dot_q5_wide(row, xq, xd, xsum, f16, ahead, affine):
         o = b * block_bytes
         _prefetch_ahead(row, o + ahead, block_bytes)
         codes = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset)
-        s = madd(izeros_16(), codes, load_i16_32(xq, 32 * b))
-        acc, acc_next = acc_next, fma(to_f32(s), splat_16(_half(row, o, f16) * xd[b]), acc)
+        acc, acc_next = acc_next, _block_step_wide(codes, _half(row, o, f16), xq, xd, b, acc)
         if affine:
             mins, mins_next = mins_next, mins + _half(row, o + 2, f16) * xsum[b]
     return hsum(fadd(acc, acc_next)) + (mins + mins_next)
@@ -480,6 +500,13 @@ def _q6_part_wide(v, xq, k, scales, group, acc):
 
 
 @njit(inline="always")
+def _q6_step_wide(v0, v1, v2, v3, xq, xb, scales, acc0, acc1, acc2, acc3):
+    """_q6_step for all 32 positions of each group at once."""
+    return (_q6_part_wide(v0, xq, xb, scales, 0, acc0), _q6_part_wide(v1, xq, xb + 32, scales, 1, acc1),
+            _q6_part_wide(v2, xq, xb + 64, scales, 2, acc2), _q6_part_wide(v3, xq, xb + 96, scales, 3, acc3))
+
+
+@njit(inline="always")
 def _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead):
     acc0, acc1, acc2, acc3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains, not one)
     for b in range(xq.shape[0] // 256):
@@ -491,11 +518,249 @@ def _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead):
             xb = b * 256 + half * 128
             scales = _q6_scales(row, o, d, xd, half, xb)
             v0, v1, v2, v3 = _q6_codes_wide(row, ql, o + 128 + half * 32)
-            acc0 = _q6_part_wide(v0, xq, xb, scales, 0, acc0)
-            acc1 = _q6_part_wide(v1, xq, xb + 32, scales, 1, acc1)
-            acc2 = _q6_part_wide(v2, xq, xb + 64, scales, 2, acc2)
-            acc3 = _q6_part_wide(v3, xq, xb + 96, scales, 3, acc3)
+            acc0, acc1, acc2, acc3 = _q6_step_wide(v0, v1, v2, v3, xq, xb, scales, acc0, acc1, acc2, acc3)
     return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
+
+
+# --- four tokens at once: each block's codes (and scale bytes) unpacked once, then every token's share of it ---
+# A decode step of several sequences, or a verify run of drafts, multiplies each row by several tokens. On few
+# cores that is compute-bound, and the unpacking is much of a block's work: these kernels do it once for four
+# tokens, keeping each token's accumulators in registers. Each token's values are the one-token kernel's bit for
+# bit: the same step functions, the same FMA chains in the same order. x0..x3: each token's (xq, xd, xsum).
+
+@njit(inline="always")
+def _dot_q8_0_4(row, x0, x1, x2, x3, f16, ahead):
+    q0, d0, _ = x0
+    q1, d1, _ = x1
+    q2, d2, _ = x2
+    q3, d3, _ = x3
+    a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+    for b in range(q0.shape[0] // 32):
+        o = b * 34
+        _prefetch_ahead(row, o + ahead, 34)
+        lo, hi, d = load_i8w(row, o + 2), load_i8w(row, o + 18), _half(row, o, f16)
+        a0, n0 = n0, _block_step(lo, hi, d, q0, d0, b, a0)
+        a1, n1 = n1, _block_step(lo, hi, d, q1, d1, b, a1)
+        a2, n2 = n2, _block_step(lo, hi, d, q2, d2, b, a2)
+        a3, n3 = n3, _block_step(lo, hi, d, q3, d3, b, a3)
+    return hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3))
+
+
+@njit(inline="always")
+def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, affine, five_bit):
+    q0, d0, s0 = x0
+    q1, d1, s1 = x1
+    q2, d2, s2 = x2
+    q3, d3, s3 = x3
+    block_bytes, qs, offset = _small_layout(affine, five_bit)
+    a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+    zero = np.float32(0.0)
+    m0, mn0, m1, mn1, m2, mn2, m3, mn3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for b in range(q0.shape[0] // 32):
+        o = b * block_bytes
+        _prefetch_ahead(row, o + ahead, block_bytes)
+        lo, hi = _codes32(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset)
+        d = _half(row, o, f16)
+        a0, n0 = n0, _block_step(lo, hi, d, q0, d0, b, a0)
+        a1, n1 = n1, _block_step(lo, hi, d, q1, d1, b, a1)
+        a2, n2 = n2, _block_step(lo, hi, d, q2, d2, b, a2)
+        a3, n3 = n3, _block_step(lo, hi, d, q3, d3, b, a3)
+        if affine:
+            m = _half(row, o + 2, f16)
+            m0, mn0 = mn0, m0 + m * s0[b]
+            m1, mn1 = mn1, m1 + m * s1[b]
+            m2, mn2 = mn2, m2 + m * s2[b]
+            m3, mn3 = mn3, m3 + m * s3[b]
+    return (hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1), hsum(fadd(a2, n2)) + (m2 + mn2),
+            hsum(fadd(a3, n3)) + (m3 + mn3))
+
+
+@njit(inline="always")
+def _k_token_4(lo0, lo1, hi0, hi1, q, k, scales, pair, al, ah, nl, nh):
+    """_dot_k's update of one token's four chains by one pair of sub-blocks."""
+    step_lo, step_hi = _k_step(lo0, lo1, hi0, hi1, q, k, scales, pair, al, ah)
+    return nl, nh, step_lo, step_hi
+
+
+@njit(inline="always")
+def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
+    q0, d0, s0 = x0
+    q1, d1, s1 = x1
+    q2, d2, s2 = x2
+    q3, d3, s3 = x3
+    al0, ah0, nl0, nh0, al1, ah1, nl1, nh1 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+    al2, ah2, nl2, nh2, al3, ah3, nl3, nh3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+    mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
+    size = 176 if five_bit else 144
+    for b in range(q0.shape[0] // 256):
+        o = b * size
+        _prefetch_ahead(row, o + ahead, size)
+        sc, m = _k_scale_mins(row, o)
+        d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
+        sc0, bm0 = _k_scales(sc, m, d, dmin, d0, s0, k)
+        sc1, bm1 = _k_scales(sc, m, d, dmin, d1, s1, k)
+        sc2, bm2 = _k_scales(sc, m, d, dmin, d2, s2, k)
+        sc3, bm3 = _k_scales(sc, m, d, dmin, d3, s3, k)
+        mins0, mins1, mins2, mins3 = fadd(mins0, bm0), fadd(mins1, bm1), fadd(mins2, bm2), fadd(mins3, bm3)
+        for pair in range(4):
+            lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
+            k = b * 8 + 2 * pair
+            al0, ah0, nl0, nh0 = _k_token_4(lo0, lo1, hi0, hi1, q0, k, sc0, pair, al0, ah0, nl0, nh0)
+            al1, ah1, nl1, nh1 = _k_token_4(lo0, lo1, hi0, hi1, q1, k, sc1, pair, al1, ah1, nl1, nh1)
+            al2, ah2, nl2, nh2 = _k_token_4(lo0, lo1, hi0, hi1, q2, k, sc2, pair, al2, ah2, nl2, nh2)
+            al3, ah3, nl3, nh3 = _k_token_4(lo0, lo1, hi0, hi1, q3, k, sc3, pair, al3, ah3, nl3, nh3)
+    return (hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
+            hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
+            hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
+            hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
+
+
+@njit(inline="always")
+def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
+    q0, d0, _ = x0
+    q1, d1, _ = x1
+    q2, d2, _ = x2
+    q3, d3, _ = x3
+    a00, a01, a02, a03, a10, a11, a12, a13 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+    a20, a21, a22, a23, a30, a31, a32, a33 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+    for b in range(q0.shape[0] // 256):
+        o = b * 210
+        _prefetch_ahead(row, o + ahead, 210)
+        d = _half(row, o + 208, f16)
+        for half in range(2):
+            ql = o + half * 64
+            qh = o + 128 + half * 32
+            xb = b * 256 + half * 128
+            sc0, sc1 = _q6_scales(row, o, d, d0, half, xb), _q6_scales(row, o, d, d1, half, xb)
+            sc2, sc3 = _q6_scales(row, o, d, d2, half, xb), _q6_scales(row, o, d, d3, half, xb)
+            for sub in range(2):
+                v0, v1, v2, v3 = _q6_codes(row, ql, qh, 16 * sub)
+                a00, a01, a02, a03 = _q6_step(v0, v1, v2, v3, q0, xb, sc0, sub, a00, a01, a02, a03)
+                a10, a11, a12, a13 = _q6_step(v0, v1, v2, v3, q1, xb, sc1, sub, a10, a11, a12, a13)
+                a20, a21, a22, a23 = _q6_step(v0, v1, v2, v3, q2, xb, sc2, sub, a20, a21, a22, a23)
+                a30, a31, a32, a33 = _q6_step(v0, v1, v2, v3, q3, xb, sc3, sub, a30, a31, a32, a33)
+    return (hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
+            hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
+
+
+@njit(inline="always")
+def _dot_q8_0_wide_4(row, x0, x1, x2, x3, f16, ahead):
+    q0, d0, _ = x0
+    q1, d1, _ = x1
+    q2, d2, _ = x2
+    q3, d3, _ = x3
+    a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    for b in range(q0.shape[0] // 32):
+        o = b * 34
+        _prefetch_ahead(row, o + ahead, 34)
+        codes, d = load_i8w_32(row, o + 2), _half(row, o, f16)
+        a0, n0 = n0, _block_step_wide(codes, d, q0, d0, b, a0)
+        a1, n1 = n1, _block_step_wide(codes, d, q1, d1, b, a1)
+        a2, n2 = n2, _block_step_wide(codes, d, q2, d2, b, a2)
+        a3, n3 = n3, _block_step_wide(codes, d, q3, d3, b, a3)
+    return hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3))
+
+
+@njit(inline="always")
+def _dot_q5_wide_4(row, x0, x1, x2, x3, f16, ahead, affine):
+    q0, d0, s0 = x0
+    q1, d1, s1 = x1
+    q2, d2, s2 = x2
+    q3, d3, s3 = x3
+    block_bytes, qs, offset = _small_layout(affine, True)
+    a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    zero = np.float32(0.0)
+    m0, mn0, m1, mn1, m2, mn2, m3, mn3 = zero, zero, zero, zero, zero, zero, zero, zero
+    for b in range(q0.shape[0] // 32):
+        o = b * block_bytes
+        _prefetch_ahead(row, o + ahead, block_bytes)
+        codes, d = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset), _half(row, o, f16)
+        a0, n0 = n0, _block_step_wide(codes, d, q0, d0, b, a0)
+        a1, n1 = n1, _block_step_wide(codes, d, q1, d1, b, a1)
+        a2, n2 = n2, _block_step_wide(codes, d, q2, d2, b, a2)
+        a3, n3 = n3, _block_step_wide(codes, d, q3, d3, b, a3)
+        if affine:
+            m = _half(row, o + 2, f16)
+            m0, mn0 = mn0, m0 + m * s0[b]
+            m1, mn1 = mn1, m1 + m * s1[b]
+            m2, mn2 = mn2, m2 + m * s2[b]
+            m3, mn3 = mn3, m3 + m * s3[b]
+    return (hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1), hsum(fadd(a2, n2)) + (m2 + mn2),
+            hsum(fadd(a3, n3)) + (m3 + mn3))
+
+
+@njit(inline="always")
+def _k_token_wide_4(lo_codes, hi_codes, q, k, scales, pair, al, ah, nl, nh):
+    """_dot_k_wide's update of one token's four chains by one pair of sub-blocks."""
+    step_lo, step_hi = _k_step_wide(lo_codes, hi_codes, q, k, scales, pair, al, ah)
+    return nl, nh, step_lo, step_hi
+
+
+@njit(inline="always")
+def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
+    q0, d0, s0 = x0
+    q1, d1, s1 = x1
+    q2, d2, s2 = x2
+    q3, d3, s3 = x3
+    al0, ah0, nl0, nh0 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    al1, ah1, nl1, nh1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    al2, ah2, nl2, nh2 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    al3, ah3, nl3, nh3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
+    size = 176 if five_bit else 144
+    for b in range(q0.shape[0] // 256):
+        o = b * size
+        _prefetch_ahead(row, o + ahead, size)
+        sc, m = _k_scale_mins(row, o)
+        d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
+        sc0, bm0 = _k_scales(sc, m, d, dmin, d0, s0, k)
+        sc1, bm1 = _k_scales(sc, m, d, dmin, d1, s1, k)
+        sc2, bm2 = _k_scales(sc, m, d, dmin, d2, s2, k)
+        sc3, bm3 = _k_scales(sc, m, d, dmin, d3, s3, k)
+        mins0, mins1, mins2, mins3 = fadd(mins0, bm0), fadd(mins1, bm1), fadd(mins2, bm2), fadd(mins3, bm3)
+        for pair in range(4):
+            lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
+            k = b * 256 + pair * 64
+            al0, ah0, nl0, nh0 = _k_token_wide_4(lo_codes, hi_codes, q0, k, sc0, pair, al0, ah0, nl0, nh0)
+            al1, ah1, nl1, nh1 = _k_token_wide_4(lo_codes, hi_codes, q1, k, sc1, pair, al1, ah1, nl1, nh1)
+            al2, ah2, nl2, nh2 = _k_token_wide_4(lo_codes, hi_codes, q2, k, sc2, pair, al2, ah2, nl2, nh2)
+            al3, ah3, nl3, nh3 = _k_token_wide_4(lo_codes, hi_codes, q3, k, sc3, pair, al3, ah3, nl3, nh3)
+    return (hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
+            hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
+            hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
+            hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
+
+
+@njit(inline="always")
+def _dot_q6_k_wide_4(row, x0, x1, x2, x3, f16, ahead):
+    q0, d0, _ = x0
+    q1, d1, _ = x1
+    q2, d2, _ = x2
+    q3, d3, _ = x3
+    a00, a01, a02, a03 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    a10, a11, a12, a13 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    a20, a21, a22, a23 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    a30, a31, a32, a33 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    for b in range(q0.shape[0] // 256):
+        o = b * 210
+        _prefetch_ahead(row, o + ahead, 210)
+        d = _half(row, o + 208, f16)
+        for half in range(2):
+            ql = o + half * 64
+            xb = b * 256 + half * 128
+            v0, v1, v2, v3 = _q6_codes_wide(row, ql, o + 128 + half * 32)
+            sc = _q6_scales(row, o, d, d0, half, xb)
+            a00, a01, a02, a03 = _q6_step_wide(v0, v1, v2, v3, q0, xb, sc, a00, a01, a02, a03)
+            sc = _q6_scales(row, o, d, d1, half, xb)
+            a10, a11, a12, a13 = _q6_step_wide(v0, v1, v2, v3, q1, xb, sc, a10, a11, a12, a13)
+            sc = _q6_scales(row, o, d, d2, half, xb)
+            a20, a21, a22, a23 = _q6_step_wide(v0, v1, v2, v3, q2, xb, sc, a20, a21, a22, a23)
+            sc = _q6_scales(row, o, d, d3, half, xb)
+            a30, a31, a32, a33 = _q6_step_wide(v0, v1, v2, v3, q3, xb, sc, a30, a31, a32, a33)
+    return (hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
+            hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
 
 
 @njit(inline="always")
@@ -635,13 +900,106 @@ def _gemv_rows(code, data, first, end, x, xq, xd, xsum, out, f16, ahead, wide):
         _rows_narrow(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
 
 
+def _four_token_rows(dot, *flags):
+    """The loop of `dot` (a _dot_*_4 kernel, with its format's flags: none, one or two constants) over a thread's
+    rows, as a function compiled on its own: one function holding every format's loop took numba several times
+    the sum of its parts. (numba calls a closure with no *args: one loop per number of flags.)"""
+    a, b = flags + (False,) * (2 - len(flags))
+    if len(flags) == 0:
+        @njit(nogil=True)
+        def rows(data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead):
+            for n in range(first, end):
+                out[t0, n], out[t1, n], out[t2, n], out[t3, n] = dot(data[n], x0, x1, x2, x3, f16, ahead)
+    elif len(flags) == 1:
+        @njit(nogil=True)
+        def rows(data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead):
+            for n in range(first, end):
+                out[t0, n], out[t1, n], out[t2, n], out[t3, n] = dot(data[n], x0, x1, x2, x3, f16, ahead, a)
+    else:
+        @njit(nogil=True)
+        def rows(data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead):
+            for n in range(first, end):
+                out[t0, n], out[t1, n], out[t2, n], out[t3, n] = dot(data[n], x0, x1, x2, x3, f16, ahead, a, b)
+    return rows
+
+
+_ROWS4_Q8_0, _ROWS4_Q8_0_WIDE = _four_token_rows(_dot_q8_0_4), _four_token_rows(_dot_q8_0_wide_4)
+_ROWS4_Q4_K, _ROWS4_Q4_K_WIDE = _four_token_rows(_dot_k_4, False), _four_token_rows(_dot_k_wide_4, False)
+_ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_rows(_dot_k_wide_4, True)
+_ROWS4_Q6_K, _ROWS4_Q6_K_WIDE = _four_token_rows(_dot_q6_k_4), _four_token_rows(_dot_q6_k_wide_4)
+_ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, False, True), _four_token_rows(_dot_q5_wide_4, False)
+_ROWS4_Q5_1, _ROWS4_Q5_1_WIDE = _four_token_rows(_dot_small_4, True, True), _four_token_rows(_dot_q5_wide_4, True)
+_ROWS4_Q4_0, _ROWS4_Q4_1 = _four_token_rows(_dot_small_4, False, False), _four_token_rows(_dot_small_4, True, False)
+
+
+@njit(nogil=True)
+def _rows_wide_4(code, *rows):
+    """out[t, n] for the four tokens t0..t3 (x0..x3) and n in [first, end) (`rows`: the arguments of
+    _four_token_rows' loop): _rows_wide's kernels, four tokens a row."""
+    if code == C_Q8_0:
+        _ROWS4_Q8_0_WIDE(*rows)
+    elif code == C_Q4_K:
+        _ROWS4_Q4_K_WIDE(*rows)
+    elif code == C_Q6_K:
+        _ROWS4_Q6_K_WIDE(*rows)
+    elif code == C_Q5_K:
+        _ROWS4_Q5_K_WIDE(*rows)
+    elif code == C_Q5_0:
+        _ROWS4_Q5_0_WIDE(*rows)
+    elif code == C_Q5_1:
+        _ROWS4_Q5_1_WIDE(*rows)
+    elif code == C_Q4_0:  # (Q4_0 / Q4_1 stay narrow: see _rows_wide)
+        _ROWS4_Q4_0(*rows)
+    else:
+        _ROWS4_Q4_1(*rows)
+
+
+@njit(nogil=True)
+def _rows_narrow_4(code, *rows):
+    """_rows_wide_4 with _rows_narrow's kernels."""
+    if code == C_Q8_0:
+        _ROWS4_Q8_0(*rows)
+    elif code == C_Q4_K:
+        _ROWS4_Q4_K(*rows)
+    elif code == C_Q6_K:
+        _ROWS4_Q6_K(*rows)
+    elif code == C_Q5_K:
+        _ROWS4_Q5_K(*rows)
+    elif code == C_Q5_0:
+        _ROWS4_Q5_0(*rows)
+    elif code == C_Q5_1:
+        _ROWS4_Q5_1(*rows)
+    elif code == C_Q4_0:
+        _ROWS4_Q4_0(*rows)
+    else:
+        _ROWS4_Q4_1(*rows)
+
+
+@njit(nogil=True)  # (no fastmath: see ops/simd.py)
+def _gemv_rows_4(code, data, first, end, xq, xd, xsum, out, t0, t1, t2, t3, f16, ahead, wide):
+    """out[t, n] = row n's dot product with x_hat of token t, for the tokens t0..t3 (repeats allowed: three
+    tokens run as four) and n in [first, end): _gemv_rows for a block-quantized weight, four tokens a row."""
+    x0, x1, x2 = (xq[t0], xd[t0], xsum[t0]), (xq[t1], xd[t1], xsum[t1]), (xq[t2], xd[t2], xsum[t2])
+    x3 = (xq[t3], xd[t3], xsum[t3])
+    if wide is None:
+        if MACHINE_HAS_512_BIT_LANES:
+            _rows_wide_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
+        else:
+            _rows_narrow_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
+    elif wide:
+        _rows_wide_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
+    else:
+        _rows_narrow_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
+
+
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
 def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, shares=ROW_SHARES):
     """outs[i][t, n] = sum_k x_hat_t[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
     and every token t of xs [T, n_in] (x_hat: x rounded to 16-bit codes per 32 values; float weights take x as
-    it is): each row read from memory once for all T tokens, all weights in ONE parallel region, so q/k/v and
-    gate/up cost a decode step one thread wake-up per group, not one per weight. Each token's dot products are
-    the one-token kernel's, bit for bit, whatever T (a verify run of drafts computes what decode steps do).
+    it is): each row read from memory once for all T tokens and unpacked once for every four, all weights in ONE
+    parallel region, so q/k/v and gate/up cost a decode step one thread wake-up per group, not one per weight.
+    Each token's dot products are the one-token kernel's, bit for bit, whatever T (a verify run of drafts
+    computes what decode steps do, a sequence in a batch what it computes alone).
     `wide`: Q8_0, Q5_0 / Q5_1 and K-quant rows in 512-bit lanes (None, the default: where the machine has them,
     MACHINE_HAS_512_BIT_LANES; the narrow kernels give the same values up to float32 summation order); `ahead`:
     the bytes past each block to prefetch (0: none); `shares`: the equal shares of all the rows that the
@@ -655,19 +1013,26 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
     if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
         for t in range(n_tok):
             quantize_activation_row(xs[t], xq[t], xd[t], xsum[t])
-    # several tokens: a tile of rows at a time for every token, so each row is read from memory once and from
-    # the cache for the other tokens (one token: the share's rows in one call)
-    tile = TOKEN_TILE_ROWS if n_tok > 1 else 1 << 62
+    # Tokens go four at a time through a block-quantized weight (three as four, the last one twice), the rest
+    # one at a time. Several passes over the rows (two tokens, or more than four): a tile of rows at a time for
+    # every pass, so each row is read from memory once and from the cache for the other passes (one pass: the
+    # share's rows in one call).
+    tile = TOKEN_TILE_ROWS if n_tok == 2 or n_tok > 4 else 1 << 62
     for share in prange(shares):
         first, stop = _share_rows(datas, share, shares)
         offset = 0
         for i in range(len(datas)):  # the weights' rows that fall in this thread's share
-            n_rows = datas[i].shape[0]
+            n_rows, code = datas[i].shape[0], codes[i]
             lo, hi = max(first - offset, 0), min(stop - offset, n_rows)
             for a in range(lo, hi, tile):
                 b = min(a + tile, hi)
-                for t in range(n_tok):
-                    _gemv_rows(codes[i], datas[i], a, b, xs[t], xq[t], xd[t], xsum[t], outs[i][t], f16, ahead, wide)
+                n_fours = (n_tok + 1) // 4 if code != C_F32 and code != C_F16 and code != C_BF16 else 0
+                for g in range(n_fours):
+                    t = 4 * g
+                    _gemv_rows_4(code, datas[i], a, b, xq, xd, xsum, outs[i], t, t + 1, t + 2, min(t + 3, n_tok - 1),
+                                 f16, ahead, wide)
+                for u in range(4 * n_fours, n_tok):
+                    _gemv_rows(code, datas[i], a, b, xs[u], xq[u], xd[u], xsum[u], outs[i][u], f16, ahead, wide)
             offset += n_rows
 
 
