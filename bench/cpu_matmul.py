@@ -6,6 +6,10 @@
 - the decode GEMV of every block format (one token; 32 products a madd against 16), on Qwen2.5-0.5B's gate/up,
   Gemma 4 E2B's shapes and a 16384 x 4096 weight. Figures: G weight values/s. Each weight is multiplied again
   and again, so its rows come from the cache where they fit.
+- the GEMV of several tokens (a batched decode, a verify run of drafts: 2, 3, 4, 8 tokens in one call, each
+  block unpacked once for four) against the same tokens one call each, on Qwen2.5-0.5B's gate/up and down, the
+  engine's kernels (the machine's width); the values must be bit-equal. Figures: the call's time over one
+  token's.
 - the GEMV as a decode step meets its weights: 40 distinct weights of Gemma 4 E2B's down shape (Q6_K, Q4_K;
   295 / 202 MiB, far past L3) multiplied in turn, so every row streams from DRAM; the engine's kernel (wide,
   prefetching PREFETCH_BYTES ahead) against itself without the prefetch and against the narrow kernel.
@@ -14,7 +18,8 @@
 Random GGUF blocks of each format; the kernels alternate in `--rounds` rounds and each figure is the fastest of
 its calls (the machine is shared), all cores.
 
-    python bench/cpu_matmul.py [--tokens 128] [--rounds 5] [--gemv-only] [--out bench/results/cpu_matmul.json]
+    python bench/cpu_matmul.py [--tokens 128] [--rounds 5] [--gemv-only] [--several-only]
+                               [--out bench/results/cpu_matmul.json]
 """
 from __future__ import annotations
 
@@ -99,6 +104,34 @@ def gemv_cases(rounds: int) -> list[dict]:
     return rows
 
 
+def several_token_cases(rounds: int) -> list[dict]:
+    rng = np.random.default_rng(4)
+    rows = []
+    shapes = {"qwen2.5-0.5b gate/up": (4864, 896), "qwen2.5-0.5b down": (896, 4864)}
+    cases = [(s, t) for s in shapes.items() for t in GEMV_TYPES if s[1][1] % gguf.GGML_QUANT_SIZES[t][0] == 0]
+    for (shape_name, (n_out, n_in)), qtype in tqdm(cases, desc="cpu gemv, several tokens"):
+        data = random_rows(qtype, n_out, n_in, seed=len(rows))
+        codes = np.array([WEIGHT_FORMATS[qtype].code], np.int64)
+        x = rng.standard_normal((8, n_in)).astype(np.float32)
+        one = np.empty((1, n_out), np.float32)
+        kernels, outs = {"1": lambda: gemv_blocks(codes, (data,), x[:1], (one,), F16_TABLE)}, {}
+        for n in (2, 3, 4, 8):
+            outs[n] = together, apart = np.empty((n, n_out), np.float32), np.empty((n, n_out), np.float32)
+            kernels[f"{n} together"] = lambda n=n: gemv_blocks(codes, (data,), x[:n], (outs[n][0],), F16_TABLE)
+            kernels[f"{n} apart"] = lambda n=n: [gemv_blocks(codes, (data,), x[t:t + 1], (outs[n][1][t:t + 1],),
+                                                             F16_TABLE) for t in range(n)]
+        for kernel in kernels.values():
+            kernel()
+        for n, (together, apart) in outs.items():
+            assert np.array_equal(together, apart), (shape_name, qtype.name, n)
+        seconds = alternating(kernels, rounds, calls=10)
+        ratios = {name: round(t / seconds["1"], 2) for name, t in seconds.items() if name != "1"}
+        rows.append({"shape": shape_name, "n_out": n_out, "n_in": n_in, "type": qtype.name,
+                     "one_token_us": round(seconds["1"] * 1e6, 1), "time_over_one_token": ratios})
+        print(f"gemv {shape_name:22s} {qtype.name:5s} " + "  ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    return rows
+
+
 def stream_cases(rounds: int, n_weights: int = 40, shape: tuple[int, int] = (1536, 6144)) -> list[dict]:
     rows = []
     n_out, n_in = shape
@@ -131,8 +164,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gemv-only", action="store_true", help="skip the GEMM (it takes most of the time)")
+    parser.add_argument("--several-only", action="store_true", help="only the GEMV of several tokens")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_matmul.json")
     args = parser.parse_args()
+    if args.several_only:
+        result = {"cpu": cpu_description(), "wide_in_engine": MACHINE_HAS_512_BIT_LANES,
+                  "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "gemv_several": several_token_cases(args.rounds)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print("wrote", args.out)
+        return
     rng = np.random.default_rng(0)
     rows = []
     cases = [] if args.gemv_only else [(s, t) for s in SHAPES.items() for t in TYPES
@@ -164,7 +205,7 @@ def main() -> None:
               f"wide/blas x{rows[-1]['wide_vs_blas']:.2f}")
     result = {"cpu": cpu_description(), "wide_in_engine": MACHINE_HAS_512_BIT_LANES, "date": time.strftime("%Y-%m-%d"),
               "rounds": args.rounds, **({} if args.gemv_only else {"gemm": rows}), "gemv": gemv_cases(args.rounds),
-              "gemv_from_dram": stream_cases(args.rounds)}
+              "gemv_several": several_token_cases(args.rounds), "gemv_from_dram": stream_cases(args.rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", args.out)

@@ -19,9 +19,10 @@ from .cpu_gemm import GEMM_CODES, gemm_many
 from .cpu_gemv import F16_TABLE, dequantize_rows, gemv_each, gemv_many, weight_rows
 from .reference import WeightFormat
 
-# up to this many tokens stream the quantized rows once per token; more go through the GEMM, which pads them to
-# 32 (measured, a prefill of n tokens on Qwen2.5-0.5B / Gemma 3 270M: the GEMV is faster up to 6-8 tokens)
-TOKENS_PER_GEMV = 7
+# up to this many tokens go through the GEMV (four at a time); more go through the GEMM, which pads them to 32
+# (measured, a forward of n tokens with all their logits on Qwen2.5-0.5B / Gemma 3 270M: the GEMV is faster up to
+# 8 tokens, two fours; the GEMM from 10 on Qwen, from 12 on Gemma; docs/benchmarks.md)
+TOKENS_PER_GEMV = 8
 ACTIVATION_CODES = True  # quantized weights multiply x's 16-bit codes (False: x itself, through BLAS tiles)
 ROW_TILE = 2048  # weight rows per f32 tile of the BLAS path
 
