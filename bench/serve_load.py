@@ -21,7 +21,7 @@ steadier), so run this on an idle machine. A server that cannot start (a peer no
 skipped with the reason in the JSON. The servers run one after the other on the same 2 cores, THREADS threads
 each; other jobs on the machine shift the figures, so compare within one run.
 Every level also reports how many of its greedy texts equal the same prompt's text run alone before the
-levels (cupyllm's batched forward gives each sequence its own logits, bit for bit up to 7 decode rows a step).
+levels (cupyllm's batched forward gives each sequence its own logits, bit for bit up to 8 decode rows a step).
 """
 from __future__ import annotations
 
