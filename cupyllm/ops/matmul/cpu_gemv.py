@@ -522,18 +522,26 @@ def _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead):
     return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
 
 
-# --- four tokens at once: each block's codes (and scale bytes) unpacked once, then every token's share of it ---
+# --- four (or two) tokens at once: each block's codes and scale bytes unpacked once, then every token's share ---
 # A decode step of several sequences, or a verify run of drafts, multiplies each row by several tokens. On few
 # cores that is compute-bound, and the unpacking is much of a block's work: these kernels do it once for four
 # tokens, keeping each token's accumulators in registers. Each token's values are the one-token kernel's bit for
-# bit: the same step functions, the same FMA chains in the same order. x0..x3: each token's (xq, xd, xsum).
+# bit: the same step functions, the same FMA chains in the same order. x0..x3: each token's (xq, xd, xsum);
+# x2 = x3 = None: two tokens (numba prunes the branches on `x2 is not None` by the argument's type, so the
+# two-token kernel is this code without the other two tokens), and the four results are r0, r1, r0, r1.
+
+@njit(inline="always")
+def _four(x2, r0, r1, r2, r3):
+    """The kernels' results: r0..r3, or r0, r1, r0, r1 for two tokens (x2 None)."""
+    if x2 is None:
+        return r0, r1, r0, r1
+    return r0, r1, r2, r3
+
 
 @njit(inline="always")
 def _dot_q8_0_4(row, x0, x1, x2, x3, f16, ahead):
     q0, d0, _ = x0
     q1, d1, _ = x1
-    q2, d2, _ = x2
-    q3, d3, _ = x3
     a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     for b in range(q0.shape[0] // 32):
         o = b * 34
@@ -541,17 +549,16 @@ def _dot_q8_0_4(row, x0, x1, x2, x3, f16, ahead):
         lo, hi, d = load_i8w(row, o + 2), load_i8w(row, o + 18), _half(row, o, f16)
         a0, n0 = n0, _block_step(lo, hi, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step(lo, hi, d, q1, d1, b, a1)
-        a2, n2 = n2, _block_step(lo, hi, d, q2, d2, b, a2)
-        a3, n3 = n3, _block_step(lo, hi, d, q3, d3, b, a3)
-    return hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3))
+        if x2 is not None:
+            a2, n2 = n2, _block_step(lo, hi, d, x2[0], x2[1], b, a2)
+            a3, n3 = n3, _block_step(lo, hi, d, x3[0], x3[1], b, a3)
+    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
 
 
 @njit(inline="always")
 def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, affine, five_bit):
     q0, d0, s0 = x0
     q1, d1, s1 = x1
-    q2, d2, s2 = x2
-    q3, d3, s3 = x3
     block_bytes, qs, offset = _small_layout(affine, five_bit)
     a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     zero = np.float32(0.0)
@@ -563,16 +570,18 @@ def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, affine, five_bit):
         d = _half(row, o, f16)
         a0, n0 = n0, _block_step(lo, hi, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step(lo, hi, d, q1, d1, b, a1)
-        a2, n2 = n2, _block_step(lo, hi, d, q2, d2, b, a2)
-        a3, n3 = n3, _block_step(lo, hi, d, q3, d3, b, a3)
+        if x2 is not None:
+            a2, n2 = n2, _block_step(lo, hi, d, x2[0], x2[1], b, a2)
+            a3, n3 = n3, _block_step(lo, hi, d, x3[0], x3[1], b, a3)
         if affine:
             m = _half(row, o + 2, f16)
             m0, mn0 = mn0, m0 + m * s0[b]
             m1, mn1 = mn1, m1 + m * s1[b]
-            m2, mn2 = mn2, m2 + m * s2[b]
-            m3, mn3 = mn3, m3 + m * s3[b]
-    return (hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1), hsum(fadd(a2, n2)) + (m2 + mn2),
-            hsum(fadd(a3, n3)) + (m3 + mn3))
+            if x2 is not None:
+                m2, mn2 = mn2, m2 + m * x2[2][b]
+                m3, mn3 = mn3, m3 + m * x3[2][b]
+    return _four(x2, hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1),
+                 hsum(fadd(a2, n2)) + (m2 + mn2), hsum(fadd(a3, n3)) + (m3 + mn3))
 
 
 @njit(inline="always")
@@ -586,11 +595,10 @@ def _k_token_4(lo0, lo1, hi0, hi1, q, k, scales, pair, al, ah, nl, nh):
 def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
     q0, d0, s0 = x0
     q1, d1, s1 = x1
-    q2, d2, s2 = x2
-    q3, d3, s3 = x3
     al0, ah0, nl0, nh0, al1, ah1, nl1, nh1 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     al2, ah2, nl2, nh2, al3, ah3, nl3, nh3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
+    sc2, sc3 = zeros(), zeros()
     size = 176 if five_bit else 144
     for b in range(q0.shape[0] // 256):
         o = b * size
@@ -599,30 +607,32 @@ def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
         d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
         sc0, bm0 = _k_scales(sc, m, d, dmin, d0, s0, k)
         sc1, bm1 = _k_scales(sc, m, d, dmin, d1, s1, k)
-        sc2, bm2 = _k_scales(sc, m, d, dmin, d2, s2, k)
-        sc3, bm3 = _k_scales(sc, m, d, dmin, d3, s3, k)
-        mins0, mins1, mins2, mins3 = fadd(mins0, bm0), fadd(mins1, bm1), fadd(mins2, bm2), fadd(mins3, bm3)
+        mins0, mins1 = fadd(mins0, bm0), fadd(mins1, bm1)
+        if x2 is not None:
+            sc2, bm2 = _k_scales(sc, m, d, dmin, x2[1], x2[2], k)
+            sc3, bm3 = _k_scales(sc, m, d, dmin, x3[1], x3[2], k)
+            mins2, mins3 = fadd(mins2, bm2), fadd(mins3, bm3)
         for pair in range(4):
             lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
             k = b * 8 + 2 * pair
             al0, ah0, nl0, nh0 = _k_token_4(lo0, lo1, hi0, hi1, q0, k, sc0, pair, al0, ah0, nl0, nh0)
             al1, ah1, nl1, nh1 = _k_token_4(lo0, lo1, hi0, hi1, q1, k, sc1, pair, al1, ah1, nl1, nh1)
-            al2, ah2, nl2, nh2 = _k_token_4(lo0, lo1, hi0, hi1, q2, k, sc2, pair, al2, ah2, nl2, nh2)
-            al3, ah3, nl3, nh3 = _k_token_4(lo0, lo1, hi0, hi1, q3, k, sc3, pair, al3, ah3, nl3, nh3)
-    return (hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
-            hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
-            hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
-            hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
+            if x2 is not None:
+                al2, ah2, nl2, nh2 = _k_token_4(lo0, lo1, hi0, hi1, x2[0], k, sc2, pair, al2, ah2, nl2, nh2)
+                al3, ah3, nl3, nh3 = _k_token_4(lo0, lo1, hi0, hi1, x3[0], k, sc3, pair, al3, ah3, nl3, nh3)
+    return _four(x2, hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
+                 hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
+                 hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
+                 hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
 
 
 @njit(inline="always")
 def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
     q0, d0, _ = x0
     q1, d1, _ = x1
-    q2, d2, _ = x2
-    q3, d3, _ = x3
     a00, a01, a02, a03, a10, a11, a12, a13 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     a20, a21, a22, a23, a30, a31, a32, a33 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
+    sc2, sc3 = zeros(), zeros()
     for b in range(q0.shape[0] // 256):
         o = b * 210
         _prefetch_ahead(row, o + ahead, 210)
@@ -632,23 +642,23 @@ def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
             qh = o + 128 + half * 32
             xb = b * 256 + half * 128
             sc0, sc1 = _q6_scales(row, o, d, d0, half, xb), _q6_scales(row, o, d, d1, half, xb)
-            sc2, sc3 = _q6_scales(row, o, d, d2, half, xb), _q6_scales(row, o, d, d3, half, xb)
+            if x2 is not None:
+                sc2, sc3 = _q6_scales(row, o, d, x2[1], half, xb), _q6_scales(row, o, d, x3[1], half, xb)
             for sub in range(2):
                 v0, v1, v2, v3 = _q6_codes(row, ql, qh, 16 * sub)
                 a00, a01, a02, a03 = _q6_step(v0, v1, v2, v3, q0, xb, sc0, sub, a00, a01, a02, a03)
                 a10, a11, a12, a13 = _q6_step(v0, v1, v2, v3, q1, xb, sc1, sub, a10, a11, a12, a13)
-                a20, a21, a22, a23 = _q6_step(v0, v1, v2, v3, q2, xb, sc2, sub, a20, a21, a22, a23)
-                a30, a31, a32, a33 = _q6_step(v0, v1, v2, v3, q3, xb, sc3, sub, a30, a31, a32, a33)
-    return (hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
-            hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
+                if x2 is not None:
+                    a20, a21, a22, a23 = _q6_step(v0, v1, v2, v3, x2[0], xb, sc2, sub, a20, a21, a22, a23)
+                    a30, a31, a32, a33 = _q6_step(v0, v1, v2, v3, x3[0], xb, sc3, sub, a30, a31, a32, a33)
+    return _four(x2, hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
+                 hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
 
 
 @njit(inline="always")
 def _dot_q8_0_wide_4(row, x0, x1, x2, x3, f16, ahead):
     q0, d0, _ = x0
     q1, d1, _ = x1
-    q2, d2, _ = x2
-    q3, d3, _ = x3
     a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     for b in range(q0.shape[0] // 32):
@@ -657,17 +667,16 @@ def _dot_q8_0_wide_4(row, x0, x1, x2, x3, f16, ahead):
         codes, d = load_i8w_32(row, o + 2), _half(row, o, f16)
         a0, n0 = n0, _block_step_wide(codes, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step_wide(codes, d, q1, d1, b, a1)
-        a2, n2 = n2, _block_step_wide(codes, d, q2, d2, b, a2)
-        a3, n3 = n3, _block_step_wide(codes, d, q3, d3, b, a3)
-    return hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3))
+        if x2 is not None:
+            a2, n2 = n2, _block_step_wide(codes, d, x2[0], x2[1], b, a2)
+            a3, n3 = n3, _block_step_wide(codes, d, x3[0], x3[1], b, a3)
+    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
 
 
 @njit(inline="always")
 def _dot_q5_wide_4(row, x0, x1, x2, x3, f16, ahead, affine):
     q0, d0, s0 = x0
     q1, d1, s1 = x1
-    q2, d2, s2 = x2
-    q3, d3, s3 = x3
     block_bytes, qs, offset = _small_layout(affine, True)
     a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
@@ -679,16 +688,18 @@ def _dot_q5_wide_4(row, x0, x1, x2, x3, f16, ahead, affine):
         codes, d = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset), _half(row, o, f16)
         a0, n0 = n0, _block_step_wide(codes, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step_wide(codes, d, q1, d1, b, a1)
-        a2, n2 = n2, _block_step_wide(codes, d, q2, d2, b, a2)
-        a3, n3 = n3, _block_step_wide(codes, d, q3, d3, b, a3)
+        if x2 is not None:
+            a2, n2 = n2, _block_step_wide(codes, d, x2[0], x2[1], b, a2)
+            a3, n3 = n3, _block_step_wide(codes, d, x3[0], x3[1], b, a3)
         if affine:
             m = _half(row, o + 2, f16)
             m0, mn0 = mn0, m0 + m * s0[b]
             m1, mn1 = mn1, m1 + m * s1[b]
-            m2, mn2 = mn2, m2 + m * s2[b]
-            m3, mn3 = mn3, m3 + m * s3[b]
-    return (hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1), hsum(fadd(a2, n2)) + (m2 + mn2),
-            hsum(fadd(a3, n3)) + (m3 + mn3))
+            if x2 is not None:
+                m2, mn2 = mn2, m2 + m * x2[2][b]
+                m3, mn3 = mn3, m3 + m * x3[2][b]
+    return _four(x2, hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1),
+                 hsum(fadd(a2, n2)) + (m2 + mn2), hsum(fadd(a3, n3)) + (m3 + mn3))
 
 
 @njit(inline="always")
@@ -702,13 +713,12 @@ def _k_token_wide_4(lo_codes, hi_codes, q, k, scales, pair, al, ah, nl, nh):
 def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
     q0, d0, s0 = x0
     q1, d1, s1 = x1
-    q2, d2, s2 = x2
-    q3, d3, s3 = x3
     al0, ah0, nl0, nh0 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     al1, ah1, nl1, nh1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     al2, ah2, nl2, nh2 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     al3, ah3, nl3, nh3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
+    sc2, sc3 = zeros(), zeros()
     size = 176 if five_bit else 144
     for b in range(q0.shape[0] // 256):
         o = b * size
@@ -717,28 +727,29 @@ def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
         d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
         sc0, bm0 = _k_scales(sc, m, d, dmin, d0, s0, k)
         sc1, bm1 = _k_scales(sc, m, d, dmin, d1, s1, k)
-        sc2, bm2 = _k_scales(sc, m, d, dmin, d2, s2, k)
-        sc3, bm3 = _k_scales(sc, m, d, dmin, d3, s3, k)
-        mins0, mins1, mins2, mins3 = fadd(mins0, bm0), fadd(mins1, bm1), fadd(mins2, bm2), fadd(mins3, bm3)
+        mins0, mins1 = fadd(mins0, bm0), fadd(mins1, bm1)
+        if x2 is not None:
+            sc2, bm2 = _k_scales(sc, m, d, dmin, x2[1], x2[2], k)
+            sc3, bm3 = _k_scales(sc, m, d, dmin, x3[1], x3[2], k)
+            mins2, mins3 = fadd(mins2, bm2), fadd(mins3, bm3)
         for pair in range(4):
             lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
             k = b * 256 + pair * 64
             al0, ah0, nl0, nh0 = _k_token_wide_4(lo_codes, hi_codes, q0, k, sc0, pair, al0, ah0, nl0, nh0)
             al1, ah1, nl1, nh1 = _k_token_wide_4(lo_codes, hi_codes, q1, k, sc1, pair, al1, ah1, nl1, nh1)
-            al2, ah2, nl2, nh2 = _k_token_wide_4(lo_codes, hi_codes, q2, k, sc2, pair, al2, ah2, nl2, nh2)
-            al3, ah3, nl3, nh3 = _k_token_wide_4(lo_codes, hi_codes, q3, k, sc3, pair, al3, ah3, nl3, nh3)
-    return (hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
-            hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
-            hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
-            hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
+            if x2 is not None:
+                al2, ah2, nl2, nh2 = _k_token_wide_4(lo_codes, hi_codes, x2[0], k, sc2, pair, al2, ah2, nl2, nh2)
+                al3, ah3, nl3, nh3 = _k_token_wide_4(lo_codes, hi_codes, x3[0], k, sc3, pair, al3, ah3, nl3, nh3)
+    return _four(x2, hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
+                 hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
+                 hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
+                 hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
 
 
 @njit(inline="always")
 def _dot_q6_k_wide_4(row, x0, x1, x2, x3, f16, ahead):
     q0, d0, _ = x0
     q1, d1, _ = x1
-    q2, d2, _ = x2
-    q3, d3, _ = x3
     a00, a01, a02, a03 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a10, a11, a12, a13 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a20, a21, a22, a23 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
@@ -755,12 +766,13 @@ def _dot_q6_k_wide_4(row, x0, x1, x2, x3, f16, ahead):
             a00, a01, a02, a03 = _q6_step_wide(v0, v1, v2, v3, q0, xb, sc, a00, a01, a02, a03)
             sc = _q6_scales(row, o, d, d1, half, xb)
             a10, a11, a12, a13 = _q6_step_wide(v0, v1, v2, v3, q1, xb, sc, a10, a11, a12, a13)
-            sc = _q6_scales(row, o, d, d2, half, xb)
-            a20, a21, a22, a23 = _q6_step_wide(v0, v1, v2, v3, q2, xb, sc, a20, a21, a22, a23)
-            sc = _q6_scales(row, o, d, d3, half, xb)
-            a30, a31, a32, a33 = _q6_step_wide(v0, v1, v2, v3, q3, xb, sc, a30, a31, a32, a33)
-    return (hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
-            hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
+            if x2 is not None:
+                sc = _q6_scales(row, o, d, x2[1], half, xb)
+                a20, a21, a22, a23 = _q6_step_wide(v0, v1, v2, v3, x2[0], xb, sc, a20, a21, a22, a23)
+                sc = _q6_scales(row, o, d, x3[1], half, xb)
+                a30, a31, a32, a33 = _q6_step_wide(v0, v1, v2, v3, x3[0], xb, sc, a30, a31, a32, a33)
+    return _four(x2, hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
+                 hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
 
 
 @njit(inline="always")
@@ -976,11 +988,10 @@ def _rows_narrow_4(code, *rows):
 
 
 @njit(nogil=True)  # (no fastmath: see ops/simd.py)
-def _gemv_rows_4(code, data, first, end, xq, xd, xsum, out, t0, t1, t2, t3, f16, ahead, wide):
-    """out[t, n] = row n's dot product with x_hat of token t, for the tokens t0..t3 (repeats allowed: three
-    tokens run as four) and n in [first, end): _gemv_rows for a block-quantized weight, four tokens a row."""
-    x0, x1, x2 = (xq[t0], xd[t0], xsum[t0]), (xq[t1], xd[t1], xsum[t1]), (xq[t2], xd[t2], xsum[t2])
-    x3 = (xq[t3], xd[t3], xsum[t3])
+def _gemv_rows_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead, wide):
+    """out[t, n] = row n's dot product with x_hat of token t, for the tokens t0..t3 (x0..x3: their (xq, xd,
+    xsum); repeats allowed: three tokens run as four; x2 = x3 = None: the two tokens t0, t1 = t2, t3) and n in
+    [first, end): _gemv_rows for a block-quantized weight, four or two tokens a row."""
     if wide is None:
         if MACHINE_HAS_512_BIT_LANES:
             _rows_wide_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
@@ -1013,11 +1024,14 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
     if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
         for t in range(n_tok):
             quantize_activation_row(xs[t], xq[t], xd[t], xsum[t])
-    # Tokens go four at a time through a block-quantized weight (three as four, the last one twice), the rest
-    # one at a time. Several passes over the rows (two tokens, or more than four): a tile of rows at a time for
-    # every pass, so each row is read from memory once and from the cache for the other passes (one pass: the
-    # share's rows in one call).
-    tile = TOKEN_TILE_ROWS if n_tok == 2 or n_tok > 4 else 1 << 62
+    # Tokens go four at a time through a block-quantized weight (three as four, the last one twice), then two at
+    # a time, the rest (and a float weight's tokens) one at a time. Several passes over the rows: a tile of rows
+    # at a time for every pass, so each row is read from memory once and from the cache for the other passes
+    # (one pass: the share's rows in one call).
+    floats = False
+    for i in range(len(datas)):
+        floats |= codes[i] == C_F32 or codes[i] == C_F16 or codes[i] == C_BF16
+    tile = TOKEN_TILE_ROWS if n_tok > 4 or (n_tok > 1 and floats) else 1 << 62
     for share in prange(shares):
         first, stop = _share_rows(datas, share, shares)
         offset = 0
@@ -1026,13 +1040,20 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
             lo, hi = max(first - offset, 0), min(stop - offset, n_rows)
             for a in range(lo, hi, tile):
                 b = min(a + tile, hi)
-                n_fours = (n_tok + 1) // 4 if code != C_F32 and code != C_F16 and code != C_BF16 else 0
+                blocks = code != C_F32 and code != C_F16 and code != C_BF16
+                n_fours = (n_tok + 1) // 4 if blocks else 0
                 for g in range(n_fours):
-                    t = 4 * g
-                    _gemv_rows_4(code, datas[i], a, b, xq, xd, xsum, outs[i], t, t + 1, t + 2, min(t + 3, n_tok - 1),
-                                 f16, ahead, wide)
-                for u in range(4 * n_fours, n_tok):
-                    _gemv_rows(code, datas[i], a, b, xs[u], xq[u], xd[u], xsum[u], outs[i][u], f16, ahead, wide)
+                    t, last = 4 * g, min(4 * g + 3, n_tok - 1)
+                    _gemv_rows_4(code, datas[i], a, b, (xq[t], xd[t], xsum[t]), (xq[t + 1], xd[t + 1], xsum[t + 1]),
+                                 (xq[t + 2], xd[t + 2], xsum[t + 2]), (xq[last], xd[last], xsum[last]), outs[i], t,
+                                 t + 1, t + 2, last, f16, ahead, wide)
+                u = 4 * n_fours
+                if blocks and n_tok - u == 2:
+                    _gemv_rows_4(code, datas[i], a, b, (xq[u], xd[u], xsum[u]), (xq[u + 1], xd[u + 1], xsum[u + 1]),
+                                 None, None, outs[i], u, u + 1, u, u + 1, f16, ahead, wide)
+                    u += 2
+                for v in range(u, n_tok):
+                    _gemv_rows(code, datas[i], a, b, xs[v], xq[v], xd[v], xsum[v], outs[i][v], f16, ahead, wide)
             offset += n_rows
 
 
