@@ -556,13 +556,12 @@ def _dot_q8_0_4(row, x0, x1, x2, x3, f16, ahead):
 
 
 @njit(inline="always")
-def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, affine, five_bit):
-    q0, d0, s0 = x0
-    q1, d1, s1 = x1
-    block_bytes, qs, offset = _small_layout(affine, five_bit)
+def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
+    """Q4_0, or Q5_0 (five_bit)."""
+    q0, d0, _ = x0
+    q1, d1, _ = x1
+    block_bytes, qs, offset = _small_layout(False, five_bit)
     a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
-    zero = np.float32(0.0)
-    m0, mn0, m1, mn1, m2, mn2, m3, mn3 = zero, zero, zero, zero, zero, zero, zero, zero
     for b in range(q0.shape[0] // 32):
         o = b * block_bytes
         _prefetch_ahead(row, o + ahead, block_bytes)
@@ -573,15 +572,7 @@ def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, affine, five_bit):
         if x2 is not None:
             a2, n2 = n2, _block_step(lo, hi, d, x2[0], x2[1], b, a2)
             a3, n3 = n3, _block_step(lo, hi, d, x3[0], x3[1], b, a3)
-        if affine:
-            m = _half(row, o + 2, f16)
-            m0, mn0 = mn0, m0 + m * s0[b]
-            m1, mn1 = mn1, m1 + m * s1[b]
-            if x2 is not None:
-                m2, mn2 = mn2, m2 + m * x2[2][b]
-                m3, mn3 = mn3, m3 + m * x3[2][b]
-    return _four(x2, hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1),
-                 hsum(fadd(a2, n2)) + (m2 + mn2), hsum(fadd(a3, n3)) + (m3 + mn3))
+    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
 
 
 @njit(inline="always")
@@ -674,14 +665,12 @@ def _dot_q8_0_wide_4(row, x0, x1, x2, x3, f16, ahead):
 
 
 @njit(inline="always")
-def _dot_q5_wide_4(row, x0, x1, x2, x3, f16, ahead, affine):
-    q0, d0, s0 = x0
-    q1, d1, s1 = x1
-    block_bytes, qs, offset = _small_layout(affine, True)
+def _dot_q5_0_wide_4(row, x0, x1, x2, x3, f16, ahead):
+    q0, d0, _ = x0
+    q1, d1, _ = x1
+    block_bytes, qs, offset = _small_layout(False, True)
     a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    zero = np.float32(0.0)
-    m0, mn0, m1, mn1, m2, mn2, m3, mn3 = zero, zero, zero, zero, zero, zero, zero, zero
     for b in range(q0.shape[0] // 32):
         o = b * block_bytes
         _prefetch_ahead(row, o + ahead, block_bytes)
@@ -691,15 +680,7 @@ def _dot_q5_wide_4(row, x0, x1, x2, x3, f16, ahead, affine):
         if x2 is not None:
             a2, n2 = n2, _block_step_wide(codes, d, x2[0], x2[1], b, a2)
             a3, n3 = n3, _block_step_wide(codes, d, x3[0], x3[1], b, a3)
-        if affine:
-            m = _half(row, o + 2, f16)
-            m0, mn0 = mn0, m0 + m * s0[b]
-            m1, mn1 = mn1, m1 + m * s1[b]
-            if x2 is not None:
-                m2, mn2 = mn2, m2 + m * x2[2][b]
-                m3, mn3 = mn3, m3 + m * x3[2][b]
-    return _four(x2, hsum(fadd(a0, n0)) + (m0 + mn0), hsum(fadd(a1, n1)) + (m1 + mn1),
-                 hsum(fadd(a2, n2)) + (m2 + mn2), hsum(fadd(a3, n3)) + (m3 + mn3))
+    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
 
 
 @njit(inline="always")
@@ -912,36 +893,34 @@ def _gemv_rows(code, data, first, end, x, xq, xd, xsum, out, f16, ahead, wide):
         _rows_narrow(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
 
 
-def _four_token_rows(dot, *flags):
-    """The loop of `dot` (a _dot_*_4 kernel, with its format's flags: none, one or two constants) over a thread's
+def _four_token_rows(dot, *flag):
+    """The loop of `dot` (a _dot_*_4 kernel, with its format's flag if it takes one, a constant) over a thread's
     rows, as a function compiled on its own: one function holding every format's loop took numba several times
-    the sum of its parts. (numba calls a closure with no *args: one loop per number of flags.)"""
-    a, b = flags + (False,) * (2 - len(flags))
-    if len(flags) == 0:
+    the sum of its parts. (numba calls a closure with no *args: one loop without the flag, one with it.)"""
+    if not flag:
         @njit(nogil=True)
         def rows(data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead):
             for n in range(first, end):
                 out[t0, n], out[t1, n], out[t2, n], out[t3, n] = dot(data[n], x0, x1, x2, x3, f16, ahead)
-    elif len(flags) == 1:
-        @njit(nogil=True)
-        def rows(data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead):
-            for n in range(first, end):
-                out[t0, n], out[t1, n], out[t2, n], out[t3, n] = dot(data[n], x0, x1, x2, x3, f16, ahead, a)
-    else:
-        @njit(nogil=True)
-        def rows(data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead):
-            for n in range(first, end):
-                out[t0, n], out[t1, n], out[t2, n], out[t3, n] = dot(data[n], x0, x1, x2, x3, f16, ahead, a, b)
-    return rows
+        return rows
+    constant, = flag
+
+    @njit(nogil=True)
+    def rows_with_flag(data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead):
+        for n in range(first, end):
+            out[t0, n], out[t1, n], out[t2, n], out[t3, n] = dot(data[n], x0, x1, x2, x3, f16, ahead, constant)
+    return rows_with_flag
 
 
 _ROWS4_Q8_0, _ROWS4_Q8_0_WIDE = _four_token_rows(_dot_q8_0_4), _four_token_rows(_dot_q8_0_wide_4)
 _ROWS4_Q4_K, _ROWS4_Q4_K_WIDE = _four_token_rows(_dot_k_4, False), _four_token_rows(_dot_k_wide_4, False)
 _ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_rows(_dot_k_wide_4, True)
 _ROWS4_Q6_K, _ROWS4_Q6_K_WIDE = _four_token_rows(_dot_q6_k_4), _four_token_rows(_dot_q6_k_wide_4)
-_ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, False, True), _four_token_rows(_dot_q5_wide_4, False)
-_ROWS4_Q5_1, _ROWS4_Q5_1_WIDE = _four_token_rows(_dot_small_4, True, True), _four_token_rows(_dot_q5_wide_4, True)
-_ROWS4_Q4_0, _ROWS4_Q4_1 = _four_token_rows(_dot_small_4, False, False), _four_token_rows(_dot_small_4, True, False)
+_ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, True), _four_token_rows(_dot_q5_0_wide_4)
+_ROWS4_Q4_0 = _four_token_rows(_dot_small_4, False)
+# (Q4_1 and Q5_1, rare in today's GGUFs, keep the one-token kernels: their several-token kernels cost the first
+# run's compile about 5 s of CPU)
+SEVERAL_TOKEN_CODES = (C_Q8_0, C_Q4_0, C_Q5_0, C_Q4_K, C_Q5_K, C_Q6_K)
 
 
 @njit(nogil=True)
@@ -958,12 +937,8 @@ def _rows_wide_4(code, *rows):
         _ROWS4_Q5_K_WIDE(*rows)
     elif code == C_Q5_0:
         _ROWS4_Q5_0_WIDE(*rows)
-    elif code == C_Q5_1:
-        _ROWS4_Q5_1_WIDE(*rows)
-    elif code == C_Q4_0:  # (Q4_0 / Q4_1 stay narrow: see _rows_wide)
+    else:  # (Q4_0 stays narrow: see _rows_wide)
         _ROWS4_Q4_0(*rows)
-    else:
-        _ROWS4_Q4_1(*rows)
 
 
 @njit(nogil=True)
@@ -979,12 +954,8 @@ def _rows_narrow_4(code, *rows):
         _ROWS4_Q5_K(*rows)
     elif code == C_Q5_0:
         _ROWS4_Q5_0(*rows)
-    elif code == C_Q5_1:
-        _ROWS4_Q5_1(*rows)
-    elif code == C_Q4_0:
-        _ROWS4_Q4_0(*rows)
     else:
-        _ROWS4_Q4_1(*rows)
+        _ROWS4_Q4_0(*rows)
 
 
 @njit(nogil=True)  # (no fastmath: see ops/simd.py)
@@ -1040,7 +1011,7 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
             lo, hi = max(first - offset, 0), min(stop - offset, n_rows)
             for a in range(lo, hi, tile):
                 b = min(a + tile, hi)
-                blocks = code != C_F32 and code != C_F16 and code != C_BF16
+                blocks = code in SEVERAL_TOKEN_CODES
                 n_fours = (n_tok + 1) // 4 if blocks else 0
                 for g in range(n_fours):
                     t, last = 4 * g, min(4 * g + 3, n_tok - 1)
