@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 
 from ..kv.cache import KVCache
 from .build import Transformer
-from .layers import default_attention
+from .layers import attend_rotated, default_attention, rotate
 
 
 @dataclass(frozen=True)
@@ -87,18 +87,25 @@ class _NoSharedCache:
 
 
 class SequenceAttention:
-    """The attention hook of a batched forward: rows [bounds[i], bounds[i + 1]) belong to caches[i]."""
+    """The attention hook of a batched forward: rows [bounds[i], bounds[i + 1]) belong to caches[i]. The plain
+    attention's RoPE and q / k norms work row by row, so they run once for all rows (one rope table per step,
+    not one per sequence); the cache writes and the attention, per sequence."""
 
     def __init__(self, inner: Callable | None, bounds: Sequence[int], caches: Sequence[KVCache]):
         self.inner = inner or default_attention
         self.bounds, self.caches = list(bounds), list(caches)
 
     def __call__(self, ops, cfg, w, layer, q, k, v, positions, cache):
+        if self.inner is default_attention:  # RoPE (and the q / k norms) row by row: all sequences' rows at once
+            q, k = rotate(ops, cfg, w, layer, q, k, positions)
         outs = []
         for i, seq_cache in enumerate(self.caches):
             rows = slice(self.bounds[i], self.bounds[i + 1])
-            outs.append(self.inner(ops, cfg, w, layer, q[rows], None if k is None else k[rows],
-                                   None if v is None else v[rows], positions[rows], seq_cache))
+            q_rows, k_rows, v_rows = q[rows], None if k is None else k[rows], None if v is None else v[rows]
+            if self.inner is default_attention:
+                outs.append(attend_rotated(ops, cfg, layer, q_rows, k_rows, v_rows, positions[rows], seq_cache))
+            else:
+                outs.append(self.inner(ops, cfg, w, layer, q_rows, k_rows, v_rows, positions[rows], seq_cache))
         return outs[0] if len(outs) == 1 else ops.xp.concatenate(outs, axis=0)
 
 

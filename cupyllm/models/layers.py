@@ -123,6 +123,12 @@ def default_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, q, k, 
     """Norm and RoPE q and k at the true positions, write k/v into the cache (k None: a KV-shared layer, whose
     source layer has written them), then causal (or sliding-window) attention."""
     q, k = rotate(ops, cfg, w, layer, q, k, positions)
+    return attend_rotated(ops, cfg, layer, q, k, v, positions, cache)
+
+
+def attend_rotated(ops, cfg: ModelConfig, layer: int, q, k, v, positions: np.ndarray, cache: KVCache):
+    """default_attention after its RoPE: write k/v (already normed and roped; k None: a KV-shared layer) into the
+    cache, then causal (or sliding-window) attention of q."""
     layer_kv = cache.layers[layer]
     if k is not None:
         layer_kv.write(k, v, positions, queries=q)
