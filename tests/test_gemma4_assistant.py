@@ -13,6 +13,8 @@ transformers from the same values; tools/make_hf_assistant_reference.py stores w
   cache stores it), where reading the normalised rows as if they were K is far off;
 - greedy generation with the assistant is plain greedy generation, and transformers' generate(...,
   assistant_model=...) output, token for token;
+- with Dual Chunk Attention on the target the steps are the definition's with DCA's query positions, and greedy
+  text with the assistant is the target's own;
 - an assistant of another model, and the assistant as a spec without one, are clear errors.
 """
 from __future__ import annotations
@@ -106,7 +108,7 @@ def _engine_chain(model, drafter, ids, start: int):
     ops = model.transformer.ops
 
     def step(token, h):
-        logits, state = drafter.assistant.step(model.transformer, cache, token, h, start)
+        logits, state = drafter.assistant.step(model.transformer, cache, token, h, start, drafter.dca)
         return np.asarray(ops.to_numpy(logits)).reshape(-1), state
 
     run = _chain(step, int(ids[start]), hidden)
@@ -254,6 +256,44 @@ def test_greedy_ids_with_the_assistant_on_quantized_caches(models, stored):
                                                                    "draft_p_min": 0.0, "adaptive": False})
         assert model.generate(ids, max_tokens=10, temperature=0.0) == plain.generate(ids, max_tokens=10,
                                                                                       temperature=0.0)
+
+
+DCA = {"chunk_size": 8, "local_size": 2}  # chunks of 6 positions: the starts 9 and 13 lie one and two chunks on
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_steps_with_dual_chunk_attention_are_the_definition_and_lossless(variant, models, stored):
+    """With Dual Chunk Attention on the target, its global layers cache K roped at in-chunk positions: the
+    engine's steps are the definition's with the query roped at P's intra / successive / inter positions (over
+    the K/V the cache decodes to), far from reading that cache as plain attention would past the first chunk;
+    and greedy text with the assistant is the target's own greedy text with DCA."""
+    from cupyllm.ops.attention.dca import DCAConfig
+    model, drafter = _engine(models["target"][0], models[variant][0], dca=DCA)
+    assert drafter.dca == DCAConfig(**DCA)
+    cfg, decoded = drafter.assistant.cfg, models[variant][1]
+    target_embd = models["target"][1]["token_embd.weight"]
+    ids = stored["prompt_ids"].tolist()
+    for start in hf_reference.STARTS:
+        run, cache = _engine_chain(model, drafter, ids, start)
+        kv = _cache_kv(cache, drafter.assistant.sources)
+        hidden = np.asarray(model.transformer.ops.to_numpy(drafter._rows[2][-1]))
+        want = _chain(lambda t, h: reference_step(cfg, decoded, target_embd[t], np.sqrt(64.0), h, start, kv,
+                                                  dca=drafter.dca), ids[start], hidden)
+        plain_reading = reference_step(cfg, decoded, target_embd[ids[start]], np.sqrt(64.0), hidden, start, kv)[0]
+        for j, ((logits, state, token), (ref_logits, ref_state, ref_token)) in enumerate(zip(run, want)):
+            np.testing.assert_allclose(logits, ref_logits, atol=2e-3, rtol=0, err_msg=f"start {start} step {j}")
+            np.testing.assert_allclose(state, ref_state, atol=2e-3, rtol=0)
+            assert token == ref_token
+        if start > DCA["chunk_size"] - DCA["local_size"]:
+            assert np.abs(run[0][0] - plain_reading).max() > 50 * 2e-3, f"start {start}"
+    prompt = ids[:hf_reference.GENERATE_PROMPT]
+    plain = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, dca=DCA)
+    drafting = cupyllm.load(models["target"][0], device="cpu", ctx=64, progress=False, dca=DCA,
+                            draft_model=models[variant][0], spec={"type": "assistant", "draft_max": 3,
+                                                                  "draft_p_min": 0.0, "adaptive": False})
+    want_text = plain.generate(prompt, max_tokens=hf_reference.NEW_TOKENS, temperature=0.0)
+    assert drafting.generate(prompt, max_tokens=hf_reference.NEW_TOKENS, temperature=0.0) == want_text
+    assert drafting.last_stats.draft.drafted > 0
 
 
 def _on_gpu(test):

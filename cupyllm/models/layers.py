@@ -155,6 +155,7 @@ def dca_attention(dca):
         return ops.dca_attention(q_intra, q_successive, q_inter, positions, layer_kv, dca, scale=cfg.attn_scale,
                                  softcap=cfg.attn_logit_softcap)
 
+    attention.dca = dca  # (what a reader of the cache needs: the Gemma 4 assistant's queries)
     return attention
 
 

@@ -15,7 +15,9 @@ but not yet run through the target), the same position for every draft of a run:
 The attention reads the target's LayerKV through the backend's own attention op, so rotated (turbo/TCQ) and
 normalised K are read as the target reads them: the query meets the key the cache stores, transformed alike.
 A sliding layer sees the last window + 1 keys before P, as transformers' flipped bidirectional window mask
-gives them (the target itself sees window keys, its own among them).
+gives them (the target itself sees window keys, its own among them). With Dual Chunk Attention on the target, a
+global layer's keys are cached at their in-chunk positions: the assistant's query is roped at P's three DCA
+positions (intra, successive, inter) and meets them as the target's own queries do (ops.dca_attention).
 
 The GGUF layout is llama.cpp's (convert_hf_to_gguf.py Gemma4AssistantModel, src/models/gemma4-assistant.cpp):
 the Gemma 4 text keys under `gemma4-assistant.`, `embedding_length_out` = the target's width,
@@ -243,9 +245,11 @@ class Gemma4Assistant:
         self.sources = tuple(sources)
         return self
 
-    def step(self, target, cache, token: int, hidden, position: int):
+    def step(self, target, cache, token: int, hidden, position: int, dca=None):
         """One draft: (logits [1, n_vocab], the next draft's hidden [1, d_target]) on the backend, from the
-        target (a Transformer: its embedding), its cache (positions < `position`), the last token and h."""
+        target (a Transformer: its embedding), its cache (positions < `position`), the last token and h; `dca`:
+        the target's Dual Chunk Attention (DCAConfig) where it runs with it."""
+        from ..ops.attention.dca import query_positions
         ops, cfg = self.ops, self.cfg
         positions = np.array([position], dtype=np.int64)
         x = ops.embed(target.token_embd, np.array([token], dtype=np.int64)) * np.float32(target.cfg.embed_scale)
@@ -254,9 +258,16 @@ class Gemma4Assistant:
         for il, w in enumerate(self.layers):
             hd = cfg.head_dim_of(il)
             q = ops.linear(stream.norm(w.attn_norm), w.wq).reshape(1, cfg.n_head, hd)
-            q, _ = ops.rope_qk(q, None, cfg.rope_for(il), positions, q_norm=w.q_norm, eps=cfg.norm_eps)
-            window = cfg.attention_window if cfg.sliding_layers[il] else 0
-            out = ops.attention(q, positions, cache.layers[self.sources[il]], scale=1.0, window=window)
+            layer_kv = cache.layers[self.sources[il]]
+            if dca is not None and not cfg.sliding_layers[il]:
+                q_intra, q_successive, q_inter = (
+                    ops.rope_qk(q, None, cfg.rope_for(il), p, q_norm=w.q_norm, eps=cfg.norm_eps)[0]
+                    for p in query_positions(positions, dca))
+                out = ops.dca_attention(q_intra, q_successive, q_inter, positions, layer_kv, dca, scale=1.0)
+            else:
+                q, _ = ops.rope_qk(q, None, cfg.rope_for(il), positions, q_norm=w.q_norm, eps=cfg.norm_eps)
+                window = cfg.attention_window if cfg.sliding_layers[il] else 0
+                out = ops.attention(q, positions, layer_kv, scale=1.0, window=window)
             stream.add(ops.linear(out.reshape(1, cfg.n_head * hd), w.wo), post_norm=w.post_attn_norm)
             mlp = ops.linear(ops.gated_linear(stream.norm(w.ffn_norm), w.w_gate, "gelu_tanh", w_up=w.w_up), w.w_down)
             stream.add(mlp, post_norm=w.post_ffn_norm, scale=w.out_scale)
@@ -292,10 +303,12 @@ def _scatter(selected: np.ndarray, ids: np.ndarray, n_vocab: int) -> np.ndarray:
 
 def reference_step(cfg: AssistantConfig, tensors: dict[str, np.ndarray], target_embedding: np.ndarray,
                    embed_scale: float, hidden: np.ndarray, position: int,
-                   kv: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]]):
+                   kv: dict[bool, tuple[np.ndarray, np.ndarray, np.ndarray]], dca=None):
     """One assistant step from float32 tensors (GGUF names, decoded), the target's embedding row of the last
     token (unscaled), its hidden row h, and the target's K/V per kind (True: sliding): (k [n, n_kv, hd],
-    v, their positions), all before `position`. Returns (logits [n_vocab], h' [d_target]), float32."""
+    v, their positions), all before `position`. Returns (logits [n_vocab], h' [d_target]), float32. `dca` (a
+    DCAConfig): the target's Dual Chunk Attention, its global K roped at in-chunk positions as it caches them."""
+    from ..ops.attention.dca import attend_dca, query_positions
     from ..ops.attention.reference import attend, causal_mask
     from ..ops.elementwise.reference import apply_rope, gelu_tanh, rms_norm, rope_tables
 
@@ -308,11 +321,17 @@ def reference_step(cfg: AssistantConfig, tensors: dict[str, np.ndarray], target_
         q = f32(tensors[p + "attn_q.weight"] @ f32(rms_norm(x, tensors[p + "attn_norm.weight"], eps)))
         q = f32(rms_norm(q.reshape(1, cfg.n_head, hd), tensors[p + "attn_q_norm.weight"], eps))
         rope = cfg.rope_for(il)
-        cos, sin = rope_tables(rope, np.array([position]))
-        q = apply_rope(q, cos, sin, rope.neox)
         k, v, k_pos = kv[sliding]
-        allowed = causal_mask(np.array([position]), k_pos, cfg.attention_window if sliding else 0)
-        out, _ = attend(q, f32(k), f32(v), allowed, scale=1.0)
+        if dca is not None and not sliding:
+            q_intra, q_successive, q_inter = (apply_rope(q, *rope_tables(rope, p), rope.neox)
+                                              for p in query_positions(np.array([position]), dca))
+            out, _ = attend_dca(q_intra, q_successive, q_inter, f32(k), f32(v), np.array([position]), k_pos, dca,
+                                scale=1.0)
+        else:
+            cos, sin = rope_tables(rope, np.array([position]))
+            q = apply_rope(q, cos, sin, rope.neox)
+            allowed = causal_mask(np.array([position]), k_pos, cfg.attention_window if sliding else 0)
+            out, _ = attend(q, f32(k), f32(v), allowed, scale=1.0)
         attn = f32(tensors[p + "attn_output.weight"] @ out.reshape(-1))
         x = x + f32(rms_norm(attn, tensors[p + "post_attention_norm.weight"], eps))
         h = f32(rms_norm(x, tensors[p + "ffn_norm.weight"], eps))
@@ -341,9 +360,10 @@ class AssistantDrafter:
     prompt: the next step has it)."""
 
     def __init__(self, assistant: Gemma4Assistant, target, threads: int | None = None, p_min: float = 0.0):
-        if target.attention is not None:
-            raise InputError("the Gemma 4 assistant drafts from the model's cache as plain attention reads it; with "
-                             "Dual Chunk Attention (dca) it does not: drop dca or the assistant")
+        self.dca = getattr(target.attention, "dca", None)  # (the one attention hook the assistant can read past)
+        if target.attention is not None and self.dca is None:
+            raise InputError("the Gemma 4 assistant drafts from the model's cache as plain attention or Dual Chunk "
+                             "Attention reads it, not with this model's attention: drop the assistant")
         self.assistant, self.target, self.threads, self.p_min = assistant.bind(target.cfg), target, threads, p_min
         self.cache = None
         self._rows = None  # (positions, tokens, normed rows on the backend) of the last target forward
@@ -375,7 +395,7 @@ class AssistantDrafter:
             with ops.running_on(self.threads):
                 step, state = token, hidden
                 for _ in range(n_max):
-                    logits, state = self.assistant.step(self.target, self.cache, step, state, position)
+                    logits, state = self.assistant.step(self.target, self.cache, step, state, position, self.dca)
                     logits = np.asarray(ops.to_numpy(logits), np.float32).reshape(-1)
                     step = int(np.argmax(logits))
                     if self.p_min > 0.0 and 1.0 / np.exp(logits - logits[step]).sum() < self.p_min:
