@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupyllm
-from cupyllm.ops.attention.cpu import BLOCK_KEYS, attend_encoded, attend_floats
+from cupyllm.ops.attention.cpu import BLOCK_KEYS, _merge_blocks, attend_encoded, attend_floats
 from cupyllm.ops.kv_formats.cpu import HALF_TABLE, decode_row, decode_row_at, decode_rows, row_codec
 from cupyllm.ops.attention.dca import DCAConfig, attend_dca
 from cupyllm.ops.attention.reference import attend, causal_mask
@@ -252,3 +252,24 @@ def test_a_cache_whose_copy_overflows_the_host(tiny_model, monkeypatch):
     assert not any(layer.mirror for layer in lean.own_layers())
     with pytest.raises(BudgetError, match="drop --kv-mirror"):
         model.transformer.ops.new_cache(model.cfg, dataclasses.replace(spec, float_mirror=True))
+
+
+def test_one_block_merge_is_the_general_merge():
+    """A decode step's single key block skips the log-sum-exp merge's arithmetic: its (O, LSE) are the general
+    merge's of the same block beside an empty one (weight 0), bit for bit, rows that saw no key included."""
+    rng = np.random.default_rng(7)
+    for trial in range(50):
+        n_kv, rows, dv = (int(n) for n in rng.integers(1, [4, 9, 300]))
+        acc = rng.standard_normal((n_kv, 1, rows, dv)).astype(np.float32)
+        best = (rng.standard_normal((n_kv, 1, rows)) * 5).astype(np.float32)
+        total = (rng.random((n_kv, 1, rows)) * 3 + 0.1).astype(np.float32)
+        if trial % 3 == 0:  # a row that saw no key
+            acc[0, 0, 0], best[0, 0, 0], total[0, 0, 0] = 0.0, -np.inf, 0.0
+        one = _merge_blocks(acc, best, total)
+        two = _merge_blocks(np.concatenate([acc, np.zeros_like(acc)], axis=1),
+                            np.concatenate([best, np.full_like(best, -np.inf)], axis=1),
+                            np.concatenate([total, np.zeros_like(total)], axis=1))
+        for got, want in zip(one, two):
+            np.testing.assert_array_equal(got, want)
+        if trial % 3 == 0:
+            assert one[1][0, 0] == -np.inf and not one[0][0, 0].any()

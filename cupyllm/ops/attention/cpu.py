@@ -429,6 +429,13 @@ def _query_for_stored_keys(q: np.ndarray, layer_kv, group: int) -> tuple[np.ndar
 
 def _merge_blocks(part_acc, part_max, part_sum):
     """Split-K partials [n_kv, n_blocks, rows, ...] -> (O, LSE) [n_kv, rows, ...] by log-sum-exp."""
+    if part_max.shape[1] == 1:  # one block (a decode step over up to BLOCK_KEYS slots): the merge below with its
+        # weights exp(max - max) = 1 and sums over one block, the same values in a third of its NumPy calls
+        best, total, acc = part_max[:, 0], part_sum[:, 0], part_acc[:, 0]
+        seen = total > 0
+        out = np.where(seen[..., None], acc / np.where(seen, total, 1.0)[..., None], 0.0)
+        lse = np.where(seen, best + np.log(np.where(seen, total, 1.0)), -np.inf)
+        return out.astype(np.float32), lse.astype(np.float32)
     best = part_max.max(axis=1)  # [n_kv, rows]
     safe = np.where(np.isfinite(best), best, 0.0)
     weight = np.where(np.isfinite(part_max), np.exp(part_max - safe[:, None]), 0.0)  # [n_kv, n_blocks, rows]
