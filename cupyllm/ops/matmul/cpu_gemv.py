@@ -362,7 +362,7 @@ def _dot_k(row, xq, xd, xsum, f16, ahead, five_bit):
             lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
             acc_lo, acc_hi, (next_lo, next_hi) = next_lo, next_hi, _k_step(lo0, lo1, hi0, hi1, xq, b * 8 + 2 * pair,
                                                                            scales, pair, acc_lo, acc_hi)
-    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
+    return _k_sum(acc_lo, acc_hi, next_lo, next_hi, mins)
 
 
 @njit(inline="always")
@@ -403,7 +403,7 @@ def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
             acc_lo, acc_hi, (next_lo, next_hi) = next_lo, next_hi, _k_step_wide(lo_codes, hi_codes, xq,
                                                                                 b * 256 + pair * 64, scales, pair,
                                                                                 acc_lo, acc_hi)
-    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
+    return _k_sum(acc_lo, acc_hi, next_lo, next_hi, mins)
 
 
 @njit(inline="always")
@@ -576,6 +576,28 @@ def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
 
 
 @njit(inline="always")
+def _k_sum(acc_lo, acc_hi, next_lo, next_hi, mins):
+    """A K-quant row's dot product from its four FMA chains and its mins terms."""
+    return hsum(fadd(fadd(acc_lo, acc_hi), fadd(next_lo, next_hi))) - hsum(mins)
+
+
+@njit(inline="always")
+def _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3, mins0, mins1, mins2, mins3):
+    """Super-block b's (at row[o]) scales for each token, lanes j: (d * sc_j) * xd[8b + j], and each token's
+    mins terms added to its running sum: (sc0..sc3, mins0..mins3); tokens 2 and 3 only where x2 is given."""
+    sc, m = _k_scale_mins(row, o)
+    d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
+    sc0, bm0 = _k_scales(sc, m, d, dmin, x0[1], x0[2], k)
+    sc1, bm1 = _k_scales(sc, m, d, dmin, x1[1], x1[2], k)
+    mins0, mins1 = fadd(mins0, bm0), fadd(mins1, bm1)
+    if x2 is not None:
+        sc2, bm2 = _k_scales(sc, m, d, dmin, x2[1], x2[2], k)
+        sc3, bm3 = _k_scales(sc, m, d, dmin, x3[1], x3[2], k)
+        mins2, mins3 = fadd(mins2, bm2), fadd(mins3, bm3)
+    return sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3
+
+
+@njit(inline="always")
 def _k_token_4(lo0, lo1, hi0, hi1, q, k, scales, pair, al, ah, nl, nh):
     """_dot_k's update of one token's four chains by one pair of sub-blocks."""
     step_lo, step_hi = _k_step(lo0, lo1, hi0, hi1, q, k, scales, pair, al, ah)
@@ -584,8 +606,7 @@ def _k_token_4(lo0, lo1, hi0, hi1, q, k, scales, pair, al, ah, nl, nh):
 
 @njit(inline="always")
 def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
-    q0, d0, s0 = x0
-    q1, d1, s1 = x1
+    q0, q1 = x0[0], x1[0]
     al0, ah0, nl0, nh0, al1, ah1, nl1, nh1 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     al2, ah2, nl2, nh2, al3, ah3, nl3, nh3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
@@ -594,15 +615,8 @@ def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
     for b in range(q0.shape[0] // 256):
         o = b * size
         _prefetch_ahead(row, o + ahead, size)
-        sc, m = _k_scale_mins(row, o)
-        d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
-        sc0, bm0 = _k_scales(sc, m, d, dmin, d0, s0, k)
-        sc1, bm1 = _k_scales(sc, m, d, dmin, d1, s1, k)
-        mins0, mins1 = fadd(mins0, bm0), fadd(mins1, bm1)
-        if x2 is not None:
-            sc2, bm2 = _k_scales(sc, m, d, dmin, x2[1], x2[2], k)
-            sc3, bm3 = _k_scales(sc, m, d, dmin, x3[1], x3[2], k)
-            mins2, mins3 = fadd(mins2, bm2), fadd(mins3, bm3)
+        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3,
+                                                                           mins0, mins1, mins2, mins3)
         for pair in range(4):
             lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
             k = b * 8 + 2 * pair
@@ -611,10 +625,8 @@ def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
             if x2 is not None:
                 al2, ah2, nl2, nh2 = _k_token_4(lo0, lo1, hi0, hi1, x2[0], k, sc2, pair, al2, ah2, nl2, nh2)
                 al3, ah3, nl3, nh3 = _k_token_4(lo0, lo1, hi0, hi1, x3[0], k, sc3, pair, al3, ah3, nl3, nh3)
-    return _four(x2, hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
-                 hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
-                 hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
-                 hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
+    return _four(x2, _k_sum(al0, ah0, nl0, nh0, mins0), _k_sum(al1, ah1, nl1, nh1, mins1),
+                 _k_sum(al2, ah2, nl2, nh2, mins2), _k_sum(al3, ah3, nl3, nh3, mins3))
 
 
 @njit(inline="always")
@@ -692,8 +704,7 @@ def _k_token_wide_4(lo_codes, hi_codes, q, k, scales, pair, al, ah, nl, nh):
 
 @njit(inline="always")
 def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
-    q0, d0, s0 = x0
-    q1, d1, s1 = x1
+    q0, q1 = x0[0], x1[0]
     al0, ah0, nl0, nh0 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     al1, ah1, nl1, nh1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     al2, ah2, nl2, nh2 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
@@ -704,15 +715,8 @@ def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
     for b in range(q0.shape[0] // 256):
         o = b * size
         _prefetch_ahead(row, o + ahead, size)
-        sc, m = _k_scale_mins(row, o)
-        d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
-        sc0, bm0 = _k_scales(sc, m, d, dmin, d0, s0, k)
-        sc1, bm1 = _k_scales(sc, m, d, dmin, d1, s1, k)
-        mins0, mins1 = fadd(mins0, bm0), fadd(mins1, bm1)
-        if x2 is not None:
-            sc2, bm2 = _k_scales(sc, m, d, dmin, x2[1], x2[2], k)
-            sc3, bm3 = _k_scales(sc, m, d, dmin, x3[1], x3[2], k)
-            mins2, mins3 = fadd(mins2, bm2), fadd(mins3, bm3)
+        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3,
+                                                                           mins0, mins1, mins2, mins3)
         for pair in range(4):
             lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
             k = b * 256 + pair * 64
@@ -721,10 +725,8 @@ def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
             if x2 is not None:
                 al2, ah2, nl2, nh2 = _k_token_wide_4(lo_codes, hi_codes, x2[0], k, sc2, pair, al2, ah2, nl2, nh2)
                 al3, ah3, nl3, nh3 = _k_token_wide_4(lo_codes, hi_codes, x3[0], k, sc3, pair, al3, ah3, nl3, nh3)
-    return _four(x2, hsum(fadd(fadd(al0, ah0), fadd(nl0, nh0))) - hsum(mins0),
-                 hsum(fadd(fadd(al1, ah1), fadd(nl1, nh1))) - hsum(mins1),
-                 hsum(fadd(fadd(al2, ah2), fadd(nl2, nh2))) - hsum(mins2),
-                 hsum(fadd(fadd(al3, ah3), fadd(nl3, nh3))) - hsum(mins3))
+    return _four(x2, _k_sum(al0, ah0, nl0, nh0, mins0), _k_sum(al1, ah1, nl1, nh1, mins1),
+                 _k_sum(al2, ah2, nl2, nh2, mins2), _k_sum(al3, ah3, nl3, nh3, mins3))
 
 
 @njit(inline="always")
