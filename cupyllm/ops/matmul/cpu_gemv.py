@@ -539,33 +539,19 @@ def _four(x2, r0, r1, r2, r3):
 
 
 @njit(inline="always")
-def _dot_q8_0_4(row, x0, x1, x2, x3, f16, ahead):
+def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, code):
+    """Q8_0, Q4_0 or Q5_0 (code): 32 values a block, d first, the codes unpacked once for the tokens."""
     q0, d0, _ = x0
     q1, d1, _ = x1
-    a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
-    for b in range(q0.shape[0] // 32):
-        o = b * 34
-        _prefetch_ahead(row, o + ahead, 34)
-        lo, hi, d = load_i8w(row, o + 2), load_i8w(row, o + 18), _half(row, o, f16)
-        a0, n0 = n0, _block_step(lo, hi, d, q0, d0, b, a0)
-        a1, n1 = n1, _block_step(lo, hi, d, q1, d1, b, a1)
-        if x2 is not None:
-            a2, n2 = n2, _block_step(lo, hi, d, x2[0], x2[1], b, a2)
-            a3, n3 = n3, _block_step(lo, hi, d, x3[0], x3[1], b, a3)
-    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
-
-
-@njit(inline="always")
-def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
-    """Q4_0, or Q5_0 (five_bit)."""
-    q0, d0, _ = x0
-    q1, d1, _ = x1
-    block_bytes, qs, offset = _small_layout(False, five_bit)
+    block_bytes, qs, offset = (34, 2, 0) if code == C_Q8_0 else _small_layout(False, code == C_Q5_0)
     a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     for b in range(q0.shape[0] // 32):
         o = b * block_bytes
         _prefetch_ahead(row, o + ahead, block_bytes)
-        lo, hi = _codes32(row, o + qs, _u32_at(row, o + qs - 4) if five_bit else np.uint32(0), offset)
+        if code == C_Q8_0:
+            lo, hi = load_i8w(row, o + 2), load_i8w(row, o + 18)
+        else:
+            lo, hi = _codes32(row, o + qs, _u32_at(row, o + qs - 4) if code == C_Q5_0 else np.uint32(0), offset)
         d = _half(row, o, f16)
         a0, n0 = n0, _block_step(lo, hi, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step(lo, hi, d, q1, d1, b, a1)
@@ -659,34 +645,21 @@ def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
 
 
 @njit(inline="always")
-def _dot_q8_0_wide_4(row, x0, x1, x2, x3, f16, ahead):
+def _dot_small_wide_4(row, x0, x1, x2, x3, f16, ahead, code):
+    """_dot_small_4 in 512-bit registers, for Q8_0 or Q5_0 (code): a block's 32 codes in one register."""
     q0, d0, _ = x0
     q1, d1, _ = x1
-    a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    for b in range(q0.shape[0] // 32):
-        o = b * 34
-        _prefetch_ahead(row, o + ahead, 34)
-        codes, d = load_i8w_32(row, o + 2), _half(row, o, f16)
-        a0, n0 = n0, _block_step_wide(codes, d, q0, d0, b, a0)
-        a1, n1 = n1, _block_step_wide(codes, d, q1, d1, b, a1)
-        if x2 is not None:
-            a2, n2 = n2, _block_step_wide(codes, d, x2[0], x2[1], b, a2)
-            a3, n3 = n3, _block_step_wide(codes, d, x3[0], x3[1], b, a3)
-    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
-
-
-@njit(inline="always")
-def _dot_q5_0_wide_4(row, x0, x1, x2, x3, f16, ahead):
-    q0, d0, _ = x0
-    q1, d1, _ = x1
-    block_bytes, qs, offset = _small_layout(False, True)
+    block_bytes, qs, offset = (34, 2, 0) if code == C_Q8_0 else _small_layout(False, True)
     a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     for b in range(q0.shape[0] // 32):
         o = b * block_bytes
         _prefetch_ahead(row, o + ahead, block_bytes)
-        codes, d = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset), _half(row, o, f16)
+        if code == C_Q8_0:
+            codes = load_i8w_32(row, o + 2)
+        else:
+            codes = _q5_codes_wide(row, o + qs, _u32_at(row, o + qs - 4), offset)
+        d = _half(row, o, f16)
         a0, n0 = n0, _block_step_wide(codes, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step_wide(codes, d, q1, d1, b, a1)
         if x2 is not None:
@@ -914,12 +887,12 @@ def _four_token_rows(dot, *flag):
     return rows_with_flag
 
 
-_ROWS4_Q8_0, _ROWS4_Q8_0_WIDE = _four_token_rows(_dot_q8_0_4), _four_token_rows(_dot_q8_0_wide_4)
+_ROWS4_Q8_0, _ROWS4_Q8_0_WIDE = _four_token_rows(_dot_small_4, C_Q8_0), _four_token_rows(_dot_small_wide_4, C_Q8_0)
 _ROWS4_Q4_K, _ROWS4_Q4_K_WIDE = _four_token_rows(_dot_k_4, False), _four_token_rows(_dot_k_wide_4, False)
 _ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_rows(_dot_k_wide_4, True)
 _ROWS4_Q6_K, _ROWS4_Q6_K_WIDE = _four_token_rows(_dot_q6_k_4), _four_token_rows(_dot_q6_k_wide_4)
-_ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, True), _four_token_rows(_dot_q5_0_wide_4)
-_ROWS4_Q4_0 = _four_token_rows(_dot_small_4, False)
+_ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, C_Q5_0), _four_token_rows(_dot_small_wide_4, C_Q5_0)
+_ROWS4_Q4_0 = _four_token_rows(_dot_small_4, C_Q4_0)
 # (Q4_1 and Q5_1, rare in today's GGUFs, keep the one-token kernels: their several-token kernels cost the first
 # run's compile about 5 s of CPU)
 SEVERAL_TOKEN_CODES = (C_Q8_0, C_Q4_0, C_Q5_0, C_Q4_K, C_Q5_K, C_Q6_K)
