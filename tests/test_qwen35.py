@@ -122,8 +122,8 @@ def test_the_deltanet_block_is_the_definition(tiny_model, arch):
     w = DeltaNetWeights.from_gguf(gguf, 0)
     state = RecurrentState.for_model(cfg)
     x = np.random.default_rng(3).standard_normal((11, cfg.d_model)).astype(np.float32)
-    got = np.concatenate([gated_deltanet(ops, cfg, w, x[:6], state, np.arange(6)),
-                          gated_deltanet(ops, cfg, w, x[6:], state, np.arange(6, 11))])
+    got = np.concatenate([gated_deltanet(ops, cfg, w, x[:6], [(slice(None), state)], np.arange(6)),
+                          gated_deltanet(ops, cfg, w, x[6:], [(slice(None), state)], np.arange(6, 11))])
     assert state.n_seen == 11
 
     p = "blk.0."

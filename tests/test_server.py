@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import cupyllm  # noqa: E402
-from cupyllm.models.batch import Segment, batchable, forward_batch  # noqa: E402
+from cupyllm.models.batch import Segment, forward_batch  # noqa: E402
 from cupyllm.server import create_app  # noqa: E402
 
 GREEDY = dict(temperature=0)
@@ -101,17 +101,18 @@ def gemma4(tiny_model):  # the tiny model with a chat template; sliding windows 
 
 
 @pytest.mark.parametrize("arch, options", [("qwen2", {}), ("qwen3-moe", {}), ("gemma3", {}), ("gemma4", {}),
+                                           ("qwen35", {}), ("qwen35-moe", {}), ("qwen3next", {}),
                                            ("gemma4-moe", {}),
                                            ("qwen2", {"dca": {"chunk_size": 16, "local_size": 4},
                                                       "kv_type_k": "q8_0", "kv_type_v": "q4_0"})])
 def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch, options):
     """Prefill 3 prompts one by one, then 3 decode steps: the batched forward's logits are Transformer.forward's
     on each sequence alone, bit for bit (attention over each sequence's own cache, its sliding window, Gemma 4's
-    shared caches; Dual Chunk Attention across chunk boundaries over quantized, K-normalised caches)."""
+    shared caches; the hybrids' DeltaNet layers on each sequence's own recurrent states; Dual Chunk Attention
+    across chunk boundaries over quantized, K-normalised caches)."""
     path, _, _ = tiny_model(arch)
     model = cupyllm.load(path, device="cpu", ctx=64, progress=False, **options)
     t = model.transformer
-    assert batchable(t)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (5, 23, 2)]
     alone = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
@@ -125,7 +126,7 @@ def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch, options
         tokens = [np.array([int(rng.integers(3, model.cfg.n_vocab))]) for _ in prompts]
         # the last step: one sequence verifies a drafted run (all its logits); not with the tiny MoEs, whose
         # float32 experts multiply the rows routed to them together, rounding unlike the sequence alone
-        draft_run = step == 2 and "moe" not in arch
+        draft_run = step == 2 and model.cfg.n_expert == 0
         if draft_run:
             tokens[1] = rng.integers(3, model.cfg.n_vocab, size=3)
         got = forward_batch(t, [Segment(tk, b, all_logits=draft_run and i == 1)
@@ -135,15 +136,6 @@ def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch, options
             a.n_past += len(tk)
             b.n_past += len(tk)
             np.testing.assert_array_equal(got[i], want)
-
-
-def test_hybrid_is_not_batched(tiny_model):
-    path, _, _ = tiny_model("qwen35")
-    model = cupyllm.load(path, device="cpu", ctx=64, progress=False)
-    assert not batchable(model.transformer)
-    caches = [model.transformer.ops.new_cache(model.cfg, model.kv_spec) for _ in range(2)]
-    with pytest.raises(ValueError, match="one sequence per forward"):
-        forward_batch(model.transformer, [Segment(np.array([5]), c) for c in caches])
 
 
 def test_completion_stream_usage_and_logprobs(qwen):
@@ -201,15 +193,15 @@ def test_chat_matches_generate(gemma4):
 
 
 @pytest.fixture(scope="module")
-def qwen35(tiny_model):  # a hybrid: its slots run one sequence per forward
+def qwen35(tiny_model):  # a hybrid: its slots' DeltaNet states advance in one forward too
     path, _, _ = tiny_model("qwen35")
     return cupyllm.load(path, device="cpu", ctx=96, progress=False)
 
 
 @pytest.mark.parametrize("name", ["qwen", "gemma4", "qwen35"])
 def test_concurrent_requests_equal_sequential_ones(name, request):
-    """4 requests at once on 4 slots: decoded together (more than one sequence per forward; the hybrid: one
-    forward each, interleaved), each text the one Model.generate gives alone (greedy, and seeded sampling)."""
+    """4 requests at once on 4 slots: decoded together (more than one sequence per forward, the hybrid's too),
+    each text the one Model.generate gives alone (greedy, and seeded sampling)."""
     model = request.getfixturevalue(name)
     settings = [dict(temperature=0), dict(temperature=0), dict(temperature=0.9, seed=7, top_k=0, top_p=1.0,
                                                                 min_p=0.0), dict(temperature=0)]
@@ -226,8 +218,7 @@ def test_concurrent_requests_equal_sequential_ones(name, request):
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(ask, range(4)))
         assert got == want
-        if name != "qwen35":
-            assert metric(url, "n_busy_slots_per_decode") > 1.0  # steps ran several slots' tokens in one forward
+        assert metric(url, "n_busy_slots_per_decode") > 1.0  # steps ran several slots' tokens in one forward
         assert metric(url, "tokens_predicted_total") == 4 * 16
         assert metric(url, "requests_processing") == 0
 

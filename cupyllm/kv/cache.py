@@ -453,6 +453,11 @@ class KVCache:
         """Each layer cache once (KV-shared layers alias an earlier layer's)."""
         return list({id(layer): layer for layer in self.layers}.values())
 
+    def recurrent_parts(self, layer: int) -> list[tuple[slice, "RecurrentState"]]:
+        """The rows of a forward and the recurrent state each advances at a hybrid's linear-attention layer: all
+        rows, this cache's state (a batched forward's stand-in gives each sequence's rows its own)."""
+        return [(slice(None), self.layers[layer])]
+
     def check_room(self, n_new: int) -> None:
         if self.n_past + n_new > self.spec.ctx:
             raise ContextOverflowError(

@@ -8,9 +8,9 @@ sequence's rows with that sequence's cache and positions, then concatenates the 
 block does (norms, RoPE inside attention, MLPs, Gemma 4's per-layer inputs, MoE routing) is per row.
 
 Gemma 4's KV-shared layers (k None) read the source layer of the sequence's own cache, as the cache aliases
-it; sliding-window layers mask by the sequence's own positions. The hybrid Qwen3.5 families keep DeltaNet
-states in cache.layers, read by the block itself (models/qwen35.py), so `batchable` is False for them and
-their sequences run one per forward.
+it; sliding-window layers mask by the sequence's own positions. The hybrid Qwen3.5 families' DeltaNet layers ask
+the cache for their recurrent states (`recurrent_parts`): the batched forward's stand-in gives each sequence's
+rows its own state, and the conv and the delta rule run sequence by sequence between batched projections.
 """
 from __future__ import annotations
 
@@ -34,11 +34,6 @@ class Segment:
     tokens: np.ndarray
     cache: KVCache
     all_logits: bool = False
-
-
-def batchable(transformer: Transformer) -> bool:
-    """Whether several sequences can share a forward: every block reaches its cache only through attention."""
-    return transformer.cfg.ssm is None
 
 
 class SegmentwiseFloatOps:
@@ -77,13 +72,21 @@ class SegmentwiseFloatOps:
         return self._ops.gated_act(gate, up, activation)
 
 
-class _NoSharedCache:
-    """What the blocks get as `cache` in a batched forward: there is no one cache; anything that reads it
-    outside the attention hook is a block this module does not know how to batch."""
+class _SequenceCaches:
+    """What the blocks get as `cache` in a batched forward: there is no one cache. A DeltaNet layer's states come
+    per sequence (recurrent_parts); anything else a block reads outside the attention hook is a block this module
+    does not know how to batch."""
+
+    def __init__(self, bounds: Sequence[int], caches: Sequence[KVCache]):
+        self.bounds, self.caches = list(bounds), list(caches)
+
+    def recurrent_parts(self, layer: int):
+        return [(slice(self.bounds[i], self.bounds[i + 1]), cache.layers[layer])
+                for i, cache in enumerate(self.caches)]
 
     def __getattr__(self, name):
         raise TypeError(f"a block read cache.{name} outside attention: this architecture cannot be batched "
-                        "(models/batch.py batchable)")
+                        "(models/batch.py)")
 
 
 class SequenceAttention:
@@ -117,18 +120,17 @@ def forward_batch(transformer: Transformer, segments: Sequence[Segment]) -> list
     ops, cfg = transformer.ops, transformer.cfg
     if len({id(s.cache) for s in segments}) != len(segments):
         raise ValueError("each segment of a batched forward needs its own cache")
-    if len(segments) > 1 and not batchable(transformer):
-        raise ValueError(f"{cfg.arch} keeps recurrent states in its cache: one sequence per forward")
     lengths = [len(s.tokens) for s in segments]
     for s, n in zip(segments, lengths):
         s.cache.check_room(n)
     bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = np.concatenate([np.asarray(s.tokens, np.int64) for s in segments])
     positions = np.concatenate([np.arange(s.cache.n_past, s.cache.n_past + n) for s, n in zip(segments, lengths)])
-    if len(segments) == 1:  # (the hybrids' blocks read their recurrent states from the cache itself)
+    if len(segments) == 1:
         attention, cache = transformer.attention, segments[0].cache
     else:
-        attention, cache = SequenceAttention(transformer.attention, bounds, [s.cache for s in segments]), _NoSharedCache()
+        caches = [s.cache for s in segments]
+        attention, cache = SequenceAttention(transformer.attention, bounds, caches), _SequenceCaches(bounds, caches)
         if transformer.ops.name == "cpu":
             ops = SegmentwiseFloatOps(ops, bounds)
 

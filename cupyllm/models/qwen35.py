@@ -100,7 +100,7 @@ def qwen35_block(ops, cfg, w, layer, x: ResidualStream, positions, cache: KVCach
     """One block on the residual stream x: h, then y."""
     n = x.norm(w.attn_norm)
     if cfg.is_recurrent(layer):
-        x.add(gated_deltanet(ops, cfg, w.deltanet, n, cache.layers[layer], positions))
+        x.add(gated_deltanet(ops, cfg, w.deltanet, n, cache.recurrent_parts(layer), positions))
     else:
         x.add(gated_attention(ops, cfg, w, layer, n, positions, cache, attention))
     n = x.norm(w.ffn_norm)
@@ -127,8 +127,11 @@ def gated_attention(ops, cfg: ModelConfig, w: LayerWeights, layer: int, x, posit
     return ops.linear(out.reshape(n, cfg.n_head * hd) * _sigmoid(xp, gate), w.wo)
 
 
-def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, state: RecurrentState, positions: np.ndarray):
-    """The Gated DeltaNet token mixer over x [n, d], advancing the layer's conv and recurrent state."""
+def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, parts: list[tuple[slice, RecurrentState]],
+                   positions: np.ndarray):
+    """The Gated DeltaNet token mixer over x [n, d], advancing the layer's conv and recurrent states: `parts`,
+    (rows, state) for each sequence in x (KVCache.recurrent_parts; several in a batched forward). The projections
+    take all rows at once; the conv and the delta rule run each sequence's rows on its own state."""
     s, n, xp = cfg.ssm, x.shape[0], ops.xp
     per_key_head = s.n_v_heads // s.n_k_heads
     # (the gates' small float32 matrices apart: with them a call goes weight by weight, without one GEMV or one
@@ -139,6 +142,21 @@ def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, state: Recurren
     else:
         beta_alpha = ops.linear(x, w.beta_alpha).reshape(n, s.n_k_heads, 2, per_key_head)
         beta, alpha = beta_alpha[:, :, 0].reshape(n, s.n_v_heads), beta_alpha[:, :, 1].reshape(n, s.n_v_heads)
+    g = w.a * xp.logaddexp(np.float32(0.0), alpha + w.dt_bias)  # softplus, without overflow
+    beta = _sigmoid(xp, beta)
+    o = [_delta_rule(ops, cfg, w, qkv[rows], g[rows], beta[rows], state) for rows, state in parts]
+    for rows, state in parts:
+        state.n_seen = int(positions[rows][-1]) + 1
+    o = o[0] if len(o) == 1 else xp.concatenate(o)
+    o = ops.gated_rms_norm(o, z.reshape(n, s.n_v_heads, s.v_head_dim), w.norm, cfg.norm_eps)
+    return ops.linear(o.reshape(n, s.n_v_heads * s.v_head_dim), w.out)
+
+
+def _delta_rule(ops, cfg: ModelConfig, w: DeltaNetWeights, qkv, g, beta, state: RecurrentState):
+    """One sequence's rows of gated_deltanet between its projections: the causal conv on the state's last
+    inputs, then the delta rule on its recurrent state (both advanced); o [n, Hv, Dv]."""
+    s, n, xp = cfg.ssm, qkv.shape[0], ops.xp
+    per_key_head = s.n_v_heads // s.n_k_heads
     qkv = ops.causal_conv1d_silu(qkv, w.conv, state.conv)
     key_width = s.n_k_heads * s.k_head_dim
     q = qkv[:, :key_width].reshape(n, s.n_k_heads, s.k_head_dim)
@@ -146,11 +164,7 @@ def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, state: Recurren
     v = qkv[:, 2 * key_width:].reshape(n, s.n_v_heads, s.v_head_dim)
     if s.grouped_v_heads and per_key_head > 1:  # one key head per value head, in the order the backend reads
         q, k = xp.repeat(q, per_key_head, axis=1), xp.repeat(k, per_key_head, axis=1)
-    g = w.a * xp.logaddexp(np.float32(0.0), alpha + w.dt_bias)  # softplus, without overflow
-    o = ops.gated_delta_rule(q, k, v, g, _sigmoid(xp, beta), state.recurrent)
-    o = ops.gated_rms_norm(o, z.reshape(n, s.n_v_heads, s.v_head_dim), w.norm, cfg.norm_eps)
-    state.n_seen = int(positions[-1]) + 1
-    return ops.linear(o.reshape(n, s.n_v_heads * s.v_head_dim), w.out)
+    return ops.gated_delta_rule(q, k, v, g, beta, state.recurrent)
 
 
 @dataclass(frozen=True)

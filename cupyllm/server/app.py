@@ -164,7 +164,7 @@ def create_app(model, parallel: int = 1, *, api_key: str | None = None, queue_si
     async def props():
         eng = engine()
         return {"model_path": str(model.path), "model_alias": model_name, "total_slots": len(eng.slots),
-                "n_ctx": model.kv_spec.ctx, "device": model.device, "batched_decode": eng.batched,
+                "n_ctx": model.kv_spec.ctx, "device": model.device, "batched_decode": True,
                 "queue_size": eng.queue_size, "time_limit": time_limit,
                 "chat_template": model.gguf.metadata.get("tokenizer.chat_template"),
                 "default_generation_settings": {**dataclasses.asdict(SamplingParams()), "n_predict": -1},

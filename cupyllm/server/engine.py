@@ -30,7 +30,7 @@ import numpy as np
 from ..generate import GenerationStats, generate_stream
 from ..errors import InputError
 from ..kv.prompt_cache import PromptCache, shared_prefix
-from ..models.batch import Segment, batchable, forward_batch
+from ..models.batch import Segment, forward_batch
 from ..sampling import Sampler, SamplingParams
 from ..speculative import DraftLength
 from ..speculative.factory import drafter_for
@@ -195,7 +195,6 @@ class Engine:
         self.model = model
         self.queue_size = queue_size
         self.time_limit = time_limit
-        self.batched = batchable(model.transformer)
         self.slots = [Slot(i, model.transformer.ops.new_cache(model.cfg, model.kv_spec)) for i in range(parallel)]
         self.counters = Counters()
         self._pending: list[Request] = []  # waiting for a slot
@@ -306,7 +305,7 @@ class Engine:
             small = len(tokens) <= seq_cache.spec.max_chunk and (len(tokens) == 1 or all_logits)
             # (an MTP head reads the target's hidden rows: its slot's forwards run alone, through its drafter)
             target = getattr(drafter, "target_forward", None)
-            if self.batched and small and target is None:
+            if small and target is None:
                 logits = self._wait(_Job(segment=Segment(tokens, seq_cache, all_logits)))
                 return logits if all_logits else logits[-1:]
             return self._wait(_Job(run=lambda: (target or model._forward_numpy_graphed)(tokens, positions, seq_cache,
