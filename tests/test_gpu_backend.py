@@ -292,6 +292,40 @@ def test_speculative_decoding_on_the_device(flash_sized_models, hybrid_models, a
     assert model.last_stats.draft.drafted > 0
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "qwen35"])
+def test_batched_forward_on_the_device(flash_sized_models, hybrid_models, arch):
+    """The server's batched forward (models/batch.py) on the GPU backend: three sequences prefilled one by one,
+    then three steps of all three in one forward (several rows through the device's GEMVs, attention over each
+    sequence's own device cache, the hybrid's device states per sequence): each sequence's logits those of its
+    own forward alone, within the device's float32 rounding, with the same argmax."""
+    import cupyllm
+    from cupyllm.models.batch import Segment, forward_batch
+    path = hybrid_models[arch] if arch == "qwen35" else flash_sized_models[arch]
+    model = cupyllm.load(path, device="gpu", ctx=96, progress=False)
+    t = model.transformer
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (5, 11, 2)]
+    alone = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
+    batched = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
+
+    def check(got, want):
+        want = np.asarray(t.ops.to_numpy(want), np.float32)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+    for ids, a, b in zip(prompts, alone, batched):
+        got, = forward_batch(t, [Segment(ids, b)])
+        check(got, t.forward(ids, np.arange(len(ids)), a))
+        a.n_past = b.n_past = len(ids)
+    for _ in range(3):
+        tokens = [np.array([int(rng.integers(3, model.cfg.n_vocab))]) for _ in prompts]
+        got = forward_batch(t, [Segment(tk, b) for tk, b in zip(tokens, batched)])
+        for i, (tk, a, b) in enumerate(zip(tokens, alone, batched)):
+            check(got[i], t.forward(tk, np.array([a.n_past]), a))
+            a.n_past += 1
+            b.n_past += 1
+
+
 def test_import_without_cupy():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cupy_backends'] = None\n"
             "import cupyllm, cupyllm.backend.gpu as g, cupyllm.ops.matmul.gpu as k\n"
