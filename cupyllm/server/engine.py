@@ -24,31 +24,29 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numba
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from ..generate import GenerationStats, generate_stream
 from ..errors import InputError
 from ..kv.prompt_cache import PromptCache, shared_prefix
 from ..models.batch import Segment, forward_batch
+from ..ops.matmul.cpu import matmul_many
+from ..ops.matmul.reference import WEIGHT_FORMATS
 from ..sampling import Sampler, SamplingParams
 from ..speculative import DraftLength
 from ..speculative.factory import drafter_for
+
 
 def start_cpu_threads() -> None:
     """Run one parallel numba region on the calling thread (the batcher's, first thing). With numba's OpenMP layer
     every thread that starts parallel regions gets a libgomp team of its own, and once their threads outnumber the
     cores libgomp throttles their spinning between regions: a third slower decode (docs/server.md, Limits). So in
-    a serving process only the batcher runs model work."""
-    _parallel_sum(np.ones(64, np.float32))
-
-
-@numba.njit(parallel=True)  # (not cached: a kernel of numba's cache must be a precompile source; this one is tiny)
-def _parallel_sum(values):
-    total = 0.0
-    for i in numba.prange(values.shape[0]):
-        total += values[i]
-    return total
+    a serving process only the batcher runs model work. (The region is the decode GEMV's on a tiny weight of
+    zero blocks: a kernel the precompile has put in numba's cache, so that starting a server compiles nothing.)"""
+    fmt = WEIGHT_FORMATS[GGMLQuantizationType.Q4_K]
+    matmul_many(np.ones((1, fmt.block_values), np.float32), [(np.zeros((2, fmt.block_bytes), np.uint8), fmt)],
+                fmt.block_values)
 
 
 STALL_SECONDS = 0.05  # the batcher waits this long for a busy slot's next step before running without it
