@@ -151,6 +151,12 @@ def run_level(url: str, n_clients: int, n_requests: int, max_tokens: int) -> dic
             "texts": [(r["prompt"], r["text"]) for r in results]}
 
 
+def shown(value, digits: int = 1) -> str:
+    """A figure for the log: '-' where there is none (no text arrived: a model whose tokens print nothing, as a
+    random-weight model's may, has no time to first text or gaps between texts)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def bench_model(model: str, levels: list[int], args) -> dict:
     import openai
     result = {"servers": {}}
@@ -178,10 +184,10 @@ def bench_model(model: str, levels: list[int], args) -> dict:
                 level = run_level(url, n, args.requests, args.max_tokens)
                 level["same_text_as_alone"] = sum(alone[p] == t for p, t in level.pop("texts"))
                 runs.append(level)
-                print(f"{Path(model).name[:24]:24s} {peer:17s} {n} clients: {level['aggregate_tok_s']:6.1f} tok/s "
-                      f"aggregate, TTFT p50 {level['ttft_p50_s']:.3f} s, ITL p50 {level['itl_p50_ms']:.1f} ms p99 "
-                      f"{level['itl_p99_ms']:.1f} ms, {level['same_text_as_alone']}/{level['requests']} texts as alone"
-                      f"{', errors: ' + str(len(level['errors'])) if level['errors'] else ''}", file=sys.stderr)
+                print(f"{Path(model).name[:24]:24s} {peer:17s} {n} clients: {shown(level['aggregate_tok_s'])} tok/s "
+                      f"aggregate, TTFT p50 {shown(level['ttft_p50_s'], 3)} s, ITL p50 {shown(level['itl_p50_ms'])} ms "
+                      f"p99 {shown(level['itl_p99_ms'])} ms, {level['same_text_as_alone']}/{level['requests']} texts "
+                      f"as alone{', errors: ' + str(len(level['errors'])) if level['errors'] else ''}", file=sys.stderr)
             result["servers"][peer] = {"levels": runs}
         finally:
             proc.terminate()
