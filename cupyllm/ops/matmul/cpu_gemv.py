@@ -5,7 +5,7 @@ dequantization (`ops/matmul/cpu.py` picks between them and the prefill GEMM of `
   multiplying the weight's integer codes with x rounded to 16-bit codes per 32 values (x_hat,
   `ops/matmul/activation_codes.py`; 16 products an instruction), so a decode step reads the quantized bytes with few
   instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser); several tokens (a batched
-  decode, a verify run of drafts) go four at a time, each block unpacked once for the four;
+  decode, a verify run of drafts) go four (or two) at a time, each block unpacked once for them;
 - `dequantize_rows` / `gather_rows` expand rows to f32 (embedding lookups; float-weight tiles for BLAS).
 Both are written with the explicit vectors of `ops/simd.py`. The row decoders reproduce the NumPy
 definitions of `ops/matmul/reference.py` bit for bit, the activation codes those of `ops/matmul/activation_codes.py`; the
@@ -893,7 +893,7 @@ _ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_ro
 _ROWS4_Q6_K, _ROWS4_Q6_K_WIDE = _four_token_rows(_dot_q6_k_4), _four_token_rows(_dot_q6_k_wide_4)
 _ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, C_Q5_0), _four_token_rows(_dot_small_wide_4, C_Q5_0)
 _ROWS4_Q4_0 = _four_token_rows(_dot_small_4, C_Q4_0)
-# (Q4_1 and Q5_1, rare in today's GGUFs, keep the one-token kernels: their several-token kernels cost the first
+# (Q4_1 and Q5_1, rare in GGUF releases, keep the one-token kernels: their several-token kernels cost the first
 # run's compile about 5 s of CPU)
 SEVERAL_TOKEN_CODES = (C_Q8_0, C_Q4_0, C_Q5_0, C_Q4_K, C_Q5_K, C_Q6_K)
 
