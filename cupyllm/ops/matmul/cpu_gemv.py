@@ -970,24 +970,24 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
     if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
         for t in range(n_tok):
             quantize_activation_row(xs[t], xq[t], xd[t], xsum[t])
-    # Tokens go four at a time through a block-quantized weight (three as four, the last one twice), then two at
-    # a time, the rest (and a float weight's tokens) one at a time. Several passes over the rows: a tile of rows
-    # at a time for every pass, so each row is read from memory once and from the cache for the other passes
-    # (one pass: the share's rows in one call).
-    floats = False
+    # Tokens go four at a time through a weight of SEVERAL_TOKEN_CODES (three as four, the last one twice), then
+    # two at a time, the rest (and every token of the other weights) one at a time. Several passes over the rows:
+    # a tile of rows at a time for every pass, so each row is read from memory once and from the cache for the
+    # other passes (one pass: the share's rows in one call).
+    token_by_token = False
     for i in range(len(datas)):
-        floats |= codes[i] == C_F32 or codes[i] == C_F16 or codes[i] == C_BF16
-    tile = TOKEN_TILE_ROWS if n_tok > 4 or (n_tok > 1 and floats) else 1 << 62
+        token_by_token |= codes[i] not in SEVERAL_TOKEN_CODES
+    tile = TOKEN_TILE_ROWS if n_tok > 4 or (n_tok > 1 and token_by_token) else 1 << 62
     for share in prange(shares):
         first, stop = _share_rows(datas, share, shares)
         offset = 0
         for i in range(len(datas)):  # the weights' rows that fall in this thread's share
             n_rows, code = datas[i].shape[0], codes[i]
             lo, hi = max(first - offset, 0), min(stop - offset, n_rows)
+            blocks = code in SEVERAL_TOKEN_CODES
+            n_fours = (n_tok + 1) // 4 if blocks else 0
             for a in range(lo, hi, tile):
                 b = min(a + tile, hi)
-                blocks = code in SEVERAL_TOKEN_CODES
-                n_fours = (n_tok + 1) // 4 if blocks else 0
                 for g in range(n_fours):
                     t, last = 4 * g, min(4 * g + 3, n_tok - 1)
                     _gemv_rows_4(code, datas[i], a, b, (xq[t], xd[t], xsum[t]), (xq[t + 1], xd[t + 1], xsum[t + 1]),
