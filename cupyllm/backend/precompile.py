@@ -35,7 +35,9 @@ SOURCES = [_OPS / "simd.py", _OPS / "matmul" / "cpu_gemv.py", _OPS / "matmul" / 
 # --- the jobs: each calls kernels through the wrappers the engine uses, on inputs of a few values ---------------
 # (the weight and KV row formats are data to the kernels, so one format stands for all of them)
 
-def _quantized_weight(rows: int, n_in: int):
+def zero_weight(rows: int, n_in: int):
+    """(blocks, format) of a Q4_K weight [rows, n_in] of zero blocks (zero scales: valid rows): what the jobs
+    multiply, and what the server's thread warm-up multiplies to run a cached kernel."""
     from gguf import GGMLQuantizationType as T
 
     from ..ops.matmul.reference import WEIGHT_FORMATS
@@ -46,7 +48,7 @@ def _quantized_weight(rows: int, n_in: int):
 
 def _gemv() -> None:
     from ..ops.matmul.cpu import matmul_many
-    data, fmt = _quantized_weight(4, 256)
+    data, fmt = zero_weight(4, 256)
     matmul_many(np.ones((1, 256), np.float32), [(data, fmt)], 256)
     from ..ops.matmul.cpu import matmul_each
     matmul_each(np.ones((2, 256), np.float32), [(data, fmt)] * 2, np.arange(2), 256)  # a decode's chosen experts
@@ -54,7 +56,7 @@ def _gemv() -> None:
 
 def _gemm() -> None:
     from ..ops.matmul.cpu import TOKENS_PER_GEMV, matmul_many
-    data, fmt = _quantized_weight(4, 256)
+    data, fmt = zero_weight(4, 256)
     matmul_many(np.ones((TOKENS_PER_GEMV + 1, 256), np.float32), [(data, fmt)], 256)
 
 
@@ -64,7 +66,7 @@ def _weight_rows() -> None:
     from ..ops.matmul import cpu as matmul_cpu
     from ..ops.matmul.cpu_gemv import dequantize_ids
     from ..ops.matmul.reference import WEIGHT_FORMATS
-    data, fmt = _quantized_weight(4, 256)
+    data, fmt = zero_weight(4, 256)
     dequantize_ids(data, fmt, 256, np.array([1, 2]))  # embedding rows
     f16 = WEIGHT_FORMATS[T.F16]  # the f32 tiles of the BLAS path
     matmul_cpu.matmul(np.ones((TOKENS_PER_TILE, 16), np.float32), np.zeros((4, 32), np.uint8), f16, 16)

@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
+from ..backend.precompile import zero_weight
 from ..generate import GenerationStats, generate_stream
 from ..errors import InputError
 from ..kv.prompt_cache import PromptCache, shared_prefix
 from ..models.batch import Segment, forward_batch
 from ..ops.matmul.cpu import matmul_many
-from ..ops.matmul.reference import WEIGHT_FORMATS
 from ..sampling import Sampler, SamplingParams
 from ..speculative import DraftLength
 from ..speculative.factory import drafter_for
@@ -44,9 +43,8 @@ def start_cpu_threads() -> None:
     cores libgomp throttles their spinning between regions: a third slower decode (docs/server.md, Limits). So in
     a serving process only the batcher runs model work. (The region is the decode GEMV's on a tiny weight of
     zero blocks: a kernel the precompile has put in numba's cache, so that starting a server compiles nothing.)"""
-    fmt = WEIGHT_FORMATS[GGMLQuantizationType.Q4_K]
-    matmul_many(np.ones((1, fmt.block_values), np.float32), [(np.zeros((2, fmt.block_bytes), np.uint8), fmt)],
-                fmt.block_values)
+    data, fmt = zero_weight(2, 256)
+    matmul_many(np.ones((1, 256), np.float32), [(data, fmt)], 256)
 
 
 STALL_SECONDS = 0.05  # the batcher waits this long for a busy slot's next step before running without it
