@@ -144,8 +144,9 @@ def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, parts: list[tup
         beta, alpha = beta_alpha[:, :, 0].reshape(n, s.n_v_heads), beta_alpha[:, :, 1].reshape(n, s.n_v_heads)
     g = w.a * xp.logaddexp(np.float32(0.0), alpha + w.dt_bias)  # softplus, without overflow
     beta = _sigmoid(xp, beta)
-    o = [_delta_rule(ops, cfg, w, qkv[rows], g[rows], beta[rows], state) for rows, state in parts]
+    o = []
     for rows, state in parts:
+        o.append(_delta_rule(ops, cfg, w, qkv[rows], g[rows], beta[rows], state))
         state.n_seen = int(positions[rows][-1]) + 1
     o = o[0] if len(o) == 1 else xp.concatenate(o)
     o = ops.gated_rms_norm(o, z.reshape(n, s.n_v_heads, s.v_head_dim), w.norm, cfg.norm_eps)

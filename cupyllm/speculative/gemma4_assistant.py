@@ -42,6 +42,7 @@ from ..files.gguf import GGUFFile
 from ..files.validate import Hyperparameters
 from ..models.residual import ResidualStream
 from ..models.weights import Weight, load_matrix, load_vector
+from ..ops.attention.dca import query_positions
 from ..ops.matmul.reference import dequantize, weight_format
 
 ARCH = "gemma4-assistant"
@@ -249,7 +250,6 @@ class Gemma4Assistant:
         """One draft: (logits [1, n_vocab], the next draft's hidden [1, d_target]) on the backend, from the
         target (a Transformer: its embedding), its cache (positions < `position`), the last token and h; `dca`:
         the target's Dual Chunk Attention (DCAConfig) where it runs with it."""
-        from ..ops.attention.dca import query_positions
         ops, cfg = self.ops, self.cfg
         positions = np.array([position], dtype=np.int64)
         x = ops.embed(target.token_embd, np.array([token], dtype=np.int64)) * np.float32(target.cfg.embed_scale)
@@ -308,7 +308,7 @@ def reference_step(cfg: AssistantConfig, tensors: dict[str, np.ndarray], target_
     token (unscaled), its hidden row h, and the target's K/V per kind (True: sliding): (k [n, n_kv, hd],
     v, their positions), all before `position`. Returns (logits [n_vocab], h' [d_target]), float32. `dca` (a
     DCAConfig): the target's Dual Chunk Attention, its global K roped at in-chunk positions as it caches them."""
-    from ..ops.attention.dca import attend_dca, query_positions
+    from ..ops.attention.dca import attend_dca
     from ..ops.attention.reference import attend, causal_mask
     from ..ops.elementwise.reference import apply_rope, gelu_tanh, rms_norm, rope_tables
 
