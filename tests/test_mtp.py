@@ -21,23 +21,30 @@ PROMPT = [3, 17, 5, 9, 3, 17, 5, 11, 2, 8, 13, 21, 3, 17]
 DRAFT_ALWAYS = {"type": "mtp", "draft_p_min": 0.0, "adaptive": False, "draft_max": 4}
 
 
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    """mtp_model(arch) -> (path, decoded float32 tensors): the tiny hybrid with one NextN block (its eh_proj
-    in Q8_0, so a quantized projection runs too)."""
+def _mtp_models(folder, ssm_dim: int | None = None):
+    """make(arch) -> (path, decoded float32 tensors), each written once into `folder`: the tiny hybrid with one
+    NextN block (its eh_proj in Q8_0, so a quantized projection runs too); ssm_dim: its DeltaNet key and value
+    head dims (None: the tiny models' own)."""
     made = {}
-    folder = tmp_path_factory.mktemp("tiny_mtp")
 
     def make(arch: str):
         if arch not in made:
             spec = make_tiny_models.tiny_spec(arch)
+            if ssm_dim is not None:
+                spec.ssm_k_dim = spec.ssm_v_dim = ssm_dim
             spec.n_nextn = 1
             spec.types = {**spec.types, "nextn.eh_proj.weight": T.Q8_0}
-            path = folder / f"tiny-{arch}-mtp.gguf"
+            path = folder / f"tiny-{arch}-mtp{'' if ssm_dim is None else f'-{ssm_dim}'}.gguf"
             made[arch] = (path, make_tiny_models.write_gguf(spec, path))
         return made[arch]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    """mtp_model(arch) -> (path, decoded float32 tensors): the tiny hybrid with one NextN block."""
+    return _mtp_models(tmp_path_factory.mktemp("tiny_mtp"))
 
 
 def _load(path, **options):
@@ -241,20 +248,7 @@ def test_cli_spec_type_mtp(mtp_model, tiny_model):
 def gpu_mtp_model(tmp_path_factory):
     """gpu_mtp_model(arch) -> (path, decoded): the tiny hybrid with its head and DeltaNet head dims of 32 (the
     tiny models' 16 is below what the GPU kernels take: tests/test_gpu_backend.py hybrid_models)."""
-    made = {}
-    folder = tmp_path_factory.mktemp("tiny_mtp_gpu")
-
-    def make(arch: str):
-        if arch not in made:
-            spec = make_tiny_models.tiny_spec(arch)
-            spec.ssm_k_dim = spec.ssm_v_dim = 32
-            spec.n_nextn = 1
-            spec.types = {**spec.types, "nextn.eh_proj.weight": T.Q8_0}
-            path = folder / f"tiny-{arch}-mtp-32.gguf"
-            made[arch] = (path, make_tiny_models.write_gguf(spec, path))
-        return made[arch]
-
-    return make
+    return _mtp_models(tmp_path_factory.mktemp("tiny_mtp_gpu"), ssm_dim=32)
 
 
 def on_the_gpu(test):
