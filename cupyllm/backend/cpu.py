@@ -75,13 +75,13 @@ class CPUBackend:
 
     # --- linear algebra ---------------------------------------------------------------------------
     def _one_blas_thread_for(self, x: np.ndarray, weights):
-        """BLAS on one thread for a decode step's float32 weights, and for a prefill's narrow ones (a router,
-        DeltaNet's alpha / beta: up to NARROW_F32_ROWS rows): woken, its workers spin on after the call and take
-        the cores from numba's GEMVs and GEMMs (measured, Qwen3.6-35B-A3B shapes: a [256, 2048] router took
-        2.8 ms a decode call, 0.02 ms alone, and the expert GEMVs after it x4; a Qwen3.5-0.8B prefill
-        took twice as long beside its [16, 1024] alpha / beta on two BLAS threads)."""
+        """BLAS on one thread for a prefill's narrow float32 weights (a router, DeltaNet's alpha / beta: up to
+        NARROW_F32_ROWS rows; a decode step's go through the GEMV): woken, its workers spin on after the call and
+        take the cores from numba's GEMMs (measured: a Qwen3.5-0.8B prefill took twice as long beside its
+        [16, 1024] alpha / beta on two BLAS threads; a Qwen3.6-35B-A3B decode's [256, 2048] router on BLAS made
+        the expert GEMVs after it x4 slower)."""
         f32 = [w for w in weights if w.fmt.qtype == T.F32]
-        if not f32 or (x.shape[0] > TOKENS_PER_GEMV and any(w.shape[0] > NARROW_F32_ROWS for w in f32)):
+        if not f32 or x.shape[0] <= TOKENS_PER_GEMV or any(w.shape[0] > NARROW_F32_ROWS for w in f32):
             return contextlib.nullcontext()
         if self._blas is None:  # (finding the loaded BLAS libraries takes milliseconds: once)
             self._blas = ThreadpoolController()

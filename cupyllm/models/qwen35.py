@@ -134,13 +134,11 @@ def gated_deltanet(ops, cfg: ModelConfig, w: DeltaNetWeights, x, parts: list[tup
     take all rows at once; the conv and the delta rule run each sequence's rows on its own state."""
     s, n, xp = cfg.ssm, x.shape[0], ops.xp
     per_key_head = s.n_v_heads // s.n_k_heads
-    # (the gates' small float32 matrices apart: with them a call goes weight by weight, without one GEMV or one
-    # packing of x for both quantized projections)
-    qkv, z = ops.linear_many(x, [w.qkv, w.gate])
     if w.beta_alpha is None:
-        alpha, beta = ops.linear_many(x, [w.alpha, w.beta])
+        qkv, z, alpha, beta = ops.linear_many(x, [w.qkv, w.gate, w.alpha, w.beta])
     else:
-        beta_alpha = ops.linear(x, w.beta_alpha).reshape(n, s.n_k_heads, 2, per_key_head)
+        qkv, z, beta_alpha = ops.linear_many(x, [w.qkv, w.gate, w.beta_alpha])
+        beta_alpha = beta_alpha.reshape(n, s.n_k_heads, 2, per_key_head)
         beta, alpha = beta_alpha[:, :, 0].reshape(n, s.n_v_heads), beta_alpha[:, :, 1].reshape(n, s.n_v_heads)
     g = w.a * xp.logaddexp(np.float32(0.0), alpha + w.dt_bias)  # softplus, without overflow
     beta = _sigmoid(xp, beta)

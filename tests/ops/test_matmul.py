@@ -138,7 +138,8 @@ def test_numba_activation_codes_equal_reference():
                                    rtol=1e-6)
 
 
-@pytest.mark.parametrize("n_in", [256, 896, 1536])  # one K-block; Qwen's d_model (28 blocks of 32); larger
+# one K-block; Qwen's d_model (28 blocks of 32); larger; float rows with a tail past the 16-lane steps
+@pytest.mark.parametrize("n_in", [256, 896, 1536, 260])
 @pytest.mark.parametrize("qtype", list(WEIGHT_FORMATS), ids=lambda t: t.name)
 def test_gemv_and_gemm_match_reference(qtype, n_in):
     """The decode GEMV (one token, six and seven tokens; narrow and wide) and the prefill GEMM (35 tokens: a whole 32-token tile and a padded one; 20
@@ -174,9 +175,10 @@ def test_gemv_and_gemm_match_reference(qtype, n_in):
 
 @pytest.mark.parametrize("n_tok", [1, 2, 9])  # one parallel GEMV for all weights; two tokens; the GEMMs
 def test_matmul_many_equals_one_matmul_per_weight(n_tok):
-    """q/k/v and gate/up share one call: mixed formats and row counts give the very values of separate calls."""
+    """q/k/v and gate/up share one call: mixed formats and row counts give the very values of separate calls
+    (a float32 weight among them too: DeltaNet's alpha beside its qkv)."""
     from gguf import GGMLQuantizationType as T
-    shapes = [(T.Q5_0, 70), (T.Q8_0, 9), (T.Q4_K, 130), (T.Q6_K, 1)]
+    shapes = [(T.Q5_0, 70), (T.Q8_0, 9), (T.F32, 16), (T.Q4_K, 130), (T.Q6_K, 1)]
     weights = [(random_rows(qtype, n_out, 512, seed=n_out), WEIGHT_FORMATS[qtype]) for qtype, n_out in shapes]
     x = np.random.default_rng(7).standard_normal((n_tok, 512)).astype(np.float32)
     for got, (rows, fmt) in zip(matmul_many(x, weights, 512), weights):

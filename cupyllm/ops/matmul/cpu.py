@@ -4,8 +4,8 @@
   per token against x's 16-bit codes;
 - more tokens (prefill) with a block-quantized weight: the integer GEMM (`cpu_gemm.gemm_blocks`), the same
   products for 32 tokens at a time;
-- F32 weights: BLAS on the mapped array; F16 / BF16 weights: BLAS on f32 tiles of them (or the GEMV, which
-  multiplies x itself for float weights).
+- F32 weights: the GEMV for a few tokens (it multiplies x itself for float weights), BLAS on the mapped array
+  for more; F16 / BF16 weights: BLAS on f32 tiles of them (or the GEMV).
 Both integer kernels multiply x_hat (`ops/matmul/activation_codes.py`), so prefill and decode compute the same
 products; `ACTIVATION_CODES = False` sends every quantized weight through f32 tiles and BLAS instead
 (x itself: the GPU-parity test compares against that).
@@ -28,12 +28,12 @@ ROW_TILE = 2048  # weight rows per f32 tile of the BLAS path
 
 
 def _kernel(n_tok: int, fmts: list[WeightFormat]) -> str:
+    if not ACTIVATION_CODES:
+        return "blas" if all(fmt.qtype == T.F32 for fmt in fmts) else "tiles"
+    if n_tok <= TOKENS_PER_GEMV:  # (float32 weights too: a BLAS call per narrow weight costs more than its rows)
+        return "gemv"
     if all(fmt.qtype == T.F32 for fmt in fmts):
         return "blas"
-    if not ACTIVATION_CODES:
-        return "tiles"
-    if n_tok <= TOKENS_PER_GEMV and all(fmt.qtype != T.F32 for fmt in fmts):
-        return "gemv"
     if n_tok > TOKENS_PER_GEMV and all(fmt.code in GEMM_CODES for fmt in fmts):
         return "gemm"
     return "tiles"
@@ -50,6 +50,12 @@ def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n
         return gemv_many(x, weights)
     if kernel == "gemm":
         return gemm_many(x, weights)
+    quantized = [i for i, (_, fmt) in enumerate(weights) if fmt.qtype != T.F32]
+    if 1 < len(quantized) < len(weights) and _kernel(x.shape[0], [weights[i][1] for i in quantized]) == "gemm":
+        # a prefill's float32 weights beside quantized ones (DeltaNet's alpha / beta beside qkv / z): BLAS for
+        # those, one GEMM for the rest
+        ys = dict(zip(quantized, gemm_many(x, [weights[i] for i in quantized])))
+        return [ys[i] if i in ys else matmul(x, data, fmt, n_in) for i, (data, fmt) in enumerate(weights)]
     return [matmul(x, data, fmt, n_in) for data, fmt in weights]
 
 

@@ -733,11 +733,29 @@ def _dot_q6_k_wide_4(row, x0, x1, x2, x3, f16, ahead):
 
 @njit(inline="always")
 def _dot_plain(code, row, x, f16):
-    """F16 / BF16 / F32 rows, value by value (`matmul` sends F32 to BLAS; no model we run has the others)."""
+    """F16 / BF16 rows, value by value (no model we run has them as matrices)."""
     acc = np.float32(0.0)
     for k in range(x.shape[0]):
         acc += _plain_value(code, row, k, f16) * x[k]
     return acc
+
+
+@njit(inline="always")
+def _dot_f32(row, x):
+    """An F32 row (its bytes) . x, sixteen lanes at a time in two FMA chains: the narrow float32 weights of a
+    decode step (DeltaNet's alpha / beta, a router) stream with the quantized ones, in their parallel region."""
+    w = row.view(np.float32)
+    n = x.shape[0]
+    acc, acc_next = zeros(), zeros()
+    k = 0
+    while k + 16 <= n:
+        acc = fma(load_f32(w, k), load_f32(x, k), acc)
+        acc_next = fma(load_f32(w, k + 8), load_f32(x, k + 8), acc_next)
+        k += 16
+    total = hsum(fadd(acc, acc_next))
+    for j in range(k, n):
+        total += w[j] * x[j]
+    return total
 
 
 # --- activation rounding (ops/matmul/activation_codes.py's definition, the same float32 operations) -------------
@@ -845,6 +863,9 @@ def _rows_either(code, data, first, end, x, xq, xd, xsum, out, f16, ahead):
     elif code == C_Q4_1:
         for n in range(first, end):
             out[n] = _dot_small(data[n], xq, xd, xsum, f16, ahead, True, False)
+    elif code == C_F32:
+        for n in range(first, end):
+            out[n] = _dot_f32(data[n], x)
     else:
         for n in range(first, end):
             out[n] = _dot_plain(code, data[n], x, f16)
@@ -1007,8 +1028,9 @@ TOKEN_TILE_ROWS = 16  # rows a thread takes through all tokens at once: 16 rows 
 
 
 # gemv_many passes this many weights a call, padding with empty ones: numba compiles gemv_blocks once per tuple
-# length, and one length (q/k/v, gate/up, a single weight alike) is one compile instead of three
-GEMV_WEIGHTS = 3
+# length, and one length (q/k/v, gate/up, a DeltaNet's qkv/z/alpha/beta, a single weight alike) is one compile
+# instead of four
+GEMV_WEIGHTS = 4
 
 
 def weight_rows(data: np.ndarray) -> np.ndarray:
