@@ -996,3 +996,95 @@ def butterflies_16(typingctx, v):
             x = builder.select(high, builder.fsub(partner, x), builder.fadd(x, partner))
         return x
     return f32x16(v), codegen
+
+
+# --- byte lanes: the VNNI decode GEMV (ops/matmul/cpu_gemv.py, Q4_K / Q5_K) --------------------------------
+# 64 byte lanes travel as an i32x16 (one 512-bit register): vpdpbusd multiplies them four to an int32 lane.
+
+def _has_vnni() -> bool:
+    """Whether numba's target has AVX-512 VNNI beside AVX-512 BW (vpdpbusd on 512-bit registers)."""
+    if numba_config.CPU_FEATURES:
+        features = numba_config.CPU_FEATURES.split(",")
+        return "+avx512vnni" in features and "+avx512bw" in features
+    try:
+        features = binding.get_host_cpu_features()
+    except RuntimeError:
+        return False
+    return bool(features.get("avx512vnni") and features.get("avx512bw"))
+
+
+MACHINE_HAS_VNNI = _has_vnni()
+_VB32 = ir.VectorType(ir.IntType(8), 32)
+
+
+@intrinsic
+def load_bytes_64(typingctx, arr, index):
+    """arr[index:index+64] of a byte array as 64 byte lanes (an i32x16)."""
+    if not ((_is_array(arr, types.uint8) or _is_array(arr, types.int8)) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], _I32, WIDE_LANES), align=1)
+    return i32x16(arr, index), codegen
+
+
+def _nibble_lanes(builder, low, high):
+    """The 32 bytes of `low`, then the 32 of `high`, as an i32x16."""
+    both = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_I32, 64), list(range(64))))
+    return builder.bitcast(both, _VI16)
+
+
+@intrinsic
+def load_nibbles_64(typingctx, arr, index):
+    """The low nibbles of the 32 bytes arr[index:index+32] in byte lanes 0-31, their high nibbles in lanes 32-63
+    (a Q4_K / Q5_K pair of sub-blocks, in the order of its values)."""
+    if not (_is_array(arr, types.uint8) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8), 32), align=1)
+        return _nibble_lanes(builder, builder.and_(v, ir.Constant(_VB32, [15] * 32)),
+                             builder.lshr(v, ir.Constant(_VB32, [4] * 32)))
+    return i32x16(arr, index), codegen
+
+
+@intrinsic
+def fifth_bits_64(typingctx, arr, index, bit):
+    """Bit `bit` of each of the 32 bytes arr[index:index+32] in byte lanes 0-31, bit `bit + 1` in lanes 32-63,
+    each moved to bit 4 of its lane (Q5_K's fifth bits of a pair of sub-blocks, to `ior` onto its nibbles)."""
+    if not (_is_array(arr, types.uint8) and _is_int(index) and _is_int(bit)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.IntType(8), 32), align=1)
+        shift = builder.trunc(_int32(context, builder, args[2], sig.args[2]), ir.IntType(8))
+        one, four = ir.Constant(_VB32, [1] * 32), ir.Constant(_VB32, [4] * 32)
+
+        def bit_at(s):
+            return builder.shl(builder.and_(builder.lshr(v, _splat(builder, s, _VB32)), one), four)
+        return _nibble_lanes(builder, bit_at(shift), bit_at(builder.add(shift, ir.Constant(ir.IntType(8), 1))))
+    return i32x16(arr, index, bit), codegen
+
+
+@intrinsic
+def dpbusd(typingctx, acc, a, b):
+    """acc + the sum of the four products of byte lanes 4i..4i+3 in int32 lane i, a's bytes unsigned and b's
+    signed (exact while it fits in int32): one vpdpbusd where MACHINE_HAS_VNNI; the same sums in plain
+    vector code elsewhere."""
+    if not (acc == i32x16 and a == i32x16 and b == i32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if MACHINE_HAS_VNNI:
+            fnty = ir.FunctionType(_VI16, [_VI16, _VI16, _VI16])
+            return builder.call(builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", fnty=fnty),
+                                list(args))
+        bytes64, wide = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, 64)
+        prod = builder.mul(builder.zext(builder.bitcast(args[1], bytes64), wide),
+                           builder.sext(builder.bitcast(args[2], bytes64), wide))
+        total = args[0]
+        for j in range(4):
+            total = builder.add(total, builder.shuffle_vector(prod, prod, ir.Constant(
+                _VI16, [4 * i + j for i in range(WIDE_LANES)])))
+        return total
+    return i32x16(acc, a, b), codegen

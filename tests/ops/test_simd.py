@@ -3,6 +3,7 @@ half-float conversion, the polynomial exp and the gathers."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from numba import njit
 
 from cupyllm.ops import simd
@@ -246,3 +247,44 @@ def test_gather_from_integer_addresses(monkeypatch):
     raw = (np.arange(8) * 37).astype(np.uint8)
     word = int(raw.view("<u8")[0])
     np.testing.assert_array_equal(gather(table, raw), table[[(word >> (4 * i)) & 511 for i in range(16)]])
+
+
+def _byte_lanes(raw, a, b, acc):
+    """The byte-lane helpers of the VNNI GEMV: dpbusd of a (unsigned) and b (signed) bytes onto acc, the nibbles
+    and fifth bits of raw's first 32 bytes through dpbusd against ones (byte lane 4i + j alone: j-th one-hot)."""
+    out = np.empty(16 * 9, np.float32)
+    ones = np.zeros((4, 64), np.uint8)
+    for j in range(4):
+        ones[j, j::4] = 1
+    sums = simd.dpbusd(simd.load_bytes_64(acc.view(np.uint8), 0), simd.load_bytes_64(a, 0), simd.load_bytes_64(b, 0))
+    simd.store_f32(out, 0, simd.to_f32(sums))
+    nibbles = simd.ior(simd.load_nibbles_64(raw, 0), simd.fifth_bits_64(raw, 32, 3))
+    for j in range(4):  # (nibbles unsigned in a, the one-hot ones signed in b)
+        picked = simd.dpbusd(simd.izeros_16(), nibbles, simd.load_bytes_64(ones[j], 0))
+        simd.store_f32(out, 16 + 16 * j, simd.to_f32(picked))
+        picked = simd.dpbusd(simd.izeros_16(), simd.load_bytes_64(ones[j], 0), simd.fifth_bits_64(raw, 32, 6))
+        simd.store_f32(out, 80 + 16 * j, simd.to_f32(picked))
+    return out
+
+
+@pytest.mark.parametrize("vnni", [False] + [True] * simd.MACHINE_HAS_VNNI, ids=lambda v: "vnni" if v else "plain")
+def test_byte_lanes_match_numpy(vnni, monkeypatch):
+    """dpbusd sums four unsigned-by-signed byte products a lane (the VNNI instruction where the machine has it,
+    plain vector code elsewhere: both compiled here where the machine has it); load_nibbles_64 / fifth_bits_64
+    lay out a Q4_K / Q5_K pair of sub-blocks."""
+    monkeypatch.setattr(simd, "MACHINE_HAS_VNNI", vnni)  # (read as the intrinsics generate code)
+    byte_lanes = njit(_byte_lanes)  # compiled under the patched flag
+    rng = np.random.default_rng(4)
+    raw = rng.integers(0, 256, 64, dtype=np.uint8)
+    a = rng.integers(0, 256, 64, dtype=np.uint8)
+    b = rng.integers(0, 256, 64, dtype=np.uint8)
+    acc = rng.integers(-1000, 1000, 16).astype(np.int32)
+    out = byte_lanes(raw, a, b, acc)
+    products = a.astype(np.int64) * b.view(np.int8).astype(np.int64)
+    np.testing.assert_array_equal(out[:16], acc + products.reshape(16, 4).sum(1))
+    q, qh = raw[:32], raw[32:]
+    nibbles = np.concatenate([q & 15, q >> 4]) | np.concatenate([(qh >> 3) & 1, (qh >> 4) & 1]) << 4
+    fifth = np.concatenate([(qh >> 6) & 1, (qh >> 7) & 1]) << 4
+    for j in range(4):
+        np.testing.assert_array_equal(out[16 + 16 * j:32 + 16 * j], nibbles[j::4])
+        np.testing.assert_array_equal(out[80 + 16 * j:96 + 16 * j], fifth[j::4])

@@ -5,7 +5,9 @@ dequantization (`ops/matmul/cpu.py` picks between them and the prefill GEMM of `
   multiplying the weight's integer codes with x rounded to 16-bit codes per 32 values (x_hat,
   `ops/matmul/activation_codes.py`; 16 products an instruction), so a decode step reads the quantized bytes with few
   instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser); several tokens (a batched
-  decode, a verify run of drafts) go four (or two) at a time, each block unpacked once for them;
+  decode, a verify run of drafts) go four (or two) at a time, each block unpacked once for them; where the
+  machine has AVX-512 VNNI the K-quants multiply the codes' two bytes with vpdpbusd (64 products an instruction
+  pair, `_dot_k_vnni`): a pair of sub-blocks then costs one float conversion and one FMA, not two;
 - `dequantize_rows` / `gather_rows` expand rows to f32 (embedding lookups; float-weight tiles for BLAS).
 Both are written with the explicit vectors of `ops/simd.py`. The row decoders reproduce the NumPy
 definitions of `ops/matmul/reference.py` bit for bit, the activation codes those of `ops/matmul/activation_codes.py`; the
@@ -18,11 +20,12 @@ import numba
 from numba import njit, prange
 
 from .activation_codes import ACTIVATION_BLOCK, ACTIVATION_LEVELS, SMALLEST_SCALE
-from ..simd import (MACHINE_HAS_512_BIT_LANES, bit_lanes, bit_words, bit_words_32, f32_from_bits, fabs, fadd, fma,
-                    fmax, fmin, fmul, fround, fsub, halves, hmax, hsum, iand, ior, ishl, ishr, isub, izeros,
-                    izeros_16, join_32, lane_pair_splat_16, lane_splat, lane_splat_16, load_f32, load_i8, load_i8w,
-                    load_i8w_32, load_i16, load_i16_32, load_u8, load_u8w, load_u8w_32, madd, pair_lanes, prefetch,
-                    splat, splat_16, store_f32, store_i16, to_f32, zeros, zeros_16)
+from ..simd import (MACHINE_HAS_512_BIT_LANES, MACHINE_HAS_VNNI, bit_lanes, bit_words, bit_words_32, dpbusd,
+                    f32_from_bits, fabs, fadd, fifth_bits_64, fma, fmax, fmin, fmul, fround, fsub, halves, hmax, hsum,
+                    iand, ior, ishl, ishr, isub, izeros, izeros_16, join_32, lane_pair_splat_16, lane_splat,
+                    lane_splat_16, load_bytes_64, load_f32, load_i8, load_i8w, load_i8w_32, load_i16, load_i16_32,
+                    load_nibbles_64, load_u8, load_u8w, load_u8w_32, madd, pair_lanes, prefetch, splat, splat_16,
+                    store_f32, store_i16, to_f32, zeros, zeros_16)
 from .reference import WEIGHT_FORMATS, WeightFormat
 from gguf import GGMLQuantizationType as T
 
@@ -407,6 +410,44 @@ def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
 
 
 @njit(inline="always")
+def _k_codes_bytes(row, o, pair, five_bit):
+    """_k_codes as 64 byte lanes: sub-block 2*pair's 32 codes, then sub-block 2*pair + 1's (VNNI)."""
+    if not five_bit:
+        return load_nibbles_64(row, o + 16 + pair * 32)
+    return ior(load_nibbles_64(row, o + 48 + pair * 32), fifth_bits_64(row, o + 16, 2 * pair))
+
+
+@njit(inline="always")
+def _k_step_bytes(codes, xb, k, scales, pair, acc):
+    """acc + one token's share of a K-quant pair of sub-blocks (codes: _k_codes_bytes) with vpdpbusd: each
+    16-bit activation code is its high byte times 256 plus its low byte (xb: split_activation_bytes), so the
+    pair's 64 products land four to an int32 lane, lanes 0-7 the first sub-block's, 8-15 the second's, and
+    one conversion and one FMA (scale lanes 2*pair, 2*pair + 1) take both sub-blocks."""
+    high = ishl(dpbusd(izeros_16(), codes, load_bytes_64(xb, 2 * k + 64)), 8)  # (codes unsigned, bytes signed)
+    sums = dpbusd(high, load_bytes_64(xb, 2 * k), codes)  # (low bytes unsigned, codes < 32 as signed bytes)
+    return fma(to_f32(sums), lane_pair_splat_16(scales, 2 * pair), acc)
+
+
+@njit(inline="always")
+def _dot_k_vnni(row, xq, xd, xsum, xb, f16, ahead, five_bit):
+    """_dot_k with vpdpbusd (MACHINE_HAS_VNNI): the same integer products, half the float conversions and FMAs
+    of _dot_k_wide (two sub-blocks share a register; the float sums in another order)."""
+    acc, acc_next = zeros_16(), zeros_16()
+    mins = zeros()
+    size = 176 if five_bit else 144
+    for b in range(xq.shape[0] // 256):
+        o = b * size
+        _prefetch_ahead(row, o + ahead, size)
+        sc, m = _k_scale_mins(row, o)
+        scales, block_mins = _k_scales(sc, m, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
+        mins = fadd(mins, block_mins)
+        for pair in range(4):
+            acc, acc_next = acc_next, _k_step_bytes(_k_codes_bytes(row, o, pair, five_bit), xb, b * 256 + pair * 64,
+                                                    scales, pair, acc)
+    return hsum(fadd(acc, acc_next)) - hsum(mins)
+
+
+@njit(inline="always")
 def _q6_part(v, xq, k, scale, acc):
     """acc + v . codes k .. k+15, times the lanes `scale` (one Q6_K scale covers 16 values)."""
     return fma(to_f32(madd(izeros(), v, _codes16(xq, k))), scale, acc)
@@ -541,8 +582,8 @@ def _four(x2, r0, r1, r2, r3):
 @njit(inline="always")
 def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, code):
     """Q8_0, Q4_0 or Q5_0 (code): 32 values a block, d first, the codes unpacked once for the tokens."""
-    q0, d0, _ = x0
-    q1, d1, _ = x1
+    q0, d0 = x0[0], x0[1]
+    q1, d1 = x1[0], x1[1]
     block_bytes, qs, offset = (34, 2, 0) if code == C_Q8_0 else _small_layout(False, code == C_Q5_0)
     a0, n0, a1, n1, a2, n2, a3, n3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     for b in range(q0.shape[0] // 32):
@@ -617,8 +658,8 @@ def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
 
 @njit(inline="always")
 def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
-    q0, d0, _ = x0
-    q1, d1, _ = x1
+    q0, d0 = x0[0], x0[1]
+    q1, d1 = x1[0], x1[1]
     a00, a01, a02, a03, a10, a11, a12, a13 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     a20, a21, a22, a23, a30, a31, a32, a33 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     sc2, sc3 = zeros(), zeros()
@@ -647,8 +688,8 @@ def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
 @njit(inline="always")
 def _dot_small_wide_4(row, x0, x1, x2, x3, f16, ahead, code):
     """_dot_small_4 in 512-bit registers, for Q8_0 or Q5_0 (code): a block's 32 codes in one register."""
-    q0, d0, _ = x0
-    q1, d1, _ = x1
+    q0, d0 = x0[0], x0[1]
+    q1, d1 = x1[0], x1[1]
     block_bytes, qs, offset = (34, 2, 0) if code == C_Q8_0 else _small_layout(False, True)
     a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
@@ -703,9 +744,34 @@ def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
 
 
 @njit(inline="always")
+def _dot_k_vnni_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
+    q0 = x0[0]
+    a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
+    mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
+    sc2, sc3 = zeros(), zeros()
+    size = 176 if five_bit else 144
+    for b in range(q0.shape[0] // 256):
+        o = b * size
+        _prefetch_ahead(row, o + ahead, size)
+        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3,
+                                                                           mins0, mins1, mins2, mins3)
+        for pair in range(4):
+            codes = _k_codes_bytes(row, o, pair, five_bit)
+            k = b * 256 + pair * 64
+            a0, n0 = n0, _k_step_bytes(codes, x0[3], k, sc0, pair, a0)
+            a1, n1 = n1, _k_step_bytes(codes, x1[3], k, sc1, pair, a1)
+            if x2 is not None:
+                a2, n2 = n2, _k_step_bytes(codes, x2[3], k, sc2, pair, a2)
+                a3, n3 = n3, _k_step_bytes(codes, x3[3], k, sc3, pair, a3)
+    return _four(x2, hsum(fadd(a0, n0)) - hsum(mins0), hsum(fadd(a1, n1)) - hsum(mins1),
+                 hsum(fadd(a2, n2)) - hsum(mins2), hsum(fadd(a3, n3)) - hsum(mins3))
+
+
+@njit(inline="always")
 def _dot_q6_k_wide_4(row, x0, x1, x2, x3, f16, ahead):
-    q0, d0, _ = x0
-    q1, d1, _ = x1
+    q0, d0 = x0[0], x0[1]
+    q1, d1 = x1[0], x1[1]
     a00, a01, a02, a03 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a10, a11, a12, a13 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     a20, a21, a22, a23 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
@@ -792,6 +858,17 @@ def quantize_activation_row(x, xq, xd, xsum):
         xsum[b] = total * scale
 
 
+@njit(cache=True, nogil=True)
+def split_activation_bytes(xq, xb):
+    """xb: the codes xq split into bytes for the VNNI kernels, 64 codes at a time: their low bytes (code & 255),
+    then their high bytes (code >> 8, -128..127), so that code = 256 * high + low."""
+    for c in range(xq.shape[0] // 64):
+        for i in range(64):
+            v = np.int32(xq[64 * c + i])
+            xb[128 * c + i] = np.uint8(v & 255)
+            xb[128 * c + 64 + i] = np.uint8((v >> 8) & 255)
+
+
 @njit(inline="always")
 def _share_rows(datas, share, n_shares):
     """[first, stop) of the rows of share `share` of n_shares, counting all the weights' rows in order."""
@@ -802,7 +879,7 @@ def _share_rows(datas, share, n_shares):
 
 
 @njit(inline="always")
-def _rows_wide(code, data, first, end, x, xq, xd, xsum, out, f16, ahead):
+def _rows_wide(code, data, first, end, x, xq, xd, xsum, xb, out, f16, ahead):
     """out[n] = row n's dot product for n in [first, end), Q8_0, Q5_0 / Q5_1 and the K-quants in 512-bit lanes.
     (Each format's own row loop: with the format's branch inside one loop, numba's reference counts of the
     inlined helpers' arrays stayed in it, a dozen calls a row. Each helper takes its format's flags as
@@ -812,13 +889,19 @@ def _rows_wide(code, data, first, end, x, xq, xd, xsum, out, f16, ahead):
             out[n] = _dot_q8_0_wide(data[n], xq, xd, xsum, f16, ahead)
     elif code == C_Q4_K:
         for n in range(first, end):
-            out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, False)
+            if MACHINE_HAS_VNNI:
+                out[n] = _dot_k_vnni(data[n], xq, xd, xsum, xb, f16, ahead, False)
+            else:
+                out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, False)
     elif code == C_Q6_K:
         for n in range(first, end):
             out[n] = _dot_q6_k_wide(data[n], xq, xd, xsum, f16, ahead)
     elif code == C_Q5_K:
         for n in range(first, end):
-            out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, True)
+            if MACHINE_HAS_VNNI:
+                out[n] = _dot_k_vnni(data[n], xq, xd, xsum, xb, f16, ahead, True)
+            else:
+                out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, True)
     elif code == C_Q5_0:
         for n in range(first, end):
             out[n] = _dot_q5_wide(data[n], xq, xd, xsum, f16, ahead, False)
@@ -872,7 +955,7 @@ def _rows_either(code, data, first, end, x, xq, xd, xsum, out, f16, ahead):
 
 
 @njit(nogil=True)  # (no fastmath: see ops/simd.py)
-def _gemv_rows(code, data, first, end, x, xq, xd, xsum, out, f16, ahead, wide):
+def _gemv_rows(code, data, first, end, x, xq, xd, xsum, xb, out, f16, ahead, wide):
     """out[n] = row n's dot product with x (x_hat: xq, xd, xsum) for n in [first, end): a thread's share of a
     weight in gemv_blocks and gemv_blocks_each. Compiled on its own, not inlined into their parallel loops:
     numba compiles the dot products once for both kernels, and its parallel passes do not copy and analyse
@@ -880,11 +963,11 @@ def _gemv_rows(code, data, first, end, x, xq, xd, xsum, out, f16, ahead, wide):
     are compiled (numba prunes a branch on `is None` by the argument's type)."""
     if wide is None:
         if MACHINE_HAS_512_BIT_LANES:
-            _rows_wide(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
+            _rows_wide(code, data, first, end, x, xq, xd, xsum, xb, out, f16, ahead)
         else:
             _rows_narrow(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
     elif wide:
-        _rows_wide(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
+        _rows_wide(code, data, first, end, x, xq, xd, xsum, xb, out, f16, ahead)
     else:
         _rows_narrow(code, data, first, end, x, xq, xd, xsum, out, f16, ahead)
 
@@ -909,8 +992,9 @@ def _four_token_rows(dot, *flag):
 
 
 _ROWS4_Q8_0, _ROWS4_Q8_0_WIDE = _four_token_rows(_dot_small_4, C_Q8_0), _four_token_rows(_dot_small_wide_4, C_Q8_0)
-_ROWS4_Q4_K, _ROWS4_Q4_K_WIDE = _four_token_rows(_dot_k_4, False), _four_token_rows(_dot_k_wide_4, False)
-_ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_rows(_dot_k_wide_4, True)
+_DOT_K_WIDE_4 = _dot_k_vnni_4 if MACHINE_HAS_VNNI else _dot_k_wide_4  # (what _rows_wide runs for one token)
+_ROWS4_Q4_K, _ROWS4_Q4_K_WIDE = _four_token_rows(_dot_k_4, False), _four_token_rows(_DOT_K_WIDE_4, False)
+_ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_rows(_DOT_K_WIDE_4, True)
 _ROWS4_Q6_K, _ROWS4_Q6_K_WIDE = _four_token_rows(_dot_q6_k_4), _four_token_rows(_dot_q6_k_wide_4)
 _ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, C_Q5_0), _four_token_rows(_dot_small_wide_4, C_Q5_0)
 _ROWS4_Q4_0 = _four_token_rows(_dot_small_4, C_Q4_0)
@@ -957,7 +1041,7 @@ def _rows_narrow_4(code, *rows):
 @njit(nogil=True)  # (no fastmath: see ops/simd.py)
 def _gemv_rows_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead, wide):
     """out[t, n] = row n's dot product with x_hat of token t, for the tokens t0..t3 (x0..x3: their (xq, xd,
-    xsum); repeats allowed: three tokens run as four; x2 = x3 = None: the two tokens t0, t1 = t2, t3) and n in
+    xsum, xb); repeats allowed: three tokens run as four; x2 = x3 = None: the two tokens t0, t1 = t2, t3) and n in
     [first, end): _gemv_rows for a block-quantized weight, four or two tokens a row."""
     if wide is None:
         if MACHINE_HAS_512_BIT_LANES:
@@ -988,9 +1072,12 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
     xq = np.empty((n_tok, n_in), np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
     xd = np.empty((n_tok, n_blocks), np.float32)
     xsum = np.empty_like(xd)
+    xb = np.empty((n_tok, 2 * n_in if MACHINE_HAS_VNNI else 0), np.uint8)
     if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
         for t in range(n_tok):
             quantize_activation_row(xs[t], xq[t], xd[t], xsum[t])
+            if MACHINE_HAS_VNNI:
+                split_activation_bytes(xq[t], xb[t])
     # Tokens go four at a time through a weight of SEVERAL_TOKEN_CODES (three as four, the last one twice), then
     # two at a time, the rest (and every token of the other weights) one at a time. Several passes over the rows:
     # a tile of rows at a time for every pass, so each row is read from memory once and from the cache for the
@@ -1011,16 +1098,20 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
                 b = min(a + tile, hi)
                 for g in range(n_fours):
                     t, last = 4 * g, min(4 * g + 3, n_tok - 1)
-                    _gemv_rows_4(code, datas[i], a, b, (xq[t], xd[t], xsum[t]), (xq[t + 1], xd[t + 1], xsum[t + 1]),
-                                 (xq[t + 2], xd[t + 2], xsum[t + 2]), (xq[last], xd[last], xsum[last]), outs[i], t,
-                                 t + 1, t + 2, last, f16, ahead, wide)
+                    _gemv_rows_4(code, datas[i], a, b, (xq[t], xd[t], xsum[t], xb[t]),
+                                 (xq[t + 1], xd[t + 1], xsum[t + 1], xb[t + 1]),
+                                 (xq[t + 2], xd[t + 2], xsum[t + 2], xb[t + 2]),
+                                 (xq[last], xd[last], xsum[last], xb[last]), outs[i], t, t + 1, t + 2, last, f16,
+                                 ahead, wide)
                 u = 4 * n_fours
                 if blocks and n_tok - u == 2:
-                    _gemv_rows_4(code, datas[i], a, b, (xq[u], xd[u], xsum[u]), (xq[u + 1], xd[u + 1], xsum[u + 1]),
-                                 None, None, outs[i], u, u + 1, u, u + 1, f16, ahead, wide)
+                    _gemv_rows_4(code, datas[i], a, b, (xq[u], xd[u], xsum[u], xb[u]),
+                                 (xq[u + 1], xd[u + 1], xsum[u + 1], xb[u + 1]), None, None, outs[i], u, u + 1, u,
+                                 u + 1, f16, ahead, wide)
                     u += 2
                 for v in range(u, n_tok):
-                    _gemv_rows(code, datas[i], a, b, xs[v], xq[v], xd[v], xsum[v], outs[i][v], f16, ahead, wide)
+                    _gemv_rows(code, datas[i], a, b, xs[v], xq[v], xd[v], xsum[v], xb[v], outs[i][v], f16, ahead,
+                               wide)
             offset += n_rows
 
 
@@ -1075,9 +1166,12 @@ def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=None, ahead=PREFETC
     xq = np.empty((n_rows_x, n_in), np.int16)
     xd = np.empty((n_rows_x, n_blocks), np.float32)
     xsum = np.empty_like(xd)
+    xb = np.empty((n_rows_x, 2 * n_in if MACHINE_HAS_VNNI else 0), np.uint8)
     if n_in % ACTIVATION_BLOCK == 0:
         for r in range(n_rows_x):
             quantize_activation_row(xs[r], xq[r], xd[r], xsum[r])
+            if MACHINE_HAS_VNNI:
+                split_activation_bytes(xq[r], xb[r])
     for share in prange(shares):
         first, stop = _share_rows(datas, share, shares)
         offset = 0
@@ -1085,7 +1179,7 @@ def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=None, ahead=PREFETC
             n_rows, r = datas[i].shape[0], x_of[i]
             if max(first, offset) < min(stop, offset + n_rows):
                 _gemv_rows(codes[i], datas[i], max(first - offset, 0), min(stop - offset, n_rows), xs[r],
-                           xq[r], xd[r], xsum[r], outs[i], f16, ahead, wide)
+                           xq[r], xd[r], xsum[r], xb[r], outs[i], f16, ahead, wide)
             offset += n_rows
 
 
