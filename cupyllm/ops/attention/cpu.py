@@ -7,14 +7,14 @@ read in their rotated domain: Q is rotated once for K (dot products are rotation
 unrotated once for V (it is linear in V). K channel normalisation (kv/cache.py key_normalization) folds into
 the query: with K stored as (K - offset) / scale, q . K = (q * scale) . K_stored + q . offset.
 
-Work is split over (KV head, block of `BLOCK_KEYS` slots), each task decoding its rows once for every query
-head of its group (GQA) and returning a partial (sum, max, weighted values); the partials merge by
-log-sum-exp (split-K flash decoding). In a block: each key's dot products four query heads at a time (one K
-load for four FMAs, the four horizontal sums sharing their shuffles), the scores scaled and their maxima taken
-16 at a time, the softmax weights 16 at a time (`simd.fexp`); then the value rows `VALUE_KEYS` at a time,
-decoded once, summed into register tiles of four rows by 64 columns (four weights and four V loads per key
-feed sixteen FMAs), never a load and store of the sums per key. The sums are the same float32 operations in
-the same order as the one-head-at-a-time kernel before (bit for bit); bench/attention_cpu.py measures it.
+Work is split over (KV head, block of `BLOCK_KEYS` slots, half that for one KV head), each task decoding its rows
+once for every query head of its group (GQA) and returning a partial (sum, max, weighted values); the partials merge
+by log-sum-exp (split-K flash decoding). In a block: each key's dot products four query heads at a time (one K load
+for four FMAs, the four horizontal sums sharing their shuffles), the scores scaled and their maxima taken 16 at a
+time, the softmax weights 16 at a time (`simd.fexp`); then the value rows `VALUE_KEYS` at a time, decoded once,
+summed into register tiles of four rows by 64 columns (four weights and four V loads per key feed sixteen FMAs),
+never a load and store of the sums per key. The sums are the same float32 operations in the same order as the
+one-head-at-a-time kernel before (bit for bit); bench/attention_cpu.py measures it.
 
 The same kernel reads float32 rows in place (`attend_floats`:
 the CPU cache's float32 mirror: attend_few, dca_few). Semantics: `reference.attend` over
@@ -35,11 +35,11 @@ from ..kv_formats.cpu import F32, HALF_TABLE, decode_in_place, row_codec
 from ..simd import (borrow, fadd, fexp, fma, fmax, fmul, fsub, hmax, hsum, load_f32_16, splat_16, splat_at_16,
                     store_f32, store_hsums_4, zeros_16)
 
-# slots per task (a multiple of 16): the task's scores stay in L1, and a short cache still makes a task per
-# thread (a decode step of Gemma 3 270M's one KV head over 200 slots: 47 us a layer at 256, 31 at 128, 35 at
-# 64; over 4000 slots 90 / 83 / 94 us). The blocks start at fixed slots, so a query's values do not depend on
-# how many slots follow it (a verify run's drafts).
-BLOCK_KEYS = 128
+# slots per task (a multiple of 16): enough work per task, and the task's scores stay in L1; with one KV head,
+# half as many, so that a short cache still makes a task per core (Gemma 3 270M's decode step over 200 slots: 47
+# us a layer with 256, 31 with 128; over 4000 slots 90 / 83 us; at two KV heads and 16k slots 128 was slower).
+# A model's blocks start at fixed slots, so a query's values do not depend on how many follow it (a verify run).
+BLOCK_KEYS = 256
 VALUE_KEYS = 16  # value rows decoded together (16 KiB at dv 256: in L1 beside the scores), then summed in registers
 
 
@@ -398,18 +398,19 @@ def attend_rows(q, q_offset, q_pos, k_data, v_data, k_pos, k_format, v_format, d
     n_regime, n_q, n_head, d = q.shape
     n_k, n_kv = k_data.shape[:2]
     group = n_head // n_kv
-    n_blocks = max(1, -(-n_k // BLOCK_KEYS))
+    block_keys = BLOCK_KEYS if n_kv > 1 else BLOCK_KEYS // 2
+    n_blocks = max(1, -(-n_k // block_keys))
     part_acc = np.zeros((n_kv, n_blocks, n_q * group, dv), np.float32)
     part_max = np.full((n_kv, n_blocks, n_q * group), -np.inf, np.float32)
     part_sum = np.zeros((n_kv, n_blocks, n_q * group), np.float32)
     k_codec, k_table = row_codec(k_format)
     v_codec, v_table = row_codec(v_format)
-    words = _scratch_words(n_q * group, BLOCK_KEYS, d, dv, k_data.shape[2], v_data.shape[2])
+    words = _scratch_words(n_q * group, block_keys, d, dv, k_data.shape[2], v_data.shape[2])
     scratch = np.empty((numba.config.NUMBA_NUM_THREADS, words), np.float32)  # a slice per thread
     index_scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 2 * VALUE_KEYS), np.int64)  # pass 3's key lists
     _attend_encoded(q, np.ascontiguousarray(q_offset, np.float32), np.ascontiguousarray(q_pos, np.int64), k_data,
                     v_data, np.ascontiguousarray(k_pos, np.int64), int(window), int(chunk_len), np.float32(scale),
-                    np.float32(softcap), k_codec, k_table, v_codec, v_table, HALF_TABLE, BLOCK_KEYS, scratch,
+                    np.float32(softcap), k_codec, k_table, v_codec, v_table, HALF_TABLE, block_keys, scratch,
                     index_scratch, part_acc, part_max, part_sum)
     out, lse = _merge_blocks(part_acc, part_max, part_sum)  # [n_kv, n_q * group, ...]
     out = out.reshape(n_kv, n_q, group, dv).transpose(1, 0, 2, 3).reshape(n_q, n_head, dv)
