@@ -567,7 +567,7 @@ def _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead):
 # A decode step of several sequences, or a verify run of drafts, multiplies each row by several tokens. On few
 # cores that is compute-bound, and the unpacking is much of a block's work: these kernels do it once for four
 # tokens, keeping each token's accumulators in registers. Each token's values are the one-token kernel's bit for
-# bit: the same step functions, the same FMA chains in the same order. x0..x3: each token's (xq, xd, xsum);
+# bit: the same step functions, the same FMA chains in the same order. x0..x3: each token's (xq, xd, xsum, xb);
 # x2 = x3 = None: two tokens (numba prunes the branches on `x2 is not None` by the argument's type, so the
 # two-token kernel is this code without the other two tokens), and the four results are r0, r1, r0, r1.
 
