@@ -13,7 +13,7 @@ from cupyllm.backend.cpu import CPUBackend
 from cupyllm.backend.gpu import GPUBackend
 
 REPO = Path(__file__).resolve().parents[1]
-ATTRIBUTES = ("name", "xp", "can_mirror_kv")
+ATTRIBUTES = ("name", "xp", "can_mirror_kv", "rows_independent_from")
 
 
 def parameters(function) -> list[tuple[str, object, object]]:

@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 import cupyllm  # noqa: E402
 from cupyllm.models.batch import Segment, forward_batch  # noqa: E402
 from cupyllm.server import create_app  # noqa: E402
+from models import gemma_path  # noqa: E402
 
 GREEDY = dict(temperature=0)
 PROMPTS = ["the cat sat on", "hello world, this is", "a b c d e f", "one two"]
@@ -136,6 +137,49 @@ def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch, options
             a.n_past += len(tk)
             b.n_past += len(tk)
             np.testing.assert_array_equal(got[i], want)
+
+
+@pytest.mark.parametrize("arch, options", [("qwen2", {}), ("gemma3", {}), ("gemma4", {}), ("qwen35", {}),
+                                           ("real-gemma", {}),
+                                           ("qwen2", {"dca": {"chunk_size": 16, "local_size": 4},
+                                                      "kv_type_k": "q8_0", "kv_type_v": "q4_0"})])
+def test_prompts_prefill_together_as_alone(tiny_model, arch, options):
+    """Prompts of at least rows_independent_from tokens in one forward (the server's waiting prompt chunks): each
+    prompt's logits, and the next step's on its cache, are those of the prompt alone, bit for bit (the real
+    Gemma 3 270M: Q8_0 / Q5_0 / Q4_K / Q6_K weights through the GEMM, rows independent). Not a mixture of
+    experts: an expert multiplies the rows routed to it from every prompt together (the server prefills their
+    prompts one by one)."""
+    path = gemma_path() if arch == "real-gemma" else tiny_model(arch)[0]
+    model = cupyllm.load(path, device="cpu", ctx=96, progress=False, **options)
+    t = model.transformer
+    shortest = t.ops.rows_independent_from
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (shortest, 23, shortest + 5)]
+    alone = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
+    together = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
+    got = forward_batch(t, [Segment(ids, c) for ids, c in zip(prompts, together)])
+    for ids, g, a, c in zip(prompts, got, alone, together):
+        np.testing.assert_array_equal(g, t.forward(ids, np.arange(len(ids)), a))
+        a.n_past = c.n_past = len(ids)
+    for a, c in zip(alone, together):  # the caches hold the same: the next token's logits agree
+        token = np.array([5])
+        position = np.array([a.n_past])
+        np.testing.assert_array_equal(t.forward(token, position, c), t.forward(token, position, a))
+
+
+def test_waiting_prompts_prefill_together(qwen):
+    """Requests whose prompts arrive together prefill in one forward (counted in /metrics) and give the texts
+    Model.generate gives alone."""
+    prompts = [" ".join(["word"] * n) + " end" for n in (14, 20, 17)]
+    assert min(len(qwen.tokenize(p)) for p in prompts) >= qwen.transformer.ops.rows_independent_from
+    want = [qwen.generate(p, max_tokens=6, **GREEDY) for p in prompts]
+    with serving(qwen, parallel=3) as url:
+        c = client(url)
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: c.completions.create(model="m", prompt=p, max_tokens=6,
+                                                                **GREEDY).choices[0].text, prompts))
+        assert got == want
+        assert metric(url, "prompts_prefilled_together_total") >= 2
 
 
 def test_completion_stream_usage_and_logprobs(qwen):

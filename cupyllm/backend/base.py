@@ -20,6 +20,9 @@ class Backend(Protocol):
     name: str  # "cpu" or "gpu"
     xp: Any  # the array module: numpy or cupy
     can_mirror_kv: bool  # whether a float32 copy of the decoded KV cache may sit beside it (--kv-mirror)
+    # From this many rows on, a matmul computes each row as it would among any other rows of that count or more
+    # (None: no such count): several prompts then prefill in one forward with each one's own values.
+    rows_independent_from: int | None
 
     # --- arrays, weights, memory -----------------------------------------------------------------
     def asarray(self, x, dtype=None) -> Array:

@@ -32,6 +32,9 @@ class CPUBackend:
     name = "cpu"
     xp = np
     can_mirror_kv = True  # on request (--kv-mirror) a float32 copy of the decoded cache beside the encoded rows
+    # past TOKENS_PER_GEMV rows every quantized matmul is the GEMM, whose rows do not depend on one another
+    # (tested); a forward of several sequences multiplies float32 weights sequence by sequence (models/batch.py)
+    rows_independent_from = TOKENS_PER_GEMV + 1
 
     def __init__(self, threads: int | None = None):
         self._rope_tables = {}

@@ -68,6 +68,7 @@ def _dispatch_attention():
 class GPUBackend:
     name = "gpu"
     can_mirror_kv = False  # attention reads the encoded cache; there is no float copy
+    rows_independent_from = None  # (cuBLAS and the tiled kernels pick their tiling by the row count)
 
     @staticmethod
     def running_on(threads: int | None):

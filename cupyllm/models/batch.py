@@ -36,12 +36,16 @@ class Segment:
     all_logits: bool = False
 
 
+_FLOAT_QTYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
 class SegmentwiseFloatOps:
-    """The backend, except that a float32 weight multiplies each sequence's rows by themselves, as that
-    sequence's own forward does. The CPU sends float32 weights to BLAS, whose kernel for several rows rounds
-    differently from its kernel for one (other formats go through the GEMV, row by row up to TOKENS_PER_GEMV
-    rows); the few float32 matrices of the GGUFs (small ones, or the tiny test models' K / V) cost little this
-    way, and a batched decode then gives each sequence the very logits it gets alone."""
+    """The backend, except that a float weight multiplies each sequence's rows by themselves, as that sequence's
+    own forward does. The CPU sends a prefill's float weights to BLAS (float32 as they are, F16 / BF16 through
+    float32 tiles), whose kernel for more rows can round differently (other formats go through the GEMV, row by
+    row, up to TOKENS_PER_GEMV rows and the GEMM, whose rows are independent, past them); the few float
+    matrices of the GGUFs (small ones, or the tiny test models' K / V) cost little this way, and a batched decode
+    or a batch of prompts then gives each sequence the very logits it gets alone."""
 
     def __init__(self, ops, bounds: Sequence[int]):
         self._ops, self._bounds = ops, list(bounds)
@@ -50,7 +54,7 @@ class SegmentwiseFloatOps:
         return getattr(self._ops, name)
 
     def _rowwise(self, x, weight) -> bool:
-        return x.shape[0] > 1 and weight.fmt.qtype == GGMLQuantizationType.F32
+        return x.shape[0] > 1 and weight.fmt.qtype in _FLOAT_QTYPES
 
     def linear(self, x, weight, bias=None):
         if not self._rowwise(x, weight):

@@ -6,9 +6,12 @@ end-of-generation, max_tokens, speculative decoding: the same code, so a request
 Model.generate gives), with a `forward` that does not run the model itself: it hands its tokens to the
 batcher and waits. The batcher runs when every busy slot is waiting on it: the waiting one-token steps (and
 drafted runs being verified) of all slots go through ONE forward (models/batch.py: each weight read once for
-all of them, attention per sequence over its own cache); a prompt chunk runs by itself after them, so a new
-request's prefill joins between decode steps and the running streams keep flowing. All model work happens on
-the batcher's thread (the numba kernels and the device are not shared between threads).
+all of them, attention per sequence over its own cache); the prompt chunks waiting then run after them, so a
+new request's prefill joins between decode steps and the running streams keep flowing: several prompts in one
+forward of their own (never with decode steps) where the backend computes each one's rows as it would alone
+(`rows_independent_from`: on the CPU, prompts longer than the GEMV's few tokens; not for a mixture of experts,
+whose experts would see other prompts' rows), else one by one. All model work happens on the batcher's thread
+(the numba kernels and the device are not shared between threads).
 
 A slot keeps what its cache holds (the token ids, in `Slot.cached`); a request goes to the free slot whose
 cache shares the longest prefix with its prompt, and only the rest is prefilled (KVCache.truncate, as
@@ -156,11 +159,12 @@ class Slot:
 
 @dataclass
 class _Job:
-    """A forward a slot waits on: a Segment for the batched decode, or `run` (a prompt chunk, a draft model's
-    step) to run alone."""
+    """A forward a slot waits on: a Segment for the batched decode (or, `prompt`, a prompt chunk's for a forward of
+    the prompts waiting together), or `run` (a prompt chunk, a draft model's step) to run alone."""
 
     segment: Segment | None = None
     run: Callable | None = None
+    prompt: bool = False
     result: object = None
     error: BaseException | None = None
     done: bool = False
@@ -176,6 +180,7 @@ class Counters:
     predicted_seconds: float = 0.0
     decode_steps: int = 0  # batched forwards of the decode
     busy_slots_in_decode: int = 0  # summed over decode_steps: their mean is the batch size
+    prompts_together: int = 0  # prompt chunks prefilled in a forward beside other prompts
     requests: int = 0
     requests_rejected: int = 0
     requests_cancelled: int = 0  # stopped early: the client went away, or shutdown
@@ -192,6 +197,9 @@ class Engine:
         self.queue_size = queue_size
         self.time_limit = time_limit
         self.slots = [Slot(i, model.transformer.ops.new_cache(model.cfg, model.kv_spec)) for i in range(parallel)]
+        rows = getattr(model.transformer.ops, "rows_independent_from", None)
+        # prompt chunks of at least this many tokens prefill together (None: one by one)
+        self._prompt_rows = None if rows is None or model.cfg.n_expert else rows
         self.counters = Counters()
         self._pending: list[Request] = []  # waiting for a slot
         self._lock = threading.Condition()  # guards slots' requests, _pending, _jobs, _busy
@@ -304,6 +312,10 @@ class Engine:
             if small and target is None:
                 logits = self._wait(_Job(segment=Segment(tokens, seq_cache, all_logits)))
                 return logits if all_logits else logits[-1:]
+            rows = self._prompt_rows
+            if (target is None and not all_logits and rows is not None and rows <= len(tokens)
+                    <= seq_cache.spec.max_chunk and start == seq_cache.n_past):
+                return self._wait(_Job(segment=Segment(tokens, seq_cache), prompt=True))
             return self._wait(_Job(run=lambda: (target or model._forward_numpy_graphed)(tokens, positions, seq_cache,
                                                                                          all_logits)))
 
@@ -474,29 +486,37 @@ class Engine:
                 self._lock.notify_all()
 
     def _run(self, jobs: list[_Job]) -> None:
-        segments = [job for job in jobs if job.segment is not None]
+        segments = [job for job in jobs if job.segment is not None and not job.prompt]
         model = self.model
         with model.transformer.ops.running_on(model.threads):
-            if len(segments) == 1:
-                job = segments[0]
-                s = job.segment
-                self._call(job, lambda: model._forward_numpy_graphed(
-                    s.tokens, np.arange(s.cache.n_past, s.cache.n_past + len(s.tokens)), s.cache,
-                    all_logits=True if s.all_logits else False))
-            elif segments:
-                try:
-                    results = forward_batch(model.transformer, [job.segment for job in segments])
-                    for job, logits in zip(segments, results):
-                        job.result = logits
-                except BaseException as exc:
-                    for job in segments:
-                        job.error = exc
+            self._forward_together(segments)
             if segments:
                 self.counters.decode_steps += 1
                 self.counters.busy_slots_in_decode += len(segments)
+            prompts = [job for job in jobs if job.prompt]
+            self._forward_together(prompts)
+            if len(prompts) > 1:
+                self.counters.prompts_together += len(prompts)
             for job in jobs:
                 if job.run is not None:
                     self._call(job, job.run)
+
+    def _forward_together(self, jobs: list[_Job]) -> None:
+        """One forward for the jobs' segments: one alone as the model's own forward runs it, several through
+        forward_batch (each segment's values as alone)."""
+        model = self.model
+        if len(jobs) == 1:
+            job = jobs[0]
+            s = job.segment
+            self._call(job, lambda: model._forward_numpy_graphed(
+                s.tokens, np.arange(s.cache.n_past, s.cache.n_past + len(s.tokens)), s.cache, all_logits=s.all_logits))
+        elif jobs:
+            try:
+                for job, logits in zip(jobs, forward_batch(model.transformer, [job.segment for job in jobs])):
+                    job.result = logits
+            except BaseException as exc:
+                for job in jobs:
+                    job.error = exc
 
     @staticmethod
     def _call(job: _Job, fn) -> None:

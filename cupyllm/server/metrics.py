@@ -30,6 +30,8 @@ class _EngineCollector:
         yield counter("tokens_predicted", "Number of generation tokens processed.", c.tokens_predicted)
         yield counter("tokens_predicted_seconds", "Predict process time.", c.predicted_seconds)
         yield counter("n_decode", "Number of batched decode forwards.", c.decode_steps)
+        yield counter("prompts_prefilled_together", "Prompt chunks prefilled in one forward with other prompts.",
+                      c.prompts_together)
         yield counter("prompt_tokens_cached", "Prompt tokens a slot's cache held (not prefilled again).",
                       c.cached_tokens)
         yield counter("requests", "Requests accepted.", c.requests)
