@@ -4,6 +4,10 @@ matmuls multiply (ops/matmul/activation_codes.py) against their definition.
 The CPU kernels (fused GEMV, prefill GEMM, row dequantization) of every weight format against the NumPy reference."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -211,3 +215,23 @@ def test_row_dequantization_is_bit_exact(qtype):
     fmt = WEIGHT_FORMATS[qtype]
     np.testing.assert_array_equal(dequantize_numba(rows, fmt, 512, slice(2, 7)), reference[2:7])
     np.testing.assert_array_equal(dequantize_ids(rows, fmt, 512, np.array([8, 0, 8, 3])), reference[[8, 0, 8, 3]])
+
+
+@pytest.mark.skipif(not simd.MACHINE_HAS_VNNI, reason="this machine runs the madd path itself")
+def test_wide_k_quant_kernels_without_vnni(tmp_path):
+    """The wide Q4_K / Q5_K GEMV of an AVX-512 machine without VNNI (the madd path of _k_token_wide, which this
+    machine does not run): test_gemv_and_gemm_match_reference for both formats, in a process that compiles for
+    this CPU less VNNI (NUMBA_CPU_FEATURES, a cache of its own)."""
+    from llvmlite import binding
+    features = ",".join(("+" if on else "-") + name for name, on in binding.get_host_cpu_features().items()
+                        if name != "avx512vnni") + ",-avx512vnni"
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_CPU_NAME": binding.get_host_cpu_name(),
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    script = ("import sys, pytest\n"
+              "from cupyllm.ops import simd\n"
+              "assert simd.MACHINE_HAS_512_BIT_LANES and not simd.MACHINE_HAS_VNNI\n"
+              f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r} + "
+              "'::test_gemv_and_gemm_match_reference', '-k', 'Q4_K or Q5_K']))\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "4 passed" in done.stdout

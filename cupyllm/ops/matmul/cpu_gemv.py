@@ -7,7 +7,7 @@ dequantization (`ops/matmul/cpu.py` picks between them and the prefill GEMM of `
   instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser); several tokens (a batched
   decode, a verify run of drafts) go four (or two) at a time, each block unpacked once for them; where the
   machine has AVX-512 VNNI the K-quants multiply the codes' two bytes with vpdpbusd (64 products an instruction
-  pair, `_dot_k_vnni`): a pair of sub-blocks then costs one float conversion and one FMA, not two;
+  pair, `_k_step_bytes`): a pair of sub-blocks then costs one float conversion and one FMA, not two;
 - `dequantize_rows` / `gather_rows` expand rows to f32 (embedding lookups; float-weight tiles for BLAS).
 Both are written with the explicit vectors of `ops/simd.py`. The row decoders reproduce the NumPy
 definitions of `ops/matmul/reference.py` bit for bit, the activation codes those of `ops/matmul/activation_codes.py`; the
@@ -389,27 +389,6 @@ def _k_step_wide(lo_codes, hi_codes, xq, k, scales, pair, acc_lo, acc_hi):
 
 
 @njit(inline="always")
-def _dot_k_wide(row, xq, xd, xsum, f16, ahead, five_bit):
-    """_dot_k in 512-bit registers (MACHINE_HAS_512_BIT_LANES): a sub-block's 32 products in one madd, half the
-    instructions; the same products and integer sums, the float sums in another order."""
-    acc_lo, acc_hi, next_lo, next_hi = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains)
-    mins = zeros()
-    size = 176 if five_bit else 144
-    for b in range(xq.shape[0] // 256):
-        o = b * size
-        _prefetch_ahead(row, o + ahead, size)
-        sc, m = _k_scale_mins(row, o)
-        scales, block_mins = _k_scales(sc, m, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
-        mins = fadd(mins, block_mins)
-        for pair in range(4):
-            lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
-            acc_lo, acc_hi, (next_lo, next_hi) = next_lo, next_hi, _k_step_wide(lo_codes, hi_codes, xq,
-                                                                                b * 256 + pair * 64, scales, pair,
-                                                                                acc_lo, acc_hi)
-    return _k_sum(acc_lo, acc_hi, next_lo, next_hi, mins)
-
-
-@njit(inline="always")
 def _k_codes_bytes(row, o, pair, five_bit):
     """_k_codes as 64 byte lanes: sub-block 2*pair's 32 codes, then sub-block 2*pair + 1's (VNNI)."""
     if not five_bit:
@@ -429,10 +408,30 @@ def _k_step_bytes(codes, xb, k, scales, pair, acc):
 
 
 @njit(inline="always")
-def _dot_k_vnni(row, xq, xd, xsum, xb, f16, ahead, five_bit):
-    """_dot_k with vpdpbusd (MACHINE_HAS_VNNI): the same integer products, half the float conversions and FMAs
-    of _dot_k_wide (two sub-blocks share a register; the float sums in another order)."""
-    acc, acc_next = zeros_16(), zeros_16()
+def _k_pair_codes_wide(row, o, pair, five_bit):
+    """A pair of sub-blocks' codes for the wide kernels: 64 byte lanes for vpdpbusd where the machine has VNNI
+    (_k_codes_bytes), else sub-block 2*pair's and 2*pair + 1's int16 registers (_k_codes_wide)."""
+    if MACHINE_HAS_VNNI:
+        return _k_codes_bytes(row, o, pair, five_bit)
+    return _k_codes_wide(row, o, pair, five_bit)
+
+
+@njit(inline="always")
+def _k_token_wide(codes, x, k, scales, pair, al, ah, nl, nh):
+    """One token's (x: its (xq, xd, xsum, xb)) update of its four FMA chains by a pair of sub-blocks, activation
+    code k on: with VNNI one step of both sub-blocks (ah and nh stay zero), else one a sub-block."""
+    if MACHINE_HAS_VNNI:
+        return nl, nh, _k_step_bytes(codes, x[3], k, scales, pair, al), ah
+    step_lo, step_hi = _k_step_wide(codes[0], codes[1], x[0], k, scales, pair, al, ah)
+    return nl, nh, step_lo, step_hi
+
+
+@njit(inline="always")
+def _dot_k_wide(row, xq, xd, xsum, xb, f16, ahead, five_bit):
+    """_dot_k in 512-bit registers (MACHINE_HAS_512_BIT_LANES): with VNNI through vpdpbusd, half the float
+    conversions and FMAs (two sub-blocks share a register), else a sub-block's 32 products in one madd; the
+    same integer products either way, the float sums in another order."""
+    al, ah, nl, nh = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # (four FMA chains, or two)
     mins = zeros()
     size = 176 if five_bit else 144
     for b in range(xq.shape[0] // 256):
@@ -442,9 +441,9 @@ def _dot_k_vnni(row, xq, xd, xsum, xb, f16, ahead, five_bit):
         scales, block_mins = _k_scales(sc, m, _half(row, o, f16), _half(row, o + 2, f16), xd, xsum, b * 8)
         mins = fadd(mins, block_mins)
         for pair in range(4):
-            acc, acc_next = acc_next, _k_step_bytes(_k_codes_bytes(row, o, pair, five_bit), xb, b * 256 + pair * 64,
-                                                    scales, pair, acc)
-    return hsum(fadd(acc, acc_next)) - hsum(mins)
+            al, ah, nl, nh = _k_token_wide(_k_pair_codes_wide(row, o, pair, five_bit), (xq, xd, xsum, xb),
+                                           b * 256 + pair * 64, scales, pair, al, ah, nl, nh)
+    return _k_sum(al, ah, nl, nh, mins)
 
 
 @njit(inline="always")
@@ -710,13 +709,6 @@ def _dot_small_wide_4(row, x0, x1, x2, x3, f16, ahead, code):
 
 
 @njit(inline="always")
-def _k_token_wide_4(lo_codes, hi_codes, q, k, scales, pair, al, ah, nl, nh):
-    """_dot_k_wide's update of one token's four chains by one pair of sub-blocks."""
-    step_lo, step_hi = _k_step_wide(lo_codes, hi_codes, q, k, scales, pair, al, ah)
-    return nl, nh, step_lo, step_hi
-
-
-@njit(inline="always")
 def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
     q0, q1 = x0[0], x1[0]
     al0, ah0, nl0, nh0 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
@@ -732,40 +724,15 @@ def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
         sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3,
                                                                            mins0, mins1, mins2, mins3)
         for pair in range(4):
-            lo_codes, hi_codes = _k_codes_wide(row, o, pair, five_bit)
+            codes = _k_pair_codes_wide(row, o, pair, five_bit)
             k = b * 256 + pair * 64
-            al0, ah0, nl0, nh0 = _k_token_wide_4(lo_codes, hi_codes, q0, k, sc0, pair, al0, ah0, nl0, nh0)
-            al1, ah1, nl1, nh1 = _k_token_wide_4(lo_codes, hi_codes, q1, k, sc1, pair, al1, ah1, nl1, nh1)
+            al0, ah0, nl0, nh0 = _k_token_wide(codes, x0, k, sc0, pair, al0, ah0, nl0, nh0)
+            al1, ah1, nl1, nh1 = _k_token_wide(codes, x1, k, sc1, pair, al1, ah1, nl1, nh1)
             if x2 is not None:
-                al2, ah2, nl2, nh2 = _k_token_wide_4(lo_codes, hi_codes, x2[0], k, sc2, pair, al2, ah2, nl2, nh2)
-                al3, ah3, nl3, nh3 = _k_token_wide_4(lo_codes, hi_codes, x3[0], k, sc3, pair, al3, ah3, nl3, nh3)
+                al2, ah2, nl2, nh2 = _k_token_wide(codes, x2, k, sc2, pair, al2, ah2, nl2, nh2)
+                al3, ah3, nl3, nh3 = _k_token_wide(codes, x3, k, sc3, pair, al3, ah3, nl3, nh3)
     return _four(x2, _k_sum(al0, ah0, nl0, nh0, mins0), _k_sum(al1, ah1, nl1, nh1, mins1),
                  _k_sum(al2, ah2, nl2, nh2, mins2), _k_sum(al3, ah3, nl3, nh3, mins3))
-
-
-@njit(inline="always")
-def _dot_k_vnni_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
-    q0 = x0[0]
-    a0, n0, a1, n1 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    a2, n2, a3, n3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
-    sc2, sc3 = zeros(), zeros()
-    size = 176 if five_bit else 144
-    for b in range(q0.shape[0] // 256):
-        o = b * size
-        _prefetch_ahead(row, o + ahead, size)
-        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3,
-                                                                           mins0, mins1, mins2, mins3)
-        for pair in range(4):
-            codes = _k_codes_bytes(row, o, pair, five_bit)
-            k = b * 256 + pair * 64
-            a0, n0 = n0, _k_step_bytes(codes, x0[3], k, sc0, pair, a0)
-            a1, n1 = n1, _k_step_bytes(codes, x1[3], k, sc1, pair, a1)
-            if x2 is not None:
-                a2, n2 = n2, _k_step_bytes(codes, x2[3], k, sc2, pair, a2)
-                a3, n3 = n3, _k_step_bytes(codes, x3[3], k, sc3, pair, a3)
-    return _four(x2, hsum(fadd(a0, n0)) - hsum(mins0), hsum(fadd(a1, n1)) - hsum(mins1),
-                 hsum(fadd(a2, n2)) - hsum(mins2), hsum(fadd(a3, n3)) - hsum(mins3))
 
 
 @njit(inline="always")
@@ -889,19 +856,13 @@ def _rows_wide(code, data, first, end, x, xq, xd, xsum, xb, out, f16, ahead):
             out[n] = _dot_q8_0_wide(data[n], xq, xd, xsum, f16, ahead)
     elif code == C_Q4_K:
         for n in range(first, end):
-            if MACHINE_HAS_VNNI:
-                out[n] = _dot_k_vnni(data[n], xq, xd, xsum, xb, f16, ahead, False)
-            else:
-                out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, False)
+            out[n] = _dot_k_wide(data[n], xq, xd, xsum, xb, f16, ahead, False)
     elif code == C_Q6_K:
         for n in range(first, end):
             out[n] = _dot_q6_k_wide(data[n], xq, xd, xsum, f16, ahead)
     elif code == C_Q5_K:
         for n in range(first, end):
-            if MACHINE_HAS_VNNI:
-                out[n] = _dot_k_vnni(data[n], xq, xd, xsum, xb, f16, ahead, True)
-            else:
-                out[n] = _dot_k_wide(data[n], xq, xd, xsum, f16, ahead, True)
+            out[n] = _dot_k_wide(data[n], xq, xd, xsum, xb, f16, ahead, True)
     elif code == C_Q5_0:
         for n in range(first, end):
             out[n] = _dot_q5_wide(data[n], xq, xd, xsum, f16, ahead, False)
@@ -992,9 +953,8 @@ def _four_token_rows(dot, *flag):
 
 
 _ROWS4_Q8_0, _ROWS4_Q8_0_WIDE = _four_token_rows(_dot_small_4, C_Q8_0), _four_token_rows(_dot_small_wide_4, C_Q8_0)
-_DOT_K_WIDE_4 = _dot_k_vnni_4 if MACHINE_HAS_VNNI else _dot_k_wide_4  # (what _rows_wide runs for one token)
-_ROWS4_Q4_K, _ROWS4_Q4_K_WIDE = _four_token_rows(_dot_k_4, False), _four_token_rows(_DOT_K_WIDE_4, False)
-_ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_rows(_DOT_K_WIDE_4, True)
+_ROWS4_Q4_K, _ROWS4_Q4_K_WIDE = _four_token_rows(_dot_k_4, False), _four_token_rows(_dot_k_wide_4, False)
+_ROWS4_Q5_K, _ROWS4_Q5_K_WIDE = _four_token_rows(_dot_k_4, True), _four_token_rows(_dot_k_wide_4, True)
 _ROWS4_Q6_K, _ROWS4_Q6_K_WIDE = _four_token_rows(_dot_q6_k_4), _four_token_rows(_dot_q6_k_wide_4)
 _ROWS4_Q5_0, _ROWS4_Q5_0_WIDE = _four_token_rows(_dot_small_4, C_Q5_0), _four_token_rows(_dot_small_wide_4, C_Q5_0)
 _ROWS4_Q4_0 = _four_token_rows(_dot_small_4, C_Q4_0)
