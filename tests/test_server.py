@@ -494,3 +494,26 @@ def test_a_slot_drafting_for_itself_runs_the_stored_layers(tiny_model):
     with serving(model, parallel=1) as url:
         got = client(url).completions.create(model="m", prompt="one two one two", max_tokens=12, **GREEDY)
     assert got.choices[0].text == want
+
+
+def test_a_segment_without_room_fails_alone(qwen):
+    """The batcher's forward of several segments: one whose cache has no room for its tokens gets the context
+    error, the others their logits (as each alone), and nothing runs for the one that failed."""
+    from cupyllm.errors import ContextOverflowError
+    from cupyllm.server.engine import Engine, _Job
+
+    engine = Engine(qwen, parallel=3)
+    try:
+        full, a, b = (slot.cache for slot in engine.slots)
+        full.n_past = full.spec.ctx - 1
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(3, qwen.cfg.n_vocab, size=n) for n in (12, 12, 15)]
+        jobs = [_Job(segment=Segment(ids, c), prompt=True) for ids, c in zip(prompts, (full, a, b))]
+        engine._forward_together(jobs)
+        assert isinstance(jobs[0].error, ContextOverflowError) and jobs[0].result is None
+        for job, ids in zip(jobs[1:], prompts[1:]):
+            assert job.error is None
+            alone = qwen.transformer.ops.new_cache(qwen.cfg, qwen.kv_spec)
+            np.testing.assert_array_equal(job.result, qwen.transformer.forward(ids, np.arange(len(ids)), alone))
+    finally:
+        engine.close()

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..backend.precompile import zero_weight
 from ..generate import GenerationStats, generate_stream
-from ..errors import InputError
+from ..errors import ContextOverflowError, InputError
 from ..kv.prompt_cache import PromptCache, shared_prefix
 from ..models.batch import Segment, forward_batch
 from ..ops.matmul.cpu import matmul_many
@@ -503,8 +503,17 @@ class Engine:
 
     def _forward_together(self, jobs: list[_Job]) -> None:
         """One forward for the jobs' segments: one alone as the model's own forward runs it, several through
-        forward_batch (each segment's values as alone)."""
+        forward_batch (each segment's values as alone). A segment its cache has no room for fails alone, before
+        anything runs, not the forward of the others."""
         model = self.model
+        room = []
+        for job in jobs:
+            try:
+                job.segment.cache.check_room(len(job.segment.tokens))
+                room.append(job)
+            except ContextOverflowError as exc:
+                job.error = exc
+        jobs = room
         if len(jobs) == 1:
             job = jobs[0]
             s = job.segment
