@@ -836,6 +836,29 @@ def split_activation_bytes(xq, xb):
             xb[128 * c + 64 + i] = np.uint8((v >> 8) & 255)
 
 
+@njit(cache=True, nogil=True)
+def activation_rows(xs, codes):
+    """Each row of xs [rows, n_in] as the GEMV kernels multiply it: (xq, xd, xsum) = quantize_activation_row's,
+    and xb = split_activation_bytes' where the machine has VNNI and a weight of `codes` is a K-quant (the only
+    kernels that read it; else no columns). Rows of no whole blocks are left unrounded: float rows read x."""
+    n_rows, n_in = xs.shape
+    n_blocks = n_in // ACTIVATION_BLOCK + 8  # + 8: Q6_K loads 8 lanes to use its last 4
+    xq = np.empty((n_rows, n_in), np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
+    xd = np.empty((n_rows, n_blocks), np.float32)
+    xsum = np.empty_like(xd)
+    split = False
+    if MACHINE_HAS_VNNI:
+        for code in codes:
+            split |= code == C_Q4_K or code == C_Q5_K
+    xb = np.empty((n_rows, 2 * n_in if split else 0), np.uint8)
+    if n_in % ACTIVATION_BLOCK == 0:
+        for r in range(n_rows):
+            quantize_activation_row(xs[r], xq[r], xd[r], xsum[r])
+            if split:
+                split_activation_bytes(xq[r], xb[r])
+    return xq, xd, xsum, xb
+
+
 @njit(inline="always")
 def _share_rows(datas, share, n_shares):
     """[first, stop) of the rows of share `share` of n_shares, counting all the weights' rows in order."""
@@ -1027,17 +1050,8 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
     the bytes past each block to prefetch (0: none); `shares`: the equal shares of all the rows that the
     parallel loop hands out (ROW_SHARES; gemv_many passes the thread count: a share a thread). Weights of no rows
     add no work (gemv_many pads the tuples to GEMV_WEIGHTS with them)."""
-    n_tok, n_in = xs.shape
-    n_blocks = n_in // ACTIVATION_BLOCK + 8  # + 8: Q6_K loads 8 lanes to use its last 4
-    xq = np.empty((n_tok, n_in), np.int16)  # (np.empty: np.zeros would be a parallel loop of its own)
-    xd = np.empty((n_tok, n_blocks), np.float32)
-    xsum = np.empty_like(xd)
-    xb = np.empty((n_tok, 2 * n_in if MACHINE_HAS_VNNI else 0), np.uint8)
-    if n_in % ACTIVATION_BLOCK == 0:  # (block formats have whole blocks; float rows of any length read x)
-        for t in range(n_tok):
-            quantize_activation_row(xs[t], xq[t], xd[t], xsum[t])
-            if MACHINE_HAS_VNNI:
-                split_activation_bytes(xq[t], xb[t])
+    n_tok = xs.shape[0]
+    xq, xd, xsum, xb = activation_rows(xs, codes)
     # Tokens go four at a time through a weight of SEVERAL_TOKEN_CODES (three as four, the last one twice), then
     # two at a time, the rest (and every token of the other weights) one at a time. Several passes over the rows:
     # a tile of rows at a time for every pass, so each row is read from memory once and from the cache for the
@@ -1121,17 +1135,7 @@ def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=None, ahead=PREFETC
     activation row (a mixture of experts' chosen experts: gate / up read the token, down its expert's hidden
     row), all in ONE parallel region. Each row of xs is rounded once, as gemv_blocks rounds its x, and each row's
     dot product is gemv_blocks' own, so the values are the same bit for bit."""
-    n_rows_x, n_in = xs.shape
-    n_blocks = n_in // ACTIVATION_BLOCK + 8  # + 8: Q6_K loads 8 lanes to use its last 4
-    xq = np.empty((n_rows_x, n_in), np.int16)
-    xd = np.empty((n_rows_x, n_blocks), np.float32)
-    xsum = np.empty_like(xd)
-    xb = np.empty((n_rows_x, 2 * n_in if MACHINE_HAS_VNNI else 0), np.uint8)
-    if n_in % ACTIVATION_BLOCK == 0:
-        for r in range(n_rows_x):
-            quantize_activation_row(xs[r], xq[r], xd[r], xsum[r])
-            if MACHINE_HAS_VNNI:
-                split_activation_bytes(xq[r], xb[r])
+    xq, xd, xsum, xb = activation_rows(xs, codes)
     for share in prange(shares):
         first, stop = _share_rows(datas, share, shares)
         offset = 0
