@@ -19,9 +19,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from gguf import GGMLQuantizationType
-
 from ..kv.cache import KVCache
+from ..ops.matmul.reference import FLOAT_TYPES
 from .build import Transformer
 from .layers import attend_rotated, default_attention, rotate
 
@@ -34,9 +33,6 @@ class Segment:
     tokens: np.ndarray
     cache: KVCache
     all_logits: bool = False
-
-
-_FLOAT_QTYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 class SegmentwiseFloatOps:
@@ -54,7 +50,7 @@ class SegmentwiseFloatOps:
         return getattr(self._ops, name)
 
     def _rowwise(self, x, weight) -> bool:
-        return x.shape[0] > 1 and weight.fmt.qtype in _FLOAT_QTYPES
+        return x.shape[0] > 1 and weight.fmt.qtype in FLOAT_TYPES
 
     def linear(self, x, weight, bias=None):
         if not self._rowwise(x, weight):

@@ -19,9 +19,9 @@ from cupyllm.ops.matmul.activation_codes import (ACTIVATION_LEVELS, dequantize_a
                                                  round_activations)
 from cupyllm.ops.matmul.cpu import matmul, matmul_each, matmul_many
 from cupyllm.ops.matmul.cpu_gemm import gemm_many
-from cupyllm.ops.matmul.cpu_gemv import (F16_TABLE, FLOAT_TYPES, dequantize_ids, dequantize_numba, gemv_blocks,
+from cupyllm.ops.matmul.cpu_gemv import (F16_TABLE, dequantize_ids, dequantize_numba, gemv_blocks,
                                          quantize_activation_row)
-from cupyllm.ops.matmul.reference import WEIGHT_FORMATS, dequantize
+from cupyllm.ops.matmul.reference import FLOAT_TYPES, WEIGHT_FORMATS, dequantize
 
 
 QUANTIZABLE = (T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)  # gguf.quants can quantize these

@@ -42,7 +42,6 @@ C_Q4_K, C_Q5_K, C_Q6_K = _C[T.Q4_K], _C[T.Q5_K], _C[T.Q6_K]
 # few lines in flight. bench/cpu_matmul.py (gemv_from_dram) measures it against none; in a sweep
 # 2 KiB gained about half of what 4 KiB did, 1 KiB and less nothing (docs/benchmarks.md).
 PREFETCH_BYTES = 4096
-FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights the GEMV multiplies by x itself, not by its codes
 # The GEMV cuts a call's rows (all its weights' together) into this many equal shares unless told how many:
 # gemv_many and gemv_each pass the thread count, so that numba's parallel loop, which gives each thread an equal
 # run of iterations, gives each one share (an equal number of rows) and one call of the row loop per weight.

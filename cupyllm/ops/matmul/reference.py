@@ -143,6 +143,8 @@ _DEQUANT = {
     T.Q4_K: _deq_q4_k, T.Q5_K: _deq_q5_k, T.Q6_K: _deq_q6_k,
 }
 
+FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # weights that hold their values (the GEMV multiplies x itself by them)
+
 WEIGHT_FORMATS: dict[T, WeightFormat] = {
     qtype: WeightFormat(qtype, *GGML_QUANT_SIZES[qtype], fn, code)
     for code, (qtype, fn) in enumerate(_DEQUANT.items())
