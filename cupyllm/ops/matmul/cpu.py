@@ -34,7 +34,7 @@ def _kernel(n_tok: int, fmts: list[WeightFormat]) -> str:
         return "gemv"
     if all(fmt.qtype == T.F32 for fmt in fmts):
         return "blas"
-    if n_tok > TOKENS_PER_GEMV and all(fmt.code in GEMM_CODES for fmt in fmts):
+    if all(fmt.code in GEMM_CODES for fmt in fmts):
         return "gemm"
     return "tiles"
 
