@@ -61,6 +61,13 @@ class Backend(Protocol):
         """Rows [linear(xs[x_of[i]], w_i) for each weight w_i] (x_of: host ints; weights of one shape): a decode
         step's chosen experts, each reading its own row."""
 
+    def linear_grouped(self, xs: Array, groups: Sequence[Sequence], bounds) -> list[Array]:
+        """[W_j applied to each group's rows]: for group i its rows xs[bounds[i]:bounds[i + 1]] times each weight
+        of groups[i] (a tuple of weights, as many in every group), the j-th weights' products stacked in the
+        rows' order as the j-th array [len(xs), n_out_j] (bounds: host ints, ascending, bounds[0] = 0,
+        bounds[-1] = len(xs)): a prefill's experts, each multiplying the tokens routed to it. Each row's values
+        are linear_many's for the group's rows."""
+
     def gated_linear(self, x: Array, w_gate, activation: str, w_up=None, up: Array | None = None) -> Array:
         """act(x @ w_gate.T) * (x @ w_up.T), or * up when the up values are given (activation: silu | gelu_tanh)."""
 

@@ -18,7 +18,7 @@ from ..ops.elementwise.cpu import gelu_tanh_times, rms_norm_rows, rope_rows, sil
 from ..ops.deltanet.cpu import conv1d_silu_rows, gated_delta_tokens, gated_rms_norm_rows
 from .cpu_threads import RowThreads
 from ..errors import CupyllmError
-from ..ops.matmul.cpu import TOKENS_PER_GEMV, matmul, matmul_each, matmul_many
+from ..ops.matmul.cpu import TOKENS_PER_GEMV, matmul, matmul_each, matmul_grouped, matmul_many
 from ..ops.matmul.cpu_gemv import dequantize_ids
 from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
 from ..models.weights import Weight
@@ -110,6 +110,12 @@ class CPUBackend:
     def linear_each(self, xs: np.ndarray, weights, x_of) -> np.ndarray:
         """[linear(xs[x_of[i]], w_i) for each i] as rows [len(weights), n_out]: one parallel GEMV for all."""
         return np.stack(matmul_each(xs, [(w.data, w.fmt) for w in weights], x_of, weights[0].shape[-1]))
+
+    def linear_grouped(self, xs: np.ndarray, groups, bounds) -> list[np.ndarray]:
+        """Each group's rows through its weights (matmul_grouped), the outputs stacked in the rows' order."""
+        with self._one_blas_thread_for(xs, groups[0]):
+            return matmul_grouped(xs, [[(w.data, w.fmt) for w in weights] for weights in groups], bounds,
+                                  groups[0][0].shape[-1])
 
     def embed(self, weight: Weight, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)

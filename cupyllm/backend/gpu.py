@@ -181,6 +181,11 @@ class GPUBackend:
         """linear weight by weight, as the experts ran before this op (a grouped GPU launch is not written)."""
         return self.cp.stack([self.linear(xs[int(r):int(r) + 1], w)[0] for w, r in zip(weights, x_of)])
 
+    def linear_grouped(self, xs, groups, bounds):
+        """Group by group through linear_many (a grouped GPU launch is not written), the outputs stacked."""
+        parts = [self.linear_many(xs[int(a):int(b)], weights) for weights, a, b in zip(groups, bounds, bounds[1:])]
+        return [self.cp.concatenate([ys[j] for ys in parts]) for j in range(len(groups[0]))]
+
     def linear_many(self, x, weights, biases=None):
         """[linear(x, w, b) for w, b in zip(weights, biases)]; for a few tokens the matrices of one type and
         width share a GEMV launch (q / k / v, gate / up)."""

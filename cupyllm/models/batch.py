@@ -67,6 +67,13 @@ class SegmentwiseFloatOps:
         biases = list(biases or ()) + [None] * (len(weights) - len(biases or ()))
         return [self.linear(x, w, b) for w, b in zip(weights, biases)]
 
+    def linear_grouped(self, xs, groups, bounds):
+        if not any(self._rowwise(xs, w) for w in groups[0]):
+            return self._ops.linear_grouped(xs, groups, bounds)
+        # an expert's routed rows, row by row (as linear's subset)
+        by_row = [weights for weights, a, b in zip(groups, bounds, bounds[1:]) for _ in range(a, b)]
+        return self._ops.linear_grouped(xs, by_row, np.arange(xs.shape[0] + 1))
+
     def gated_linear(self, x, w_gate, activation, w_up=None, up=None):
         gate, up = self.linear_many(x, (w_gate, w_up)) if w_up is not None else (self.linear(x, w_gate), up)
         return self._ops.gated_act(gate, up, activation)

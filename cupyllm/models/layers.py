@@ -217,19 +217,31 @@ def moe_mlp(ops, cfg: ModelConfig, moe: MoEWeights, x, router_input):
     weights = weights / weights.sum(axis=-1, keepdims=True) * moe.expert_scale[top]
     if x.shape[0] == 1:  # decode: the chosen experts' products in one op each, not expert by expert
         return _experts_of_one_token(ops, cfg, moe, x, top[0], weights[0])
+    return _experts_of_tokens(ops, cfg, moe, x, top, weights)
+
+
+def _experts_of_tokens(ops, cfg: ModelConfig, moe: MoEWeights, x, top: np.ndarray, weights: np.ndarray):
+    """moe_mlp's sum for several tokens x [T, d]: the (token, expert) pairs sorted by expert, each expert's
+    tokens a group of ops.linear_grouped; each token's k products then summed in ascending expert order."""
+    n_tok, k = top.shape
+    order = np.argsort(top.reshape(-1), kind="stable")  # by expert, tokens ascending within one
+    experts, starts = np.unique(top.reshape(-1)[order], return_index=True)
+    bounds = np.append(starts, len(order))
+    routed = x[ops.asarray(order // k)]
+    if moe.gate_up is not None:
+        gate_up, = ops.linear_grouped(routed, [(moe.gate_up[e],) for e in experts], bounds)
+        gate, up = gate_up[:, :gate_up.shape[-1] // 2], gate_up[:, gate_up.shape[-1] // 2:]
+    else:
+        gate, up = ops.linear_grouped(routed, [(moe.gate[e], moe.up[e]) for e in experts], bounds)
+    hidden = ops.gated_act(gate, up, cfg.activation)
+    y, = ops.linear_grouped(hidden, [(moe.down[e],) for e in experts], bounds)
+    y = y * ops.asarray(weights.reshape(-1)[order].astype(np.float32))[:, None]
+    sorted_at = np.empty_like(order)
+    sorted_at[order] = np.arange(len(order))  # where pair (t, slot) = t * k + slot sits in y
+    by_expert = np.take_along_axis(sorted_at.reshape(n_tok, k), np.argsort(top, axis=-1, kind="stable"), axis=-1)
     out = ops.xp.zeros_like(x)
-    for expert in np.unique(top):
-        rows, slot = np.nonzero(top == expert)
-        rows_on_device = ops.asarray(rows)
-        routed = x[rows_on_device]
-        if moe.gate_up is not None:
-            gate_up = ops.linear(routed, moe.gate_up[expert])
-            gate, up = gate_up[:, :gate_up.shape[-1] // 2], gate_up[:, gate_up.shape[-1] // 2:]
-            hidden = ops.gated_act(gate, up, cfg.activation)
-        else:
-            hidden = ops.gated_linear(routed, moe.gate[expert], cfg.activation, w_up=moe.up[expert])
-        y = ops.linear(hidden, moe.down[expert])
-        out[rows_on_device] += y * ops.asarray(weights[rows, slot].astype(np.float32))[:, None]
+    for j in range(k):
+        out += y[ops.asarray(by_expert[:, j])]
     return out
 
 

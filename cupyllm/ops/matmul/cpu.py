@@ -70,6 +70,20 @@ def matmul_each(xs: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], 
     return [matmul(xs[r:r + 1], data, fmt, n_in)[0] for (data, fmt), r in zip(weights, x_of)]
 
 
+def matmul_grouped(xs: np.ndarray, groups: list[list[tuple[np.ndarray, WeightFormat]]], bounds,
+                   n_in: int) -> list[np.ndarray]:
+    """[ys_j] with ys_j[bounds[i]:bounds[i + 1]] = xs[bounds[i]:bounds[i + 1]] @ W_ij.T for each group i and
+    its weights W_ij (as many in every group): each group's rows through matmul_many, so each row's values are
+    what its group's rows alone give."""
+    xs = np.ascontiguousarray(xs, dtype=np.float32)
+    outs = [np.empty((xs.shape[0], data.shape[0]), np.float32) for data, _ in groups[0]]
+    for i, weights in enumerate(groups):
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        for out, y in zip(outs, matmul_many(xs[a:b], weights, n_in)):
+            out[a:b] = y
+    return outs
+
+
 def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:
     """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
