@@ -209,14 +209,14 @@ def test_grouped_expert_gemv_equals_one_matmul_per_expert(qtype, n_chosen):
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.F32], ids=lambda t: t.name)
 def test_grouped_matmul_equals_each_group_alone(qtype):
-    """A prefill's experts: each group of rows (the tokens routed to one expert; one row, a few for the GEMV, more
-    than TOKENS_PER_GEMV for the GEMM) through its pair of weights, stacked in the rows' order: the values of
-    matmul_many on the group's rows alone, bit for bit."""
-    n_expert, n_out, n_in = 6, 40, 512
+    """A prefill's experts: each group of rows (the tokens routed to one expert; one row or a few for a grouped
+    GEMV launch, more than TOKENS_PER_GEMV for the GEMM) through its pair of weights, stacked in the rows' order:
+    the values of matmul_many on the group's rows alone, bit for bit."""
+    n_expert, n_out, n_in = 9, 40, 512
     stacked = random_rows(qtype, n_expert * n_out, n_in, seed=8).reshape(n_expert, n_out, -1)
     stacked.flags.writeable = False
     fmt = WEIGHT_FORMATS[qtype]
-    sizes = [1, 3, 8, 12, 40]
+    sizes = [1, 3, 8, 12, 2, 40, 5, 7]  # (one launch for the groups of up to TOKENS_PER_GEMV rows)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     xs = np.random.default_rng(9).standard_normal((bounds[-1], n_in)).astype(np.float32)
     groups = [[(stacked[e], fmt), (stacked[e + 1], fmt)] for e in range(len(sizes))]
