@@ -99,6 +99,23 @@ def _error(status: int, message: str, param=None, code=None, kind="invalid_reque
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
+class _BearerAuth:
+    """Every call but /health must carry `Authorization: Bearer KEY`. A plain ASGI middleware: starlette's
+    @app.middleware("http") passes each streamed chunk through a memory stream and a task of its own, work on
+    the event loop's thread for every token of every stream, beside the decode's threads on the same cores."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode("latin-1")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            if dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+                response = _error(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                  code="invalid_api_key", kind="authentication_error")
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(model, parallel: int = 1, *, api_key: str | None = None, queue_size: int = 16,
                time_limit: float | None = None, alias: str | None = None,
                slot_save_path: str | Path | None = None) -> FastAPI:
@@ -142,14 +159,8 @@ def create_app(model, parallel: int = 1, *, api_key: str | None = None, queue_si
                           code="unknown_parameter")
         return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", param=".".join(loc) or None)
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        if api_key is not None and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key",
-                              kind="authentication_error")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     @app.get("/health")
     async def health():
