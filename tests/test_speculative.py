@@ -15,6 +15,7 @@ from cupyllm.errors import InputError
 from cupyllm.generate import generate_stream
 from cupyllm.sampling import Sampler, SamplingParams
 from cupyllm.speculative import DraftLength, NgramDrafter, SpecConfig
+from cupyllm.speculative.decoder import DraftContext
 
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 11, 2, 8, 13, 21, 3, 17]
 GREEDY = SamplingParams(temperature=0.0)
@@ -286,6 +287,40 @@ def test_ngram_drafter_looks_up_the_longest_latest_match():
     assert drafter.draft(history, 3) == [7, 2, 3]  # "7 2 3" is new; "2 3" was last followed by 7
     assert NgramDrafter(size=2, min_size=2).draft([5, 6, 7, 5], 4) == []  # no 2-gram "7 5" before
     assert NgramDrafter(size=2, min_size=1).draft([5, 6, 7, 5], 4) == [6, 7, 5]
+
+
+def test_ngram_context_says_how_long_the_match_runs():
+    """The kind of an n-gram draft: how many of the history's last tokens equal those before the occurrence it
+    continues, as a class of MATCH_CLASSES, with the prior m / (m + 2)."""
+    drafter = NgramDrafter(size=3, min_size=2)
+    quote = [11, 12, 13, 14, 15, 16, 17, 18]
+    history = [1, 2] + quote + [3, 4] + quote[:5]  # the quote's first five tokens again: a match of 5
+    assert drafter.draft(history, 3) == [16, 17, 18]
+    context = drafter.context(history)
+    assert context.kind == 4 and context.prior == pytest.approx(4 / 6)  # 5 falls in the class from 4
+    history += quote[5:7]  # seven quoted: the class from 6
+    assert drafter.context(history).kind == 6
+    assert drafter.context([5, 6, 7]) == DraftContext(0, 0.0)  # nothing to continue
+
+
+def test_draft_length_keeps_each_context_apart():
+    """Rates kept per drafter context: a long quote is drafted long at once (its prior carried to the positions
+    no verdict has reached), a short match short; and what a context learns stays with it."""
+    quote, short = DraftContext(16, 16 / 18), DraftContext(2, 0.5)
+    length = DraftLength(15)
+    length.observe(1, 0.010, 0, 0)
+    length.observe(16, 0.050, 15, 15, context=quote)  # measured: 16 tokens cost 5 one-token forwards
+    length.observe(2, 0.013, 1, 1, context=short)
+    length.observe(4, 0.021, 3, 3, context=short)
+    assert length.choose(15, quote) >= 8  # (lengths not measured yet are costed optimistically: tried once)
+    assert length.choose(15, short) < 8
+    np.testing.assert_allclose(length.rate(quote)[:3], 0.7 * quote.prior + 0.3)  # reached, kept
+    assert length.rate(quote)[14] == length.rate(quote)[13]  # (reached too: the run kept them all)
+    rate = length.rate(short)
+    assert rate[2] == rate[3] == rate[14]  # positions 4.. not reached: carried from the last reached
+    for _ in range(20):
+        length.observe(16, 0.050, 15, 0, context=quote)
+    assert length.choose(15, quote) == 0 and length.choose(15, short) > 0
 
 
 def test_draft_length_stops_drafting_what_is_not_kept():

@@ -34,8 +34,19 @@ from ..sampling import Sampler
 MAX_RUN_TOKENS = 16
 
 
+@dataclass(frozen=True)
+class DraftContext:
+    """The kind of draft a drafter is about to make (NgramDrafter: how long its match runs), and the acceptance
+    rate to expect of a kind not seen yet."""
+
+    kind: object
+    prior: float
+
+
 class Drafter(Protocol):
-    """Proposes tokens to follow `history`: at most n_max of them (fewer, or none, when it has no good guess)."""
+    """Proposes tokens to follow `history`: at most n_max of them (fewer, or none, when it has no good guess).
+    A drafter may also have `context(history) -> DraftContext`, cheap; DraftLength then keeps the acceptance
+    rates of each kind of draft apart."""
 
     def draft(self, history: Sequence[int], n_max: int) -> list[int]: ...
 
@@ -85,7 +96,9 @@ class DraftLength:
     def __init__(self, n_max: int, n_min: int = 0, adaptive: bool = True, prior: float = 0.5,
                  prior_slope: float = 0.2, probe_every: int = 16):
         self.n_max, self.n_min, self.adaptive = n_max, n_min, adaptive
-        self.rate = np.full(n_max, prior)  # acceptance of position j given j - 1 kept, decayed mean
+        self.prior = prior
+        # the drafter's context -> (acceptance of position j given j - 1 kept, decayed mean; verdicts seen there)
+        self.rates: dict = {}
         self.seconds: dict[int, float] = {}  # tokens in a forward -> decayed mean seconds
         self.prior_slope = prior_slope
         self.draft_seconds = None  # decayed mean seconds the drafter takes per drafted token
@@ -99,8 +112,22 @@ class DraftLength:
             return max(self.seconds[n_tokens] / one, 1.0)
         return 1.0 + self.prior_slope * (n_tokens - 1)
 
-    def choose(self, room: int) -> int:
-        """Draft length for the next step (at most `room`)."""
+    def rate(self, context: DraftContext | None = None) -> np.ndarray:
+        """The acceptance rates by position of drafts made in `context` (Drafter.context; None: one table). A
+        position no verdict has reached yet takes the rate of the one before it (a draft kept so far is as
+        likely to go on), the first one the context's prior."""
+        if context not in self.rates:
+            prior = self.prior if context is None else context.prior
+            self.rates[context] = (np.full(self.n_max, prior), np.zeros(self.n_max, np.int64))
+        rate, seen = self.rates[context]
+        carried = rate.copy()
+        for j in range(1, self.n_max):
+            if not seen[j]:
+                carried[j] = carried[j - 1]
+        return carried
+
+    def choose(self, room: int, context=None) -> int:
+        """Draft length for the next step (at most `room`), the drafter's next draft made in `context`."""
         limit = min(self.n_max, room)
         if limit <= 0 or not self.adaptive:
             return max(limit, 0)
@@ -108,8 +135,9 @@ class DraftLength:
         drafting = self.draft_seconds / one if one and self.draft_seconds else 0.0
         best_k, best = 0, 1.0
         expected, kept = 1.0, 1.0
+        rate = self.rate(context)
         for k in range(1, limit + 1):
-            kept *= self.rate[k - 1]
+            kept *= rate[k - 1]
             expected += kept
             gain = expected / (self.cost(k + 1) + k * drafting)
             if gain > best:
@@ -121,9 +149,9 @@ class DraftLength:
         return best_k
 
     def observe(self, n_tokens: int, seconds: float, n_drafted: int, n_accepted: int,
-                draft_seconds: float = 0.0) -> None:
+                draft_seconds: float = 0.0, context=None) -> None:
         """One step's outcome: a target forward of n_tokens took `seconds`, n_accepted of its n_drafted drafts
-        were kept, and drafting them took draft_seconds."""
+        (made in `context`) were kept, and drafting them took draft_seconds."""
         old = self.seconds.get(n_tokens)
         self.seconds[n_tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if n_drafted:
@@ -132,8 +160,11 @@ class DraftLength:
             self.draft_seconds = per_token if self.draft_seconds is None else 0.8 * self.draft_seconds + 0.2 * per_token
         else:
             self.plain_steps += 1
+        carried = self.rate(context)
+        rate, seen = self.rates[context]
         for j in range(min(n_drafted, n_accepted + 1)):  # positions the verdict reached
-            self.rate[j] = 0.7 * self.rate[j] + 0.3 * (j < n_accepted)
+            rate[j] = 0.7 * carried[j] + 0.3 * (j < n_accepted)
+            seen[j] += 1
 
 
 class ContextFull(Exception):
@@ -192,10 +223,12 @@ class TokenSource:
             del self.held[dropped[0]:dropped[0] + dropped[1]]
             self.shifts += 1
         start = cache.n_past
-        k = 0
+        k, context = 0, None
         if self.drafter is not None:  # (a sliding window's ring has max_chunk spare slots for a run)
+            if hasattr(self.drafter, "context"):
+                context = self.drafter.context(self.held)
             k = self.length.choose(min(room - 1, cache.spec.ctx - start - 1, cache.spec.max_chunk - 1,
-                                       MAX_RUN_TOKENS - 1))
+                                       MAX_RUN_TOKENS - 1), context)
         t0 = time.perf_counter()
         drafts = [int(t) for t in self.drafter.draft(self.held, k)][:k] if k > 0 else []
         draft_seconds = time.perf_counter() - t0
@@ -223,7 +256,7 @@ class TokenSource:
         if drafts:
             self.stats.count(len(drafts), kept)
         if self.length is not None:
-            self.length.observe(len(tokens), seconds, len(drafts), kept, draft_seconds)
+            self.length.observe(len(tokens), seconds, len(drafts), kept, draft_seconds, context)
         # the cache must hold the tokens before the last queued one: the run's first 1 + kept
         self._mark, self._run = mark, tokens
         self._rewind(start + 1 + kept)

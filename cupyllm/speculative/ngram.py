@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .decoder import DraftContext
+
+# match lengths past this count as this long (a verbatim quote is a quote)
+LONGEST_MATCH = 16
+# DraftLength's rate tables by match length: these lengths and up share a table
+MATCH_CLASSES = (0, 1, 2, 3, 4, 6, 9, LONGEST_MATCH)
+
 
 class NgramDrafter:
     """Drafts from the history itself: the longest n-gram (n from `size` down to `min_size`) that ends the history
@@ -20,14 +27,33 @@ class NgramDrafter:
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
 
     def draft(self, history: Sequence[int], n_max: int) -> list[int]:
-        if n_max <= 0:
-            return []
+        after, _ = self._match(history) if n_max > 0 else (None, 0)
+        return [] if after is None else [int(t) for t in history[after:after + n_max]]
+
+    def context(self, history: Sequence[int]) -> DraftContext:
+        """How far the history's end runs verbatim beside the occurrence a draft would continue (up to
+        LONGEST_MATCH tokens; 0: no draft), as one of MATCH_CLASSES: text that has been quoting its input
+        for a dozen tokens keeps quoting more often than text whose last two tokens happen to recur, so
+        DraftLength keeps the acceptance rates of each class apart. Prior m / (m + 2) for a class from m: 1/2
+        for the shortest lookups (every draft's prior without classes), 8/9 for a quote (Laplace's
+        (m + 1) / (m + 2) drafted more on free text, and lost there: bench/spec_cpu.py)."""
+        _, length = self._match(history)
+        kind = max(c for c in MATCH_CLASSES if c <= length)
+        return DraftContext(kind, kind / (kind + 2))
+
+    def _match(self, history: Sequence[int]) -> tuple[int | None, int]:
+        """(the position after the latest earlier occurrence of the longest indexed n-gram that ends the
+        history, or None; how many tokens before that position equal the history's last ones)."""
         self._index(history)
         for n in range(min(self.size, len(history) - 1), self.min_size - 1, -1):
             after = self._next.get(tuple(history[-n:]))
             if after is not None:
-                return [int(t) for t in history[after:after + n_max]]
-        return []
+                length = n
+                while (length < LONGEST_MATCH and after - 1 - length >= 0
+                       and history[after - 1 - length] == history[-1 - length]):
+                    length += 1
+                return after, length
+        return None, 0
 
     def _index(self, history: Sequence[int]) -> None:
         """Index the n-grams that end before the history's last token (an n-gram ending at the last token is the
