@@ -99,3 +99,14 @@ def test_niah_on_the_device_path(tmp_path):
     assert report["device"] == "gpu" and len(rows) == 8
     assert {r["mode"] for r in rows} == {"dca", "plain"}
     assert all(1024 - 200 <= r["prompt_tokens"] <= 1024 + 64 - 2 - 1 for r in rows)
+
+
+def test_decode_benchmark(tmp_path):
+    """bench/decode_gpu.py: batched decode, n-gram drafting and the hybrid's decode, each against its roofline."""
+    out = _run(["bench/decode_gpu.py", "--smoke", "--out", str(tmp_path / "decode_gpu.json")], tmp_path)
+    results = json.loads((tmp_path / "decode_gpu.json").read_text())["results"]
+    dense, hybrid = results["qwen2.5-7b"], results["qwen3.6-35b-a3b-8l"]
+    assert [r["sequences"] for r in dense["batched_decode"]] == [1, 3], out[-2000:]
+    assert all(r["aggregate_tok_s"] > 0 and 0 < r["fraction_of_roofline"] for r in dense["batched_decode"])
+    assert dense["ngram"]["speedup"] > 0 and dense["ngram"]["ngram"]["drafted"] >= 0
+    assert hybrid["decode"]["decode_tps"] > 0 and hybrid["decode"]["token_bytes"] > 0
