@@ -16,6 +16,7 @@ from cupyllm.generate import generate_stream
 from cupyllm.sampling import Sampler, SamplingParams
 from cupyllm.speculative import DraftLength, NgramDrafter, SpecConfig
 from cupyllm.speculative.decoder import DraftContext
+from cupyllm.speculative.ngram import text_fold
 
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 11, 2, 8, 13, 21, 3, 17]
 GREEDY = SamplingParams(temperature=0.0)
@@ -301,6 +302,28 @@ def test_ngram_context_says_how_long_the_match_runs():
     history += quote[5:7]  # seven quoted: the class from 6
     assert drafter.context(history).kind == 6
     assert drafter.context([5, 6, 7]) == DraftContext(0, 0.0)  # nothing to continue
+
+
+def test_ngram_drafter_falls_back_to_folded_tokens():
+    """With a fold (a token's key: here t % 100, as text_fold maps " Insert" and " insert" together), a history
+    whose last n-gram never occurred as it is drafts the continuation of its folded match (the history's own
+    tokens), in a context of its own; an exact match still comes first."""
+    drafter = NgramDrafter(size=3, min_size=2, fold=lambda t: t % 100)
+    history = [1, 2, 3, 4, 5, 6, 7, 9, 9, 103, 4]  # "103 4" folds to "3 4", which was followed by 5 6 7
+    assert NgramDrafter(size=3, min_size=2).draft(list(history), 3) == []
+    assert drafter.draft(history, 3) == [5, 6, 7]
+    assert drafter.context(history) == DraftContext(("folded", 2), 0.5)
+    history += [105, 6]  # "105 6" folds to "5 6"; no exact "105 6" before either
+    assert drafter.draft(history, 2) == [7, 9]
+    assert drafter.context(history).kind == ("folded", 4)  # "3 4 5 6" folded, then 2 before it differs
+    history += [7, 9, 6, 7]  # "6 7" occurred as it is, last followed by 9 6: the exact match is taken
+    assert drafter.draft(history, 2) == [9, 6] and isinstance(drafter.context(history).kind, int)
+
+
+def test_text_fold_lowercases_and_keeps_spaces():
+    pieces = {1: b" Insert", 2: b" insert", 3: b"insert", 4: b"\n"}
+    fold = text_fold(pieces.__getitem__)
+    assert fold(1) == fold(2) == " insert" and fold(3) == "insert" != fold(2) and fold(4) == "\n"
 
 
 def test_draft_length_keeps_each_context_apart():

@@ -8,7 +8,7 @@ from typing import Callable
 from .draft_model import ModelDrafter
 from .gemma4_assistant import AssistantDrafter
 from .mtp import MTPDrafter
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, text_fold
 
 
 def drafter_for(spec, model, kept=None, execute: Callable | None = None):
@@ -20,7 +20,7 @@ def drafter_for(spec, model, kept=None, execute: Callable | None = None):
     if spec is None:
         return None
     if spec.type == "ngram":
-        return NgramDrafter(spec.ngram_size, spec.ngram_min)
+        return NgramDrafter(spec.ngram_size, spec.ngram_min, fold=text_fold(model.tokenizer.token_bytes))
     drafter = kept if kept is not None else _new_drafter(spec.type, model, execute)
     if spec.type == "mtp":  # (the head's weights and cache made once; its state new for each generation)
         drafter.reset()

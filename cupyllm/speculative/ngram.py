@@ -3,7 +3,7 @@ tokens (Saxena's prompt lookup decoding; transformers' prompt_lookup_num_tokens,
 No second model: it pays where the output repeats its input (editing code, answering from a document)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Hashable, Sequence
 
 from .decoder import DraftContext
 
@@ -16,51 +16,79 @@ MATCH_CLASSES = (0, 1, 2, 3, 4, 6, 9, LONGEST_MATCH)
 class NgramDrafter:
     """Drafts from the history itself: the longest n-gram (n from `size` down to `min_size`) that ends the history
     and occurred before, continued as it continued then (the latest such occurrence). An index from each n-gram
-    to the position after its latest occurrence grows with the history, so a draft costs O(size), not a scan."""
+    to the position after its latest occurrence grows with the history, so a draft costs O(size), not a scan.
 
-    def __init__(self, size: int = 3, min_size: int = 2):
+    fold: a token's key for a second lookup where no n-gram matches as it is (e.g. its text lowercased and
+    stripped, `text_fold`): an answer that quotes its input mid-sentence with a capital ("2. Insert two" for
+    "Second, insert two") finds the quote a token or two sooner. A folded match's drafts are the history's own
+    tokens after it, and its context a kind of its own."""
+
+    def __init__(self, size: int = 3, min_size: int = 2, fold: Callable[[int], Hashable] | None = None):
         if not 1 <= min_size <= size:
             raise ValueError(f"n-gram sizes need 1 <= min_size <= size; got min_size {min_size}, size {size}")
-        self.size, self.min_size = size, min_size
+        self.size, self.min_size, self.fold = size, min_size, fold
         self._history: Sequence[int] | None = None  # the sequence indexed (one generation's growing list)
         self._indexed = 0  # history[:_indexed] is in the index
-        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> position right after its latest occurrence
+        self._next: dict[tuple, int] = {}  # n-gram -> position right after its latest occurrence
+        self._keys: list = []  # fold(token) of each token of the history (with fold)
+        self._next_folded: dict[tuple, int] = {}  # the same by folded n-grams
 
     def draft(self, history: Sequence[int], n_max: int) -> list[int]:
-        after, _ = self._match(history) if n_max > 0 else (None, 0)
+        after, _, _ = self._match(history) if n_max > 0 else (None, 0, False)
         return [] if after is None else [int(t) for t in history[after:after + n_max]]
 
     def context(self, history: Sequence[int]) -> DraftContext:
         """How far the history's end runs verbatim beside the occurrence a draft would continue (up to
         LONGEST_MATCH tokens; 0: no draft), as one of MATCH_CLASSES: text that has been quoting its input
         for a dozen tokens keeps quoting more often than text whose last two tokens happen to recur, so
-        DraftLength keeps the acceptance rates of each class apart. Prior m / (m + 2) for a class from m: 1/2
-        for the shortest lookups (every draft's prior without classes), 8/9 for a quote (Laplace's
-        (m + 1) / (m + 2) drafted more on free text, and lost there: bench/spec_cpu.py)."""
-        _, length = self._match(history)
+        DraftLength keeps the acceptance rates of each class apart (and of folded matches apart from exact
+        ones). Prior m / (m + 2) for a class from m: 1/2 for the shortest lookups (every draft's prior without
+        classes), 8/9 for a quote (Laplace's (m + 1) / (m + 2) drafted more on free text, and lost there:
+        bench/spec_cpu.py)."""
+        _, length, folded = self._match(history)
         kind = max(c for c in MATCH_CLASSES if c <= length)
-        return DraftContext(kind, kind / (kind + 2))
+        return DraftContext(("folded", kind) if folded else kind, kind / (kind + 2))
 
-    def _match(self, history: Sequence[int]) -> tuple[int | None, int]:
+    def _match(self, history: Sequence[int]) -> tuple[int | None, int, bool]:
         """(the position after the latest earlier occurrence of the longest indexed n-gram that ends the
-        history, or None; how many tokens before that position equal the history's last ones)."""
+        history, or None; how many tokens before that position equal the history's last ones; whether the
+        match is by folded keys, tried where no n-gram matches as it is)."""
         self._index(history)
-        for n in range(min(self.size, len(history) - 1), self.min_size - 1, -1):
-            after = self._next.get(tuple(history[-n:]))
-            if after is not None:
-                length = n
-                while (length < LONGEST_MATCH and after - 1 - length >= 0
-                       and history[after - 1 - length] == history[-1 - length]):
-                    length += 1
-                return after, length
-        return None, 0
+        for folded, (seq, index) in enumerate([(history, self._next)]
+                                              + ([(self._keys, self._next_folded)] if self.fold else [])):
+            for n in range(min(self.size, len(seq) - 1), self.min_size - 1, -1):
+                after = index.get(tuple(seq[-n:]))
+                if after is not None:
+                    length = n
+                    while (length < LONGEST_MATCH and after - 1 - length >= 0
+                           and seq[after - 1 - length] == seq[-1 - length]):
+                        length += 1
+                    return after, length, bool(folded)
+        return None, 0, False
 
     def _index(self, history: Sequence[int]) -> None:
         """Index the n-grams that end before the history's last token (an n-gram ending at the last token is the
         one being looked up: it has no continuation yet)."""
         if history is not self._history or len(history) < self._indexed:  # another sequence: start over
-            self._history, self._indexed, self._next = history, 0, {}
+            self._history, self._indexed, self._next, self._keys, self._next_folded = history, 0, {}, [], {}
+        if self.fold is not None:
+            self._keys += [self.fold(t) for t in history[len(self._keys):]]
         for after in range(max(self._indexed, 1), len(history)):
             for n in range(self.min_size, min(self.size, after) + 1):
                 self._next[tuple(history[after - n:after])] = after
+                if self.fold is not None:
+                    self._next_folded[tuple(self._keys[after - n:after])] = after
         self._indexed = len(history)
+
+
+def text_fold(token_bytes: Callable[[int], bytes]) -> Callable[[int], str]:
+    """A token's text, stripped of surrounding spaces and lowercased (token_bytes: the tokenizer's), as
+    NgramDrafter's fold; remembered per token."""
+    keys: dict[int, str] = {}
+
+    def fold(token: int) -> str:
+        key = keys.get(token)
+        if key is None:
+            key = keys[token] = token_bytes(int(token)).decode("utf-8", errors="replace").lower()
+        return key
+    return fold
