@@ -279,15 +279,30 @@ def test_the_drafter_factory_keeps_and_hooks_what_it_makes(tiny_model):
 
 
 def test_ngram_drafter_looks_up_the_longest_latest_match():
-    drafter = NgramDrafter(size=3, min_size=1)
+    """Before any draft (fresh drafters), the longest n-gram's latest occurrence."""
     history = [1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]
-    assert drafter.draft(history, 2) == [4, 9]  # "1 2 3" occurred at the start, followed by 4 9
+    assert NgramDrafter(size=3, min_size=1).draft(history, 2) == [4, 9]  # "1 2 3" occurred at the start
     history += [7]
-    assert drafter.draft(history, 3) == []  # "7" never occurred before
+    assert NgramDrafter(size=3, min_size=1).draft(history, 3) == []  # "7" never occurred before
     history += [2, 3]
-    assert drafter.draft(history, 3) == [7, 2, 3]  # "7 2 3" is new; "2 3" was last followed by 7
+    assert NgramDrafter(size=3, min_size=1).draft(history, 3) == [7, 2, 3]  # "2 3" was last followed by 7
     assert NgramDrafter(size=2, min_size=2).draft([5, 6, 7, 5], 4) == []  # no 2-gram "7 5" before
     assert NgramDrafter(size=2, min_size=1).draft([5, 6, 7, 5], 4) == [6, 7, 5]
+
+
+def test_ngram_drafter_keeps_reading_where_it_drafted_from():
+    """A phrase the source holds twice: once the text has followed a draft from the first, its next lookup
+    continues there (the occurrence it reads), not at the phrase's latest occurrence; a text that left the
+    source takes the first occurrence after where it was reading."""
+    source = [1, 10, 11, 12, 2, 3, 4, 10, 11, 12, 5, 6, 7, 10, 11, 12, 8]
+    history = source + [9, 1, 10]
+    drafter = NgramDrafter(size=2, min_size=2)
+    assert drafter.draft(history, 3) == [11, 12, 2]  # "1 10": once, at the source's start
+    history += [11, 12]  # followed
+    assert drafter.draft(history, 3) == [2, 3, 4]  # "11 12" three times: the one being read
+    assert NgramDrafter(size=2, min_size=2).draft(list(history), 3) == [8, 9, 1]  # (no reading: the latest)
+    history += [2, 3, 4, 99, 10, 11]  # read on to 4, then left the source: "10 11" after where it stood
+    assert drafter.draft(history, 2) == [12, 5]
 
 
 def test_ngram_context_says_how_long_the_match_runs():
