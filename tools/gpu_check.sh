@@ -17,7 +17,8 @@
 #    bench/kv_encode.py --device gpu (with the TCQ encoder at every trellis size and the engine's prefill step per
 #    KV type), bench/prompt_cache.py, then
 #    tools/profile_decode_gpu.py (kernels of a decode step), bench/e2e_gpu.py on the real-shape models (Gemma 3
-#    270M, Qwen2.5-0.5B, Gemma 4 E2B, then Qwen2.5-7B while time is left)
+#    270M, Qwen2.5-0.5B, Gemma 4 E2B, then Qwen2.5-7B while time is left), then with what is left of the budget
+#    bench/decode_gpu.py (batched decode, n-gram drafting, a hybrid's decode; on the GGUFs e2e_gpu.py wrote)
 # 5. packs the results into $OUT/gpu_results.tar (when OUT is set) after every step, so a run cut short keeps
 #    what it measured
 #
@@ -78,7 +79,8 @@ publish() {  # every result file of this run, packed into one archive in $OUT (r
     [ -n "$RUN_OUT" ] || return 0
     local files=()
     for f in gpu_pytest.log gpu_pytest.xml attention_gpu.json dequant_gpu.json dca_gpu.json kv_encode_gpu.json \
-             spill_gpu.json spill_cost_gpu.json decode_profile_gpu.json prompt_cache_gpu.json e2e_gpu.json; do
+             spill_gpu.json spill_cost_gpu.json decode_profile_gpu.json prompt_cache_gpu.json e2e_gpu.json \
+             decode_gpu.json; do
         [ "$RESULTS/$f" -nt "$STARTED" ] && files+=("$f")
     done
     [ ${#files[@]} -gt 0 ] && tar -cf "$RUN_OUT/gpu_results.tar" -C "$RESULTS" "${files[@]}"
@@ -121,10 +123,23 @@ publish
 echo "--- bench/e2e_gpu.py (gemma3-270m, qwen2.5-0.5b, gemma4-e2b, qwen2.5-7b)"
 # (its JSON goes straight into $OUT when set: rewritten after every model, it comes back even if the call's
 # limit cuts the 7B short)
+GGUF_DIR=$(mktemp -d)  # the random GGUFs, kept for bench/decode_gpu.py below (the 7B's is ~4.7 GB to write)
 timeout $(limit 140) "$PY" bench/e2e_gpu.py --models gemma3-270m qwen2.5-0.5b gemma4-e2b qwen2.5-7b --budget-s 60 \
-    --out "${RUN_OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
+    --work-dir "$GGUF_DIR" --out "${RUN_OUT:-$RESULTS}/e2e_gpu.json" || echo "bench/e2e_gpu.py failed or timed out ($?)"
 [ -n "$RUN_OUT" ] && [ -e "$RUN_OUT/e2e_gpu.json" ] && cp "$RUN_OUT/e2e_gpu.json" "$RESULTS"/
 publish
+# With what is left of the budget: the batched decode at 1-64 sequences, n-gram drafting and a Qwen3.6-35B-A3B
+# shape's decode (issues 34, 33, 32), each against its roofline; its parts start only within --budget-s.
+left=$(limit 170)
+if [ "$left" -gt 60 ]; then
+    echo "--- bench/decode_gpu.py (${left} s left)"
+    timeout "$left" "$PY" bench/decode_gpu.py --work-dir "$GGUF_DIR" --budget-s $((left - 45)) \
+        || echo "bench/decode_gpu.py failed or timed out ($?)"
+    publish
+else
+    echo "--- bench/decode_gpu.py skipped: ${left} s left (run it in a call of its own)"
+fi
+rm -rf "$GGUF_DIR"
 
 step "results"
 [ -n "$RUN_OUT" ] && ls -l "$RUN_OUT" && tar -tf "$RUN_OUT/gpu_results.tar"
