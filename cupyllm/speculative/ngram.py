@@ -20,8 +20,8 @@ class NgramDrafter:
     _match). An index from each n-gram to the positions after its occurrences grows with the history, so a draft
     costs O(size + log occurrences), not a scan.
 
-    fold: a token's key for a second lookup where no n-gram matches as it is (e.g. its text lowercased and
-    stripped, `text_fold`): an answer that quotes its input mid-sentence with a capital ("2. Insert two" for
+    fold: a token's key for a second lookup where no n-gram matches as it is (e.g. its text lowercased,
+    `text_fold`): an answer that quotes its input mid-sentence with a capital ("2. Insert two" for
     "Second, insert two") finds the quote a token or two sooner. A folded match's drafts are the history's own
     tokens after it, and its context a kind of its own."""
 
@@ -115,8 +115,9 @@ def _pick(occurrences: list[int], reading: int | None) -> int:
 
 
 def text_fold(token_bytes: Callable[[int], bytes]) -> Callable[[int], str]:
-    """A token's text, stripped of surrounding spaces and lowercased (token_bytes: the tokenizer's), as
-    NgramDrafter's fold; remembered per token."""
+    """A token's text lowercased, its spaces kept (token_bytes: the tokenizer's), as NgramDrafter's fold;
+    remembered per token. (Stripping the spaces too let folded matches run on across sentence ends:
+    docs/speculative.md.)"""
     keys: dict[int, str] = {}
 
     def fold(token: int) -> str:
