@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 
-from e2e_gpu import PEAK_BANDWIDTH, _sync  # noqa: E402
+from e2e_gpu import PEAK_BANDWIDTH, _sync, kv_bytes, matrices  # noqa: E402
 
 PROMPT_TOKENS, STEPS = 128, 32
 PASSAGE = 48  # tokens of the passage the n-gram prompt states twice
@@ -42,25 +42,6 @@ DENSE, HYBRID = "qwen2.5-7b", "qwen3.6-35b-a3b-8l"
 
 def weight_bytes(weights) -> int:
     return sum(int(w.data.nbytes) for w in weights if w is not None)
-
-
-def kv_bytes(cache) -> int:
-    """The bytes attention reads over the cache as it holds now."""
-    total = 0
-    for layer in cache.layers:
-        if layer is None or not hasattr(layer, "k_data"):
-            continue
-        row = int(layer.k_data.shape[-1] + layer.v_data.shape[-1]) * layer.n_kv
-        total += row * layer.n_used
-    return total
-
-
-def dense_step_bytes(transformer) -> int:
-    """Weight bytes one decode step reads on a dense model (the embedding: one row, ignored)."""
-    weights = [transformer.output]
-    for layer in transformer.layers:
-        weights += [layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down]
-    return weight_bytes(weights)
 
 
 def hybrid_token_bytes(transformer, cache) -> int:
@@ -93,7 +74,7 @@ def batched_decode(model, batches: list[int], budget_end: float) -> list[dict]:
     t = model.transformer
     rows = []
     rng = np.random.default_rng(0)
-    weights = dense_step_bytes(t)
+    weights = weight_bytes(matrices(t))  # (a dense model: every matrix a step reads)
     for n in batches:
         if time.perf_counter() > budget_end:
             rows.append({"sequences": n, "skipped": "time budget spent"})

@@ -69,13 +69,24 @@ def matrices(transformer) -> list:
     return [w for w in out if w is not None]
 
 
+def kv_bytes(cache, n_keys: int | None = None) -> int:
+    """The KV bytes attention reads at `n_keys` cached positions (a sliding layer: its window of them; None: the
+    positions each layer holds now). A hybrid's recurrent layers hold no K / V."""
+    total = 0
+    for layer in cache.layers:
+        if not hasattr(layer, "k_data"):
+            continue
+        row = int(layer.k_data.shape[-1] + layer.v_data.shape[-1]) * layer.n_kv
+        if n_keys is None:
+            total += row * layer.n_used
+        else:
+            total += row * (min(n_keys, layer.window) if layer.window else n_keys)
+    return total
+
+
 def decode_bytes_per_token(transformer, cache, n_keys: int) -> int:
     """Weight bytes plus the KV bytes attention reads at `n_keys` cached positions."""
-    total = sum(int(w.data.nbytes) for w in matrices(transformer))
-    for layer in cache.layers:
-        row = int(layer.k_data.shape[-1] + layer.v_data.shape[-1]) * layer.n_kv
-        total += row * (min(n_keys, layer.window) if layer.window else n_keys)
-    return total
+    return sum(int(w.data.nbytes) for w in matrices(transformer)) + kv_bytes(cache, n_keys)
 
 
 def gemv_bandwidth(ops, transformer) -> list[dict]:
