@@ -20,6 +20,7 @@ from .cpu_threads import RowThreads
 from ..errors import CupyllmError
 from ..ops.matmul.cpu import TOKENS_PER_GEMV, matmul, matmul_each, matmul_grouped, matmul_many
 from ..ops.matmul.cpu_gemv import dequantize_ids
+from ..ops.matmul.cpu_interleaved import interleave_rows, interleaved_layout
 from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
 from ..models.weights import Weight
 
@@ -40,6 +41,7 @@ class CPUBackend:
         self._rope_tables = {}
         self._threads = RowThreads(threads)
         self._blas = None  # threadpoolctl's handle on BLAS, found on the first float32 decode matmul
+        self._x16: dict[int, tuple] = {}  # id(weight blocks) -> (blocks, their rows interleaved or None)
         precompile.ensure_compiled()  # once per machine: every kernel into numba's cache, with a progress bar
         compile_notice.install()  # a kernel that compiles all the same (types the precompile missed) says so
         keep_freed_memory()  # a prefill's arrays reuse freed memory instead of page-faulting in new (cpu_memory.py)
@@ -90,9 +92,30 @@ class CPUBackend:
             self._blas = ThreadpoolController()
         return self._blas.limit(limits=1, user_api="blas")
 
+    def _interleaved(self, weight: Weight) -> tuple | None:
+        """The weight's rows interleaved for the GEMV ((array, layout): ops/matmul/cpu_interleaved.py, a batched
+        decode's several tokens at the memory's pace), made on its first decode step, so that an embedding table
+        that is only looked up (Gemma 4's per-layer one) is never copied. None where the rows do not interleave,
+        or where host memory has less than four times the copy's bytes free (the GEMV then reads the GGUF's)."""
+        data = weight.data
+        known = self._x16.get(id(data))
+        if known is None or known[0] is not data:
+            layout, x16 = interleaved_layout(data, weight.fmt.name), None
+            if layout is not None and 4 * data.nbytes <= host_bytes_available():
+                x16 = (interleave_rows(data, layout), layout)
+            known = self._x16[id(data)] = (data, x16)  # (holding `data` keeps its id from being reused)
+        return known[1]
+
+    def _gemv_interleaved(self, x: np.ndarray, weights) -> list | None:
+        """Each weight's interleaved rows (or None) when x is few enough tokens for the GEMV; else None."""
+        if x.shape[0] > TOKENS_PER_GEMV:
+            return None
+        return [self._interleaved(w) for w in weights]
+
     def linear(self, x: np.ndarray, weight: Weight, bias: np.ndarray | None = None) -> np.ndarray:
         with self._one_blas_thread_for(x, (weight,)):
-            y = matmul(x, weight.data, weight.fmt, weight.shape[-1])
+            x16 = self._gemv_interleaved(x, (weight,))
+            y = matmul(x, weight.data, weight.fmt, weight.shape[-1], None if x16 is None else x16[0])
         if bias is not None:
             y += bias
         return y
@@ -101,7 +124,7 @@ class CPUBackend:
         """[linear(x, w, b) for w, b in zip(weights, biases)]; for a decode step one parallel GEMV for all."""
         n_in = weights[0].shape[-1]
         with self._one_blas_thread_for(x, weights):
-            ys = matmul_many(x, [(w.data, w.fmt) for w in weights], n_in)
+            ys = matmul_many(x, [(w.data, w.fmt) for w in weights], n_in, self._gemv_interleaved(x, weights))
         for y, bias in zip(ys, biases or ()):
             if bias is not None:
                 y += bias

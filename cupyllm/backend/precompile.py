@@ -26,7 +26,8 @@ import numpy as np
 
 _OPS = Path(__file__).resolve().parents[1] / "ops"
 # the sources whose code numba compiles into the kernels (a change to any of them needs a new compile)
-SOURCES = [_OPS / "simd.py", _OPS / "matmul" / "cpu_gemv.py", _OPS / "matmul" / "cpu_gemm.py",
+SOURCES = [_OPS / "simd.py", _OPS / "matmul" / "cpu_gemv.py", _OPS / "matmul" / "cpu_interleaved.py",
+           _OPS / "matmul" / "cpu_gemm.py",
            _OPS / "matmul" / "activation_codes.py", _OPS / "matmul" / "reference.py", _OPS / "attention" / "cpu.py",
            _OPS / "kv_formats" / "cpu.py", _OPS / "kv_formats" / "tcq.py", _OPS / "elementwise" / "cpu.py",
            _OPS / "deltanet" / "cpu.py", Path(__file__)]
@@ -66,8 +67,11 @@ def _weight_rows() -> None:
     from ..ops.matmul import cpu as matmul_cpu
     from ..ops.matmul.cpu_gemv import dequantize_ids
     from ..ops.matmul.reference import WEIGHT_FORMATS
+    from ..ops.matmul.cpu_interleaved import LAYOUTS, ROWS, interleave_rows
     data, fmt = zero_weight(4, 256)
     dequantize_ids(data, fmt, 256, np.array([1, 2]))  # embedding rows
+    layout = LAYOUTS["Q8_0"]
+    interleave_rows(np.zeros((ROWS, layout.block_bytes), np.uint8), layout)  # rows interleaved for the GEMV
     f16 = WEIGHT_FORMATS[T.F16]  # the f32 tiles of the BLAS path
     matmul_cpu.matmul(np.ones((TOKENS_PER_TILE, 16), np.float32), np.zeros((4, 32), np.uint8), f16, 16)
 

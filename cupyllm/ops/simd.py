@@ -707,6 +707,17 @@ def lane_splat_16(typingctx, v, lane):
 
 
 @intrinsic
+def load_u16_32(typingctx, arr, index):
+    """The 32 little-endian 16-bit words at byte `index` of a byte array, as int16 lanes (their bits)."""
+    if not (_is_array(arr, types.uint8) and _is_int(index)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16, 2 * WIDE_LANES), align=1)
+    return i16x32(arr, index), codegen
+
+
+@intrinsic
 def load_u8w_32(typingctx, arr, index):
     """arr[index:index+32] of a byte array, zero-extended to int16 lanes (0..255)."""
     return _byte_load(arr, index, "zext", i16x32)

@@ -19,8 +19,10 @@ from cupyllm.ops.matmul.activation_codes import (ACTIVATION_LEVELS, dequantize_a
                                                  round_activations)
 from cupyllm.ops.matmul.cpu import matmul, matmul_each, matmul_many
 from cupyllm.ops.matmul.cpu_gemm import gemm_many
-from cupyllm.ops.matmul.cpu_gemv import (F16_TABLE, dequantize_ids, dequantize_numba, gemv_blocks,
+from cupyllm.ops.matmul.cpu_gemv import (F16_TABLE, dequantize_ids, dequantize_numba, gemv_blocks, gemv_many,
                                          quantize_activation_row)
+from cupyllm.ops.matmul.cpu_interleaved import (LAYOUTS, deinterleave_rows_reference, interleave_rows,
+                                                interleave_rows_reference)
 from cupyllm.ops.matmul.reference import FLOAT_TYPES, WEIGHT_FORMATS, dequantize
 
 
@@ -255,3 +257,96 @@ def test_wide_k_quant_kernels_without_vnni(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "4 passed" in done.stdout
+
+
+# --- rows interleaved 16 at a time (cpu_interleaved.py): the decode GEMV's Q8_0 and Q5_0 ------------------------
+
+X16_TYPES = [T.Q8_0, T.Q5_0]
+
+
+def random_blocks(qtype: T, n_rows: int, n_in: int, seed: int) -> np.ndarray:
+    """Rows of random code bytes (every high-bit pattern of Q5_0 too) under finite fp16 scales."""
+    rows = random_rows(qtype, n_rows, n_in, seed=seed).reshape(n_rows, -1, WEIGHT_FORMATS[qtype].block_bytes).copy()
+    rows[:, :, 2:] = np.random.default_rng(seed).integers(0, 256, rows[:, :, 2:].shape, dtype=np.uint8)
+    rows = rows.reshape(n_rows, -1)
+    rows.flags.writeable = False
+    return rows
+
+
+@pytest.mark.parametrize("qtype", X16_TYPES, ids=lambda t: t.name)
+def test_interleaved_layout_follows_its_definition(qtype):
+    """Each value read back from the x16 layout as the module's docstring places it (loops over rows, blocks and
+    values) is the GGUF row's value; the numba interleaving writes the NumPy definition's bytes, which
+    deinterleave_rows_reference turns back into the rows."""
+    n_rows, n_in = 32, 96
+    rows = random_blocks(qtype, n_rows, n_in, seed=11)
+    layout = LAYOUTS[qtype.name]
+    x16 = interleave_rows(rows, layout)
+    np.testing.assert_array_equal(x16, interleave_rows_reference(rows, layout))
+    np.testing.assert_array_equal(deinterleave_rows_reference(x16, layout), rows)
+    want = dequantize(rows, qtype, n_in)
+    for g in range(n_rows // 16):
+        for b in range(n_in // 32):
+            block = x16[g, b * layout.x16_bytes:(b + 1) * layout.x16_bytes]
+            d = block[:32].view(np.float16).astype(np.float32)
+            h = block[32:96].view(np.uint16) if qtype == T.Q5_0 else None
+            for r in range(16):
+                for k in range(32):
+                    if qtype == T.Q8_0:
+                        code = int(block[32 + 32 * (k // 2) + 2 * r + k % 2].view(np.int8))
+                    else:
+                        p, j, upper = (k % 16) // 2, k % 2, k >= 16
+                        byte = int(block[96 + 32 * p + 2 * r + j])
+                        code = ((byte >> 4 if upper else byte & 15) | ((int(h[2 * r + j]) >> (p + 8 * upper)) & 1) << 4) - 16
+                    assert np.float32(code) * d[r] == want[16 * g + r, 32 * b + k]
+
+
+@pytest.mark.parametrize("n_in", [256, 896])
+@pytest.mark.parametrize("qtype", X16_TYPES, ids=lambda t: t.name)
+def test_interleaved_gemv_matches_reference(qtype, n_in):
+    """The GEMV on interleaved rows for 1 to 8 tokens (fours, three as four, twos, ones) against float64 products
+    of the dequantized weight and x_hat, within 2e-6 of the sum of the products' magnitudes; each token's
+    values are its one-token run's, bit for bit; beside other weights in one call, each weight's values are its
+    own call's."""
+    n_out = 48
+    rows = random_blocks(qtype, n_out, n_in, seed=n_in)
+    layout = LAYOUTS[qtype.name]
+    x16 = (interleave_rows(rows, layout), layout)
+    x = (np.random.default_rng(5).standard_normal((8, n_in)) + 3.0).astype(np.float32)
+    x[3, :64] = 0
+    x_hat = round_activations(x)
+    weight = dequantize(rows, qtype, n_in).astype(np.float64)
+    reference = x_hat.astype(np.float64) @ weight.T
+    scale = np.abs(x_hat).astype(np.float64) @ np.abs(weight).T
+    for n_tok in range(1, 9):
+        out, = gemv_many(x[:n_tok], [x16])
+        assert out.shape == (n_tok, n_out)
+        np.testing.assert_array_less(np.abs(out - reference[:n_tok]), 2e-6 * scale[:n_tok] + 1e-30)
+        for t in range(n_tok):
+            np.testing.assert_array_equal(out[t], gemv_many(x[t:t + 1], [x16])[0][0])
+    other = (random_rows(T.Q4_0, 37, n_in, seed=3), WEIGHT_FORMATS[T.Q4_0])
+    for n_tok in (1, 3):
+        together = matmul_many(x[:n_tok], [other, (rows, WEIGHT_FORMATS[qtype]), other], n_in, [None, x16, None])
+        np.testing.assert_array_equal(together[1], gemv_many(x[:n_tok], [x16])[0])
+        np.testing.assert_array_equal(together[0], matmul(x[:n_tok], *other, n_in))
+        np.testing.assert_array_equal(together[2], together[0])
+
+
+@pytest.mark.skipif(not simd.MACHINE_HAS_512_BIT_LANES, reason="rows interleave where the machine has 512-bit lanes")
+def test_cpu_backend_multiplies_interleaved_rows_where_memory_allows(monkeypatch):
+    """The CPU backend's decode matmuls read a Q8_0 / Q5_0 weight's rows interleaved (made on its first decode
+    step, kept), its prefills the GGUF's rows; with too little host memory for the copy, the GGUF's rows."""
+    from cupyllm.backend import cpu as cpu_backend
+    from cupyllm.models.weights import Weight
+    n_in = 256
+    rows = random_blocks(T.Q8_0, 32, n_in, seed=2)
+    weight = Weight("w", WEIGHT_FORMATS[T.Q8_0], (32, n_in), rows)
+    x = np.random.default_rng(1).standard_normal((12, n_in)).astype(np.float32)
+    x16 = (interleave_rows(rows, LAYOUTS["Q8_0"]), LAYOUTS["Q8_0"])
+    backend = cpu_backend.CPUBackend()
+    np.testing.assert_array_equal(backend.linear(x[:2], weight), gemv_many(x[:2], [x16])[0])
+    np.testing.assert_array_equal(backend.linear_many(x[:1], [weight, weight])[1], gemv_many(x[:1], [x16])[0])
+    np.testing.assert_array_equal(backend.linear(x, weight), gemm_many(x, [(rows, weight.fmt)])[0])
+    monkeypatch.setattr(cpu_backend, "host_bytes_available", lambda: 3.0 * rows.nbytes)
+    short = cpu_backend.CPUBackend()
+    np.testing.assert_array_equal(short.linear(x[:2], weight), gemv_many(x[:2], [(rows, weight.fmt)])[0])

@@ -39,15 +39,20 @@ def _kernel(n_tok: int, fmts: list[WeightFormat]) -> str:
     return "tiles"
 
 
-def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int) -> list[np.ndarray]:
+def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n_in: int,
+                interleaved: list | None = None) -> list[np.ndarray]:
     """[x @ W.T for W in weights]: a decode step's weights that read the same x go through one parallel GEMV
     (one thread wake-up for q/k/v or gate/up) when their arrays share a numba type; a prefill's GEMMs share the
-    packing of x; else weight by weight."""
+    packing of x; else weight by weight. `interleaved`: for each weight, its rows interleaved (cpu_interleaved.py:
+    (array, layout)) or None; the GEMV reads those, the GEMM the GGUF's rows."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     kernel = _kernel(x.shape[0], [fmt for _, fmt in weights])
-    one_type = len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d, _ in weights}) == 1
-    if kernel == "gemv" and one_type:
-        return gemv_many(x, weights)
+    if kernel == "gemv":
+        if interleaved is not None:
+            weights = [w if x16 is None else x16 for w, x16 in zip(weights, interleaved)]
+        if len({(d.dtype, d.ndim, d.flags.c_contiguous, d.flags.writeable) for d, _ in weights}) == 1:
+            return gemv_many(x, weights)
+        return [gemv_many(x, [weight])[0] for weight in weights]
     if kernel == "gemm":
         return gemm_many(x, weights)
     quantized = [i for i, (_, fmt) in enumerate(weights) if fmt.qtype != T.F32]
@@ -84,14 +89,16 @@ def matmul_grouped(xs: np.ndarray, groups: list[list[tuple[np.ndarray, WeightFor
     return outs
 
 
-def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int) -> np.ndarray:
-    """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]."""
+def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int, interleaved: tuple | None = None
+           ) -> np.ndarray:
+    """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]
+    (`interleaved`: matmul_many's, for this weight)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     kernel = _kernel(x.shape[0], [fmt])
     if kernel == "blas":
         return x @ data.view(np.float32).T
     if kernel == "gemv":
-        return gemv_many(x, [(data, fmt)])[0]
+        return gemv_many(x, [interleaved or (data, fmt)])[0]
     if kernel == "gemm":
         return gemm_many(x, [(data, fmt)])[0]
     n_out = data.shape[0]

@@ -26,6 +26,7 @@ from ..simd import (MACHINE_HAS_512_BIT_LANES, MACHINE_HAS_VNNI, bit_lanes, bit_
                     lane_splat_16, load_bytes_64, load_f32, load_i8, load_i8w, load_i8w_32, load_i16, load_i16_32,
                     load_nibbles_64, load_u8, load_u8w, load_u8w_32, madd, pair_lanes, prefetch, splat, splat_16,
                     store_f32, store_i16, to_f32, zeros, zeros_16)
+from .cpu_interleaved import ROWS as X16_ROWS, X16_CODES, interleaved_gemv
 from .reference import WEIGHT_FORMATS, WeightFormat
 from gguf import GGMLQuantizationType as T
 
@@ -859,11 +860,17 @@ def activation_rows(xs, codes):
 
 
 @njit(inline="always")
-def _share_rows(datas, share, n_shares):
-    """[first, stop) of the rows of share `share` of n_shares, counting all the weights' rows in order."""
+def _out_rows(code, data):
+    """A weight's output rows: its array's rows, or 16 a row of an interleaved weight's (cpu_interleaved.py)."""
+    return data.shape[0] * X16_ROWS if code in X16_CODES else data.shape[0]
+
+
+@njit(inline="always")
+def _share_rows(codes, datas, share, n_shares):
+    """[first, stop) of the output rows of share `share` of n_shares, counting all the weights' rows in order."""
     total = 0
     for i in range(len(datas)):
-        total += datas[i].shape[0]
+        total += _out_rows(codes[i], datas[i])
     return share * total // n_shares, (share + 1) * total // n_shares
 
 
@@ -1036,6 +1043,29 @@ def _gemv_rows_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f1
         _rows_narrow_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
 
 
+@njit(nogil=True)
+def _interleaved_tokens(code, groups, first, end, xq, xd, out, ahead):
+    """out[t, rows of groups first..end) for every token t of xq / xd: gemv_blocks' schedule (four tokens at a
+    time, three as four, then two, then one) on a regrouped weight, group by group past four tokens so that a
+    group is read from memory once for all of them."""
+    n_tok = xq.shape[0]
+    step = 1 if n_tok > 4 else max(end - first, 1)
+    n_fours = (n_tok + 1) // 4
+    for a in range(first, end, step):
+        b = min(a + step, end)
+        for g in range(n_fours):
+            t, last = 4 * g, min(4 * g + 3, n_tok - 1)
+            interleaved_gemv(code, groups, a, b, (xq[t], xd[t]), (xq[t + 1], xd[t + 1]), (xq[t + 2], xd[t + 2]),
+                            (xq[last], xd[last]), out, t, t + 1, t + 2, last, ahead)
+        u = 4 * n_fours
+        if n_tok - u == 2:
+            interleaved_gemv(code, groups, a, b, (xq[u], xd[u]), (xq[u + 1], xd[u + 1]), None, None, out, u, u + 1, u,
+                            u + 1, ahead)
+            u += 2
+        for v in range(u, n_tok):
+            interleaved_gemv(code, groups, a, b, (xq[v], xd[v]), None, None, None, out, v, v, v, v, ahead)
+
+
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
 def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, shares=ROW_SHARES):
     """outs[i][t, n] = sum_k x_hat_t[k] * W_i[n, k] for every weight W_i (quantized rows datas[i], format codes[i])
@@ -1048,7 +1078,8 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
     MACHINE_HAS_512_BIT_LANES; the narrow kernels give the same values up to float32 summation order); `ahead`:
     the bytes past each block to prefetch (0: none); `shares`: the equal shares of all the rows that the
     parallel loop hands out (ROW_SHARES; gemv_many passes the thread count: a share a thread). Weights of no rows
-    add no work (gemv_many pads the tuples to GEMV_WEIGHTS with them)."""
+    add no work (gemv_many pads the tuples to GEMV_WEIGHTS with them). A weight of a code in X16_CODES has 16
+    rows interleaved a row of its array (cpu_interleaved.py), its output rows 16 times its array's."""
     n_tok = xs.shape[0]
     xq, xd, xsum, xb = activation_rows(xs, codes)
     # Tokens go four at a time through a weight of SEVERAL_TOKEN_CODES (three as four, the last one twice), then
@@ -1057,14 +1088,19 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
     # other passes (one pass: the share's rows in one call).
     token_by_token = False
     for i in range(len(datas)):
-        token_by_token |= codes[i] not in SEVERAL_TOKEN_CODES
+        token_by_token |= codes[i] not in SEVERAL_TOKEN_CODES and codes[i] not in X16_CODES
     tile = TOKEN_TILE_ROWS if n_tok > 4 or (n_tok > 1 and token_by_token) else 1 << 62
     for share in prange(shares):
-        first, stop = _share_rows(datas, share, shares)
+        first, stop = _share_rows(codes, datas, share, shares)
         offset = 0
         for i in range(len(datas)):  # the weights' rows that fall in this thread's share
-            n_rows, code = datas[i].shape[0], codes[i]
+            code = codes[i]
+            n_rows = _out_rows(code, datas[i])
             lo, hi = max(first - offset, 0), min(stop - offset, n_rows)
+            if code in X16_CODES:  # (the groups whose first row falls in the share: a share's rows, rounded)
+                _interleaved_tokens(code, datas[i], (lo + X16_ROWS - 1) // X16_ROWS, (hi + X16_ROWS - 1) // X16_ROWS,
+                                    xq, xd, outs[i], ahead)
+                lo = hi  # (done: no rows for the loops below)
             blocks = code in SEVERAL_TOKEN_CODES
             n_fours = (n_tok + 1) // 4 if blocks else 0
             for a in range(lo, hi, tile):
@@ -1114,14 +1150,16 @@ _NO_OUT = np.empty(0, np.float32)
 
 def gemv_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
     """[x_hat @ W.T for W in weights] through gemv_blocks (x: a few tokens, f32 contiguous; the weights' arrays
-    all of one type), GEMV_WEIGHTS weights a call."""
+    all of one type; a weight may have its rows interleaved, with its cpu_interleaved.InterleavedLayout as format),
+    GEMV_WEIGHTS weights a call."""
     if len(weights) > GEMV_WEIGHTS:
         return [y for i in range(0, len(weights), GEMV_WEIGHTS)
                 for y in gemv_many(x, weights[i:i + GEMV_WEIGHTS])]
     n_pad = GEMV_WEIGHTS - len(weights)
     datas = tuple([weight_rows(data) for data, _ in weights] + [_NO_ROWS] * n_pad)
     codes = np.array([fmt.code for _, fmt in weights] + [0] * n_pad, np.int64)
-    outs = [np.empty((x.shape[0], data.shape[0]), np.float32) for data, _ in weights]
+    outs = [np.empty((x.shape[0], data.shape[0] * (X16_ROWS if fmt.code in X16_CODES else 1)), np.float32)
+            for data, fmt in weights]
     no_out = np.empty((x.shape[0], 0), np.float32)
     gemv_blocks(codes, datas, x, tuple(outs + [no_out] * n_pad), F16_TABLE, None, PREFETCH_BYTES,
                 numba.get_num_threads())
@@ -1136,7 +1174,7 @@ def gemv_blocks_each(codes, datas, x_of, xs, outs, f16, wide=None, ahead=PREFETC
     dot product is gemv_blocks' own, so the values are the same bit for bit."""
     xq, xd, xsum, xb = activation_rows(xs, codes)
     for share in prange(shares):
-        first, stop = _share_rows(datas, share, shares)
+        first, stop = _share_rows(codes, datas, share, shares)
         offset = 0
         for i in range(len(datas)):
             n_rows, r = datas[i].shape[0], x_of[i]
