@@ -125,9 +125,9 @@ def _deltanet() -> None:
 
 
 # longest first (each job's compile time alone: docs/benchmarks.md#cpu-first-run), so that the processes end
-# close together; the KV rows next after the attention, whose process is usually the first free and has compiled
-# their scalar row decoder already
-JOBS = {"attention": _attention, "prefill matmul": _gemm, "decode matmul": _gemv, "KV rows": _kv_rows,
+# close together; the KV rows after the attention and the prefill matmul: the attention's process is the first
+# free, takes the GEMM, then the KV rows, whose scalar row decoder it has compiled already
+JOBS = {"decode matmul": _gemv, "attention": _attention, "prefill matmul": _gemm, "KV rows": _kv_rows,
         "Gated DeltaNet": _deltanet, "weight rows": _weight_rows, "TCQ encoder": _tcq_encode,
         "norms and rope": _elementwise}
 
@@ -224,12 +224,31 @@ def _exclusive(folder: Path):
         yield
 
 
+def _cached_kernel_files() -> list[Path]:
+    """numba's cache files (.nbi index, .nbc code) of the cached kernels of SOURCES' modules."""
+    import importlib
+    package_root = Path(__file__).resolve().parents[2]
+    files = []
+    for path in SOURCES:
+        module = importlib.import_module(".".join(path.relative_to(package_root).with_suffix("").parts))
+        folders = {Path(value._cache._cache_path) for value in vars(module).values()
+                   if type(getattr(value, "_cache", None)).__name__ == "FunctionCache"}
+        files += [f for folder in folders for pattern in (f"{path.stem}.*.nbi", f"{path.stem}.*.nbc")
+                  for f in folder.glob(pattern)]
+    return files
+
+
 def compile_all(processes: int | None = None, stream=None) -> float:
     """Compile every job into numba's cache in `processes` processes (default: one per core), a progress bar on
     `stream` (default stderr); then write the stamp. Returns the seconds it took."""
     from tqdm import tqdm
 
     start = time.perf_counter()
+    # numba keys a cached kernel by its own file alone: one compiled before a change to a helper it inlines from
+    # another file (ops/simd.py, cpu_interleaved.py) would load as it was. The sources changed (no stamp): drop
+    # them all, so that every kernel compiles from these sources.
+    for old in _cached_kernel_files():
+        old.unlink(missing_ok=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     processes = max(1, min(processes or cores or 1, len(JOBS)))
     jobs, done = queue.Queue(), queue.Queue()
