@@ -259,31 +259,36 @@ def test_wide_k_quant_kernels_without_vnni(tmp_path):
     assert "4 passed" in done.stdout
 
 
-# --- rows interleaved 16 at a time (cpu_interleaved.py): the decode GEMV's Q8_0 and Q5_0 ------------------------
+# --- rows interleaved 16 at a time (cpu_interleaved.py): the decode GEMV's Q8_0, Q5_0, Q4_K and Q6_K -------------
 
-X16_TYPES = [T.Q8_0, T.Q5_0]
+X16_TYPES = [T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K]
 
 
 def random_blocks(qtype: T, n_rows: int, n_in: int, seed: int) -> np.ndarray:
     """Rows of random code bytes (every high-bit pattern of Q5_0 too) under finite fp16 scales."""
-    rows = random_rows(qtype, n_rows, n_in, seed=seed).reshape(n_rows, -1, WEIGHT_FORMATS[qtype].block_bytes).copy()
-    rows[:, :, 2:] = np.random.default_rng(seed).integers(0, 256, rows[:, :, 2:].shape, dtype=np.uint8)
-    rows = rows.reshape(n_rows, -1)
+    rows = random_rows(qtype, n_rows, n_in, seed=seed)
+    if qtype in QUANTIZABLE:  # (random_rows quantizes these: random bytes after each block's d)
+        rows = rows.reshape(n_rows, -1, WEIGHT_FORMATS[qtype].block_bytes).copy()
+        rows[:, :, 2:] = np.random.default_rng(seed).integers(0, 256, rows[:, :, 2:].shape, dtype=np.uint8)
+        rows = rows.reshape(n_rows, -1)
     rows.flags.writeable = False
     return rows
 
 
 @pytest.mark.parametrize("qtype", X16_TYPES, ids=lambda t: t.name)
 def test_interleaved_layout_follows_its_definition(qtype):
-    """Each value read back from the x16 layout as the module's docstring places it (loops over rows, blocks and
-    values) is the GGUF row's value; the numba interleaving writes the NumPy definition's bytes, which
-    deinterleave_rows_reference turns back into the rows."""
-    n_rows, n_in = 32, 96
+    """The numba interleaving writes the NumPy definition's bytes, which deinterleave_rows_reference turns back
+    into the rows; for Q8_0 and Q5_0 also each value read back from the x16 layout as the module's docstring
+    places it (loops over rows, blocks and values) is the GGUF row's value (the K-quants' kernels read theirs
+    in test_interleaved_gemv_matches_reference)."""
+    n_rows, n_in = 32, 512
     rows = random_blocks(qtype, n_rows, n_in, seed=11)
     layout = LAYOUTS[qtype.name]
     x16 = interleave_rows(rows, layout)
     np.testing.assert_array_equal(x16, interleave_rows_reference(rows, layout))
     np.testing.assert_array_equal(deinterleave_rows_reference(x16, layout), rows)
+    if qtype not in (T.Q8_0, T.Q5_0):
+        return
     want = dequantize(rows, qtype, n_in)
     for g in range(n_rows // 16):
         for b in range(n_in // 32):
@@ -301,13 +306,15 @@ def test_interleaved_layout_follows_its_definition(qtype):
                     assert np.float32(code) * d[r] == want[16 * g + r, 32 * b + k]
 
 
-@pytest.mark.parametrize("n_in", [256, 896])
+@pytest.mark.parametrize("n_in", [256, 896, 1536])
 @pytest.mark.parametrize("qtype", X16_TYPES, ids=lambda t: t.name)
 def test_interleaved_gemv_matches_reference(qtype, n_in):
     """The GEMV on interleaved rows for 1 to 8 tokens (fours, three as four, twos, ones) against float64 products
     of the dequantized weight and x_hat, within 2e-6 of the sum of the products' magnitudes; each token's
     values are its one-token run's, bit for bit; beside other weights in one call, each weight's values are its
     own call's."""
+    if n_in % WEIGHT_FORMATS[qtype].block_values:
+        pytest.skip("row length not a whole number of blocks")
     n_out = 48
     rows = random_blocks(qtype, n_out, n_in, seed=n_in)
     layout = LAYOUTS[qtype.name]

@@ -5,7 +5,7 @@ dequantization (`ops/matmul/cpu.py` picks between them and the prefill GEMM of `
   multiplying the weight's integer codes with x rounded to 16-bit codes per 32 values (x_hat,
   `ops/matmul/activation_codes.py`; 16 products an instruction), so a decode step reads the quantized bytes with few
   instructions per value (llama.cpp does the same with 8-bit codes, 256 times coarser); several tokens (a batched
-  decode, a verify run of drafts) go four (or two) at a time, each block unpacked once for them; where the
+  decode, a verify run of drafts) go four at a time, each block unpacked once for them; where the
   machine has AVX-512 VNNI the K-quants multiply the codes' two bytes with vpdpbusd (64 products an instruction
   pair, `_k_step_bytes`): a pair of sub-blocks then costs one float conversion and one FMA, not two;
 - `dequantize_rows` / `gather_rows` expand rows to f32 (embedding lookups; float-weight tiles for BLAS).
@@ -562,21 +562,12 @@ def _dot_q6_k_wide(row, xq, xd, xsum, f16, ahead):
     return hsum(fadd(fadd(acc0, acc1), fadd(acc2, acc3)))
 
 
-# --- four (or two) tokens at once: each block's codes and scale bytes unpacked once, then every token's share ---
+# --- four tokens at once: each block's codes and scale bytes unpacked once, then every token's share -----------
 # A decode step of several sequences, or a verify run of drafts, multiplies each row by several tokens. On few
 # cores that is compute-bound, and the unpacking is much of a block's work: these kernels do it once for four
 # tokens, keeping each token's accumulators in registers. Each token's values are the one-token kernel's bit for
 # bit: the same step functions, the same FMA chains in the same order. x0..x3: each token's (xq, xd, xsum, xb);
-# x2 = x3 = None: two tokens (numba prunes the branches on `x2 is not None` by the argument's type, so the
-# two-token kernel is this code without the other two tokens), and the four results are r0, r1, r0, r1.
-
-@njit(inline="always")
-def _four(x2, r0, r1, r2, r3):
-    """The kernels' results: r0..r3, or r0, r1, r0, r1 for two tokens (x2 None)."""
-    if x2 is None:
-        return r0, r1, r0, r1
-    return r0, r1, r2, r3
-
+# fewer tokens repeat some (gemv_blocks runs two as four: one kernel compiled, not two).
 
 @njit(inline="always")
 def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, code):
@@ -595,10 +586,9 @@ def _dot_small_4(row, x0, x1, x2, x3, f16, ahead, code):
         d = _half(row, o, f16)
         a0, n0 = n0, _block_step(lo, hi, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step(lo, hi, d, q1, d1, b, a1)
-        if x2 is not None:
-            a2, n2 = n2, _block_step(lo, hi, d, x2[0], x2[1], b, a2)
-            a3, n3 = n3, _block_step(lo, hi, d, x3[0], x3[1], b, a3)
-    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
+        a2, n2 = n2, _block_step(lo, hi, d, x2[0], x2[1], b, a2)
+        a3, n3 = n3, _block_step(lo, hi, d, x3[0], x3[1], b, a3)
+    return (hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
 
 
 @njit(inline="always")
@@ -608,18 +598,17 @@ def _k_sum(acc_lo, acc_hi, next_lo, next_hi, mins):
 
 
 @njit(inline="always")
-def _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3, mins0, mins1, mins2, mins3):
+def _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, mins0, mins1, mins2, mins3):
     """Super-block b's (at row[o]) scales for each token, lanes j: (d * sc_j) * xd[8b + j], and each token's
-    mins terms added to its running sum: (sc0..sc3, mins0..mins3); tokens 2 and 3 only where x2 is given."""
+    mins terms added to its running sum: (sc0..sc3, mins0..mins3)."""
     sc, m = _k_scale_mins(row, o)
     d, dmin, k = _half(row, o, f16), _half(row, o + 2, f16), b * 8
     sc0, bm0 = _k_scales(sc, m, d, dmin, x0[1], x0[2], k)
     sc1, bm1 = _k_scales(sc, m, d, dmin, x1[1], x1[2], k)
     mins0, mins1 = fadd(mins0, bm0), fadd(mins1, bm1)
-    if x2 is not None:
-        sc2, bm2 = _k_scales(sc, m, d, dmin, x2[1], x2[2], k)
-        sc3, bm3 = _k_scales(sc, m, d, dmin, x3[1], x3[2], k)
-        mins2, mins3 = fadd(mins2, bm2), fadd(mins3, bm3)
+    sc2, bm2 = _k_scales(sc, m, d, dmin, x2[1], x2[2], k)
+    sc3, bm3 = _k_scales(sc, m, d, dmin, x3[1], x3[2], k)
+    mins2, mins3 = fadd(mins2, bm2), fadd(mins3, bm3)
     return sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3
 
 
@@ -636,23 +625,21 @@ def _dot_k_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
     al0, ah0, nl0, nh0, al1, ah1, nl1, nh1 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     al2, ah2, nl2, nh2, al3, ah3, nl3, nh3 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
-    sc2, sc3 = zeros(), zeros()
     size = 176 if five_bit else 144
     for b in range(q0.shape[0] // 256):
         o = b * size
         _prefetch_ahead(row, o + ahead, size)
-        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3,
-                                                                           mins0, mins1, mins2, mins3)
+        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, mins0,
+                                                                           mins1, mins2, mins3)
         for pair in range(4):
             lo0, lo1, hi0, hi1 = _k_codes(row, o, pair, five_bit)
             k = b * 8 + 2 * pair
             al0, ah0, nl0, nh0 = _k_token_4(lo0, lo1, hi0, hi1, q0, k, sc0, pair, al0, ah0, nl0, nh0)
             al1, ah1, nl1, nh1 = _k_token_4(lo0, lo1, hi0, hi1, q1, k, sc1, pair, al1, ah1, nl1, nh1)
-            if x2 is not None:
-                al2, ah2, nl2, nh2 = _k_token_4(lo0, lo1, hi0, hi1, x2[0], k, sc2, pair, al2, ah2, nl2, nh2)
-                al3, ah3, nl3, nh3 = _k_token_4(lo0, lo1, hi0, hi1, x3[0], k, sc3, pair, al3, ah3, nl3, nh3)
-    return _four(x2, _k_sum(al0, ah0, nl0, nh0, mins0), _k_sum(al1, ah1, nl1, nh1, mins1),
-                 _k_sum(al2, ah2, nl2, nh2, mins2), _k_sum(al3, ah3, nl3, nh3, mins3))
+            al2, ah2, nl2, nh2 = _k_token_4(lo0, lo1, hi0, hi1, x2[0], k, sc2, pair, al2, ah2, nl2, nh2)
+            al3, ah3, nl3, nh3 = _k_token_4(lo0, lo1, hi0, hi1, x3[0], k, sc3, pair, al3, ah3, nl3, nh3)
+    return (_k_sum(al0, ah0, nl0, nh0, mins0), _k_sum(al1, ah1, nl1, nh1, mins1),
+            _k_sum(al2, ah2, nl2, nh2, mins2), _k_sum(al3, ah3, nl3, nh3, mins3))
 
 
 @njit(inline="always")
@@ -661,7 +648,6 @@ def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
     q1, d1 = x1[0], x1[1]
     a00, a01, a02, a03, a10, a11, a12, a13 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
     a20, a21, a22, a23, a30, a31, a32, a33 = zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros(), zeros()
-    sc2, sc3 = zeros(), zeros()
     for b in range(q0.shape[0] // 256):
         o = b * 210
         _prefetch_ahead(row, o + ahead, 210)
@@ -671,17 +657,15 @@ def _dot_q6_k_4(row, x0, x1, x2, x3, f16, ahead):
             qh = o + 128 + half * 32
             xb = b * 256 + half * 128
             sc0, sc1 = _q6_scales(row, o, d, d0, half, xb), _q6_scales(row, o, d, d1, half, xb)
-            if x2 is not None:
-                sc2, sc3 = _q6_scales(row, o, d, x2[1], half, xb), _q6_scales(row, o, d, x3[1], half, xb)
+            sc2, sc3 = _q6_scales(row, o, d, x2[1], half, xb), _q6_scales(row, o, d, x3[1], half, xb)
             for sub in range(2):
                 v0, v1, v2, v3 = _q6_codes(row, ql, qh, 16 * sub)
                 a00, a01, a02, a03 = _q6_step(v0, v1, v2, v3, q0, xb, sc0, sub, a00, a01, a02, a03)
                 a10, a11, a12, a13 = _q6_step(v0, v1, v2, v3, q1, xb, sc1, sub, a10, a11, a12, a13)
-                if x2 is not None:
-                    a20, a21, a22, a23 = _q6_step(v0, v1, v2, v3, x2[0], xb, sc2, sub, a20, a21, a22, a23)
-                    a30, a31, a32, a33 = _q6_step(v0, v1, v2, v3, x3[0], xb, sc3, sub, a30, a31, a32, a33)
-    return _four(x2, hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
-                 hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
+                a20, a21, a22, a23 = _q6_step(v0, v1, v2, v3, x2[0], xb, sc2, sub, a20, a21, a22, a23)
+                a30, a31, a32, a33 = _q6_step(v0, v1, v2, v3, x3[0], xb, sc3, sub, a30, a31, a32, a33)
+    return (hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
+            hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
 
 
 @njit(inline="always")
@@ -702,10 +686,9 @@ def _dot_small_wide_4(row, x0, x1, x2, x3, f16, ahead, code):
         d = _half(row, o, f16)
         a0, n0 = n0, _block_step_wide(codes, d, q0, d0, b, a0)
         a1, n1 = n1, _block_step_wide(codes, d, q1, d1, b, a1)
-        if x2 is not None:
-            a2, n2 = n2, _block_step_wide(codes, d, x2[0], x2[1], b, a2)
-            a3, n3 = n3, _block_step_wide(codes, d, x3[0], x3[1], b, a3)
-    return _four(x2, hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
+        a2, n2 = n2, _block_step_wide(codes, d, x2[0], x2[1], b, a2)
+        a3, n3 = n3, _block_step_wide(codes, d, x3[0], x3[1], b, a3)
+    return (hsum(fadd(a0, n0)), hsum(fadd(a1, n1)), hsum(fadd(a2, n2)), hsum(fadd(a3, n3)))
 
 
 @njit(inline="always")
@@ -716,23 +699,21 @@ def _dot_k_wide_4(row, x0, x1, x2, x3, f16, ahead, five_bit):
     al2, ah2, nl2, nh2 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     al3, ah3, nl3, nh3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
     mins0, mins1, mins2, mins3 = zeros(), zeros(), zeros(), zeros()
-    sc2, sc3 = zeros(), zeros()
     size = 176 if five_bit else 144
     for b in range(q0.shape[0] // 256):
         o = b * size
         _prefetch_ahead(row, o + ahead, size)
-        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, sc2, sc3,
-                                                                           mins0, mins1, mins2, mins3)
+        sc0, sc1, sc2, sc3, mins0, mins1, mins2, mins3 = _k_token_scales_4(row, o, f16, b, x0, x1, x2, x3, mins0,
+                                                                           mins1, mins2, mins3)
         for pair in range(4):
             codes = _k_pair_codes_wide(row, o, pair, five_bit)
             k = b * 256 + pair * 64
             al0, ah0, nl0, nh0 = _k_token_wide(codes, x0, k, sc0, pair, al0, ah0, nl0, nh0)
             al1, ah1, nl1, nh1 = _k_token_wide(codes, x1, k, sc1, pair, al1, ah1, nl1, nh1)
-            if x2 is not None:
-                al2, ah2, nl2, nh2 = _k_token_wide(codes, x2, k, sc2, pair, al2, ah2, nl2, nh2)
-                al3, ah3, nl3, nh3 = _k_token_wide(codes, x3, k, sc3, pair, al3, ah3, nl3, nh3)
-    return _four(x2, _k_sum(al0, ah0, nl0, nh0, mins0), _k_sum(al1, ah1, nl1, nh1, mins1),
-                 _k_sum(al2, ah2, nl2, nh2, mins2), _k_sum(al3, ah3, nl3, nh3, mins3))
+            al2, ah2, nl2, nh2 = _k_token_wide(codes, x2, k, sc2, pair, al2, ah2, nl2, nh2)
+            al3, ah3, nl3, nh3 = _k_token_wide(codes, x3, k, sc3, pair, al3, ah3, nl3, nh3)
+    return (_k_sum(al0, ah0, nl0, nh0, mins0), _k_sum(al1, ah1, nl1, nh1, mins1),
+            _k_sum(al2, ah2, nl2, nh2, mins2), _k_sum(al3, ah3, nl3, nh3, mins3))
 
 
 @njit(inline="always")
@@ -755,13 +736,12 @@ def _dot_q6_k_wide_4(row, x0, x1, x2, x3, f16, ahead):
             a00, a01, a02, a03 = _q6_step_wide(v0, v1, v2, v3, q0, xb, sc, a00, a01, a02, a03)
             sc = _q6_scales(row, o, d, d1, half, xb)
             a10, a11, a12, a13 = _q6_step_wide(v0, v1, v2, v3, q1, xb, sc, a10, a11, a12, a13)
-            if x2 is not None:
-                sc = _q6_scales(row, o, d, x2[1], half, xb)
-                a20, a21, a22, a23 = _q6_step_wide(v0, v1, v2, v3, x2[0], xb, sc, a20, a21, a22, a23)
-                sc = _q6_scales(row, o, d, x3[1], half, xb)
-                a30, a31, a32, a33 = _q6_step_wide(v0, v1, v2, v3, x3[0], xb, sc, a30, a31, a32, a33)
-    return _four(x2, hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
-                 hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
+            sc = _q6_scales(row, o, d, x2[1], half, xb)
+            a20, a21, a22, a23 = _q6_step_wide(v0, v1, v2, v3, x2[0], xb, sc, a20, a21, a22, a23)
+            sc = _q6_scales(row, o, d, x3[1], half, xb)
+            a30, a31, a32, a33 = _q6_step_wide(v0, v1, v2, v3, x3[0], xb, sc, a30, a31, a32, a33)
+    return (hsum(fadd(fadd(a00, a01), fadd(a02, a03))), hsum(fadd(fadd(a10, a11), fadd(a12, a13))),
+            hsum(fadd(fadd(a20, a21), fadd(a22, a23))), hsum(fadd(fadd(a30, a31), fadd(a32, a33))))
 
 
 @njit(inline="always")
@@ -1030,8 +1010,8 @@ def _rows_narrow_4(code, *rows):
 @njit(nogil=True)  # (no fastmath: see ops/simd.py)
 def _gemv_rows_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead, wide):
     """out[t, n] = row n's dot product with x_hat of token t, for the tokens t0..t3 (x0..x3: their (xq, xd,
-    xsum, xb); repeats allowed: three tokens run as four; x2 = x3 = None: the two tokens t0, t1 = t2, t3) and n in
-    [first, end): _gemv_rows for a block-quantized weight, four or two tokens a row."""
+    xsum, xb); repeats allowed: three tokens, or two, run as four) and n in [first, end): _gemv_rows for a
+    block-quantized weight, four tokens a row."""
     if wide is None:
         if MACHINE_HAS_512_BIT_LANES:
             _rows_wide_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
@@ -1041,29 +1021,6 @@ def _gemv_rows_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f1
         _rows_wide_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
     else:
         _rows_narrow_4(code, data, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, f16, ahead)
-
-
-@njit(nogil=True)
-def _interleaved_tokens(code, groups, first, end, xq, xd, out, ahead):
-    """out[t, rows of groups first..end) for every token t of xq / xd: gemv_blocks' schedule (four tokens at a
-    time, three as four, then two, then one) on a regrouped weight, group by group past four tokens so that a
-    group is read from memory once for all of them."""
-    n_tok = xq.shape[0]
-    step = 1 if n_tok > 4 else max(end - first, 1)
-    n_fours = (n_tok + 1) // 4
-    for a in range(first, end, step):
-        b = min(a + step, end)
-        for g in range(n_fours):
-            t, last = 4 * g, min(4 * g + 3, n_tok - 1)
-            interleaved_gemv(code, groups, a, b, (xq[t], xd[t]), (xq[t + 1], xd[t + 1]), (xq[t + 2], xd[t + 2]),
-                            (xq[last], xd[last]), out, t, t + 1, t + 2, last, ahead)
-        u = 4 * n_fours
-        if n_tok - u == 2:
-            interleaved_gemv(code, groups, a, b, (xq[u], xd[u]), (xq[u + 1], xd[u + 1]), None, None, out, u, u + 1, u,
-                            u + 1, ahead)
-            u += 2
-        for v in range(u, n_tok):
-            interleaved_gemv(code, groups, a, b, (xq[v], xd[v]), None, None, None, out, v, v, v, v, ahead)
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: it would reach the activation rounding)
@@ -1098,8 +1055,8 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
             n_rows = _out_rows(code, datas[i])
             lo, hi = max(first - offset, 0), min(stop - offset, n_rows)
             if code in X16_CODES:  # (the groups whose first row falls in the share: a share's rows, rounded)
-                _interleaved_tokens(code, datas[i], (lo + X16_ROWS - 1) // X16_ROWS, (hi + X16_ROWS - 1) // X16_ROWS,
-                                    xq, xd, outs[i], ahead)
+                interleaved_gemv(code, datas[i], (lo + X16_ROWS - 1) // X16_ROWS, (hi + X16_ROWS - 1) // X16_ROWS,
+                                 xq, xd, xsum, outs[i], ahead)
                 lo = hi  # (done: no rows for the loops below)
             blocks = code in SEVERAL_TOKEN_CODES
             n_fours = (n_tok + 1) // 4 if blocks else 0
@@ -1113,10 +1070,9 @@ def gemv_blocks(codes, datas, xs, outs, f16, wide=None, ahead=PREFETCH_BYTES, sh
                                  (xq[last], xd[last], xsum[last], xb[last]), outs[i], t, t + 1, t + 2, last, f16,
                                  ahead, wide)
                 u = 4 * n_fours
-                if blocks and n_tok - u == 2:
-                    _gemv_rows_4(code, datas[i], a, b, (xq[u], xd[u], xsum[u], xb[u]),
-                                 (xq[u + 1], xd[u + 1], xsum[u + 1], xb[u + 1]), None, None, outs[i], u, u + 1, u,
-                                 u + 1, f16, ahead, wide)
+                if blocks and n_tok - u == 2:  # (as four: the kernels for two tokens are not compiled)
+                    x0, x1 = (xq[u], xd[u], xsum[u], xb[u]), (xq[u + 1], xd[u + 1], xsum[u + 1], xb[u + 1])
+                    _gemv_rows_4(code, datas[i], a, b, x0, x1, x0, x1, outs[i], u, u + 1, u, u + 1, f16, ahead, wide)
                     u += 2
                 for v in range(u, n_tok):
                     _gemv_rows(code, datas[i], a, b, xs[v], xq[v], xd[v], xsum[v], xb[v], outs[i][v], f16, ahead,

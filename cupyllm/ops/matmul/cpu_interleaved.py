@@ -1,26 +1,31 @@
-"""Q8_0 and Q5_0 weights with sixteen rows interleaved, for the CPU GEMV: the layouts (their NumPy definitions),
-the numba interleaving, and the kernels `cpu_gemv.gemv_blocks` runs on them.
+"""Weights with sixteen rows interleaved for the CPU GEMV (Q8_0, Q5_0, Q4_K, Q6_K): the layouts (their NumPy
+definitions), the numba interleaving, and the kernels `cpu_gemv.gemv_blocks` runs on them.
 
-A GGUF row is its blocks one after another (an fp16 scale d, then 32 codes). The GEMV multiplies a block's codes
-with the activation's 16-bit codes in int32 lanes of two products each (vpdpwssd); laid out by rows, a block's 32
-codes fill one register, so every block of every row ends in a float conversion, a scale product and an FMA, and
-every row in a horizontal sum, each once per token: with four tokens (a batched decode) that is most of the
-instructions, and the GEMV runs at its compute pace, not the memory's. Interleaved, lane r of a register holds
-row r's pair of codes: one vpdpwssd with the activation's pair broadcast is 32 products for 16 rows, a block's
-int32 sums land one row a lane, the float work is once per 16 rows' block per token, and the results are 16 lanes
-to store. (llama.cpp's CPU backend repacks Q4_0 / Q8_0 / IQ4_NL rows the same way, 4 or 8 rows at a time.)
+A GGUF row is its blocks one after another. The GEMV multiplies a block's integer codes with the activation's
+16-bit codes in int32 lanes of two products each (vpdpwssd); laid out by rows, a register holds one row's codes,
+so every block (or sub-block) of every row ends in a float conversion, a scale product and an FMA, and every row
+in a horizontal sum, each once per token, beside the unpacking of the codes' bits: the GEMV runs at its
+instructions' pace, not the memory's, and four tokens (a batched decode) cost twice one. Interleaved, lane r of a
+register holds row r's pair of codes: one vpdpwssd with the activation's pair broadcast is 32 products for 16
+rows, a block's int32 sums land one row a lane, the unpacking and the float work are once per 16 rows' block,
+and the results are 16 lanes to store. (llama.cpp's CPU backend repacks Q4_0 / Q4_K / IQ4_NL / Q8_0 rows the
+same way, 4 or 8 rows at a time.)
 
 Group g is rows 16g .. 16g + 15, its x16 blocks one after another; x16 block b holds block b of the 16 rows, the
-same bytes as theirs, reordered (r = 0..15 a row, p a pair of values, j = 0..1 one of the pair):
+same bytes as theirs, reordered: each field of the GGUF block (`LAYOUTS`' fields, in x16 order) for the 16
+rows, r = 0..15 a row, j = 0..1 one byte of a pair:
 
-    Q8_0 (544 bytes): d[r] fp16 | q[p][r][j] int8, value 2p + j (p = 0..15)
-    Q5_0 (352 bytes): d[r] fp16 | h[r] uint32, row r's high bits 2i in its low half, 2i + 1 in its high half (bit i
-                      of each) | qs[p][r][j], row r's code byte 2p + j (p = 0..7): the low nibble value 2p + j, the
-                      high nibble value 2p + 16 + j
+    Q8_0 (544 bytes):  d[r][2] | q[p][r][j]            value 2p + j                                  (p < 16)
+    Q5_0 (352 bytes):  d[r][2] | h[r][4] | qs[p][r][j]  low nibble value 2p + j, high 2p + 16 + j     (p < 8)
+    Q4_K (2304 bytes): d[r][2] | dmin[r][2] | scales[s][r] (s < 12) | qs[i][p][r][j]: byte 32i + 2p + j,
+                       low nibble value 64i + 2p + j, high nibble value 64i + 32 + 2p + j     (i < 4, p < 16)
+    Q6_K (3360 bytes): d[r][2] | scales[s][r] (s < 16) | codes[h][p][c][r][j]: c = 0, 1: ql byte 64h + 32c + 2p
+                       + j, c = 2: qh byte 32h + 2p + j (the bytes of one kernel step side by side)  (h < 2, p < 16)
 
-so that h viewed as 32 int16 lanes has row r's high bit of value 2i + j at bit i of lane 2r + j. A group's row r
-multiplies as the sum over blocks b of float32(sum_k q_k * xq_k) * (d[r] * xd[b]), the int32 sum over a block
-exact (|q| <= 128, |xq| <= 32767: below 2**27), one FMA a block in order: the same for any number of tokens.
+Q5_0's h is its qh word with the high bits of values 2i in its low half (at bit i) and of 2i + 1 in its high half,
+so that h viewed as 32 int16 lanes has the high bit of row r's value 2i + j at bit i of lane 2r + j. Each row
+multiplies as the sum over its (sub-)blocks of float32(int32 sum of codes * xq) * (scale * xd) (minus the
+K-quant min times the activation's block sum), one FMA at a time in order: the same for any number of tokens.
 """
 from __future__ import annotations
 
@@ -30,33 +35,57 @@ import numpy as np
 from numba import njit, prange
 
 from ..simd import (MACHINE_HAS_512_BIT_LANES, fma, fmul, iand, ior, ishl, ishr, isub, izeros_16, load_f16_16,
-                    load_i8w_32, load_u16_32, load_u8w_32, madd, prefetch, splat_16, splat_pair_32, store_f32, to_f32,
-                    zeros_16)
+                    load_i8_16, load_i8w_32, load_u16_32, load_u8_16, load_u8w_32, madd, prefetch, splat_16,
+                    splat_pair_32, store_f32, to_f32, zeros_16)
 
 ROWS = 16  # rows interleaved
-C_Q8_0_X16, C_Q5_0_X16 = 100, 101  # the kernels' format codes (the GGUF formats' are below 16)
+C_Q8_0_X16, C_Q5_0_X16, C_Q4_K_X16, C_Q6_K_X16 = 100, 101, 102, 103  # (the GGUF formats' codes are below 16)
+X16_CODES = (C_Q8_0_X16, C_Q5_0_X16, C_Q4_K_X16, C_Q6_K_X16)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class InterleavedLayout:
-    """A GGUF block format with 16 rows interleaved: what gemv_blocks needs of it (the code its kernels dispatch
-    on) and the sizes of a row's block and of an x16 block."""
+    """A GGUF block format with 16 rows interleaved: the code the kernels dispatch on, the GGUF block's size and
+    values, and its fields in x16 order, each (the GGUF block's bytes it holds, an array of their offsets; how
+    many of its last dimensions follow the row index)."""
 
     name: str
     code: int
-    block_bytes: int  # a GGUF block: 32 values of one row
+    block_bytes: int
+    block_values: int
+    fields: tuple
 
     @property
     def x16_bytes(self) -> int:
         return ROWS * self.block_bytes
 
 
-LAYOUTS = {"Q8_0": InterleavedLayout("Q8_0x16", C_Q8_0_X16, 34), "Q5_0": InterleavedLayout("Q5_0x16", C_Q5_0_X16, 22)}
-X16_CODES = (C_Q8_0_X16, C_Q5_0_X16)
+def _bytes(start: int, *dims: int) -> np.ndarray:
+    """The offsets start, start + 1, ... in an array of shape dims."""
+    return np.arange(start, start + int(np.prod(dims))).reshape(dims)
+
+
+def _q6_k_codes() -> np.ndarray:
+    """Q6_K's code bytes by half h, pair p, then ql byte 64h + 2p + j, ql byte 64h + 32 + 2p + j and qh byte
+    128 + 32h + 2p + j: the three bytes a kernel step reads, side by side."""
+    h, p, j = np.arange(2)[:, None, None], np.arange(16)[None, :, None], np.arange(2)[None, None, :]
+    return np.stack([64 * h + 2 * p + j, 64 * h + 32 + 2 * p + j, 128 + 32 * h + 2 * p + j], axis=2)
+
+
+Q5_0_HIGH_BITS = _bytes(2, 4)  # Q5_0's qh: the one field that is more than reordered
+LAYOUTS = {
+    "Q8_0": InterleavedLayout("Q8_0x16", C_Q8_0_X16, 34, 32, ((_bytes(0, 2), 1), (_bytes(2, 16, 2), 1))),
+    "Q5_0": InterleavedLayout("Q5_0x16", C_Q5_0_X16, 22, 32,
+                              ((_bytes(0, 2), 1), (Q5_0_HIGH_BITS, 1), (_bytes(6, 8, 2), 1))),
+    "Q4_K": InterleavedLayout("Q4_Kx16", C_Q4_K_X16, 144, 256,
+                              ((_bytes(0, 2), 1), (_bytes(2, 2), 1), (_bytes(4, 12), 0), (_bytes(16, 4, 16, 2), 1))),
+    "Q6_K": InterleavedLayout("Q6_Kx16", C_Q6_K_X16, 210, 256,
+                              ((_bytes(208, 2), 1), (_bytes(192, 16), 0), (_q6_k_codes(), 1))),
+}
 
 
 def interleaved_layout(data: np.ndarray, format_name: str) -> InterleavedLayout | None:
-    """The layout a weight's rows interleave to, or None: Q8_0 and Q5_0 of a whole number of groups, on a
+    """The layout a weight's rows interleave to, or None: a whole number of groups of a format in LAYOUTS, on a
     machine with 512-bit lanes (the kernels hold 16 rows a register; LLVM would split each in two elsewhere)."""
     layout = LAYOUTS.get(format_name)
     if (layout is None or not MACHINE_HAS_512_BIT_LANES or data.ndim != 2 or data.shape[0] == 0
@@ -71,8 +100,8 @@ def _spread_high_bits(qh: np.ndarray) -> np.ndarray:
     """Q5_0's qh words -> h: bits 2i in the low half (at bit i), bits 2i + 1 in the high half."""
     bits = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
     weights = np.uint32(1) << np.arange(16, dtype=np.uint32)
-    return (bits[..., 0::2] * weights).sum(-1, dtype=np.uint32) | ((bits[..., 1::2] * weights).sum(-1, dtype=np.uint32)
-                                                                   << np.uint32(16))
+    return ((bits[..., 0::2] * weights).sum(-1, dtype=np.uint32)
+            | ((bits[..., 1::2] * weights).sum(-1, dtype=np.uint32) << np.uint32(16)))
 
 
 def _gather_high_bits(h: np.ndarray) -> np.ndarray:
@@ -83,20 +112,24 @@ def _gather_high_bits(h: np.ndarray) -> np.ndarray:
     return (bits << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
 
 
-def interleave_rows_reference(data: np.ndarray, layout: InterleavedLayout) -> np.ndarray:
-    """Rows uint8 [n_rows, row_bytes] (n_rows a multiple of 16) -> groups uint8 [n_rows / 16, 16 * row_bytes]."""
+def _high_bits(field: np.ndarray, convert) -> np.ndarray:
+    """A Q5_0 field of 4 bytes a row, its words converted (_spread_high_bits / _gather_high_bits)."""
+    return convert(np.ascontiguousarray(field).view(np.uint32)).view(np.uint8)
+
+
+def interleave_rows_reference(data: np.ndarray, layout: InterleavedLayout, spread: bool = True) -> np.ndarray:
+    """Rows [n_rows, row_bytes] (n_rows a multiple of 16) -> groups [n_rows / 16, 16 * row_bytes]. (spread
+    False: Q5_0's high bits as they are, for an array of byte indices.)"""
     n_rows, row_bytes = data.shape
     nb, n_groups = row_bytes // layout.block_bytes, n_rows // ROWS
     blocks = np.asarray(data).reshape(n_groups, ROWS, nb, layout.block_bytes).transpose(0, 2, 1, 3)  # g, b, r, byte
-    scales = blocks[..., :2].reshape(n_groups, nb, 2 * ROWS)
-    if layout.code == C_Q8_0_X16:
-        codes = blocks[..., 2:].reshape(n_groups, nb, ROWS, 16, 2).transpose(0, 1, 3, 2, 4)  # g, b, p, r, j
-        parts = [scales, codes.reshape(n_groups, nb, -1)]
-    else:
-        qh = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)[..., 0]
-        h = _spread_high_bits(qh).view(np.uint8).reshape(n_groups, nb, 4 * ROWS)
-        codes = blocks[..., 6:].reshape(n_groups, nb, ROWS, 8, 2).transpose(0, 1, 3, 2, 4)
-        parts = [scales, h, codes.reshape(n_groups, nb, -1)]
+    parts = []
+    for offsets, inner in layout.fields:
+        field = blocks[..., offsets]  # g, b, r, *dims
+        if spread and offsets is Q5_0_HIGH_BITS:
+            field = _high_bits(field, _spread_high_bits)
+        field = np.moveaxis(field, 2, 2 + offsets.ndim - inner)
+        parts.append(field.reshape(n_groups, nb, -1))
     return np.concatenate(parts, axis=-1).reshape(n_groups, -1)
 
 
@@ -105,17 +138,25 @@ def deinterleave_rows_reference(groups: np.ndarray, layout: InterleavedLayout) -
     n_groups = groups.shape[0]
     nb = groups.shape[1] // layout.x16_bytes
     x16 = np.asarray(groups).reshape(n_groups, nb, layout.x16_bytes)
-    blocks = np.empty((n_groups, nb, ROWS, layout.block_bytes), np.uint8)
-    blocks[..., :2] = x16[..., :2 * ROWS].reshape(n_groups, nb, ROWS, 2)
-    if layout.code == C_Q8_0_X16:
-        codes = x16[..., 2 * ROWS:].reshape(n_groups, nb, 16, ROWS, 2).transpose(0, 1, 3, 2, 4)
-        blocks[..., 2:] = codes.reshape(n_groups, nb, ROWS, 32)
-    else:
-        h = np.ascontiguousarray(x16[..., 2 * ROWS:6 * ROWS]).view(np.uint32)
-        blocks[..., 2:6] = _gather_high_bits(h).view(np.uint8).reshape(n_groups, nb, ROWS, 4)
-        codes = x16[..., 6 * ROWS:].reshape(n_groups, nb, 8, ROWS, 2).transpose(0, 1, 3, 2, 4)
-        blocks[..., 6:] = codes.reshape(n_groups, nb, ROWS, 16)
+    blocks = np.empty((n_groups, nb, ROWS, layout.block_bytes), groups.dtype)
+    at = 0
+    for offsets, inner in layout.fields:
+        dims = offsets.shape
+        order = dims[:len(dims) - inner] + (ROWS,) + dims[len(dims) - inner:]
+        field = x16[..., at:at + ROWS * offsets.size].reshape(n_groups, nb, *order)
+        field = np.moveaxis(field, 2 + len(dims) - inner, 2)  # g, b, r, *dims
+        if offsets is Q5_0_HIGH_BITS:
+            field = _high_bits(field, _gather_high_bits)
+        blocks[..., offsets] = field
+        at += ROWS * offsets.size
     return blocks.transpose(0, 2, 1, 3).reshape(n_groups * ROWS, -1)
+
+
+def x16_byte_order(layout: InterleavedLayout) -> np.ndarray:
+    """For each byte of an x16 block, the byte of the 16 rows' blocks (row r's byte s: r * block_bytes + s) that
+    it holds (Q5_0's h: qh's bytes, before the spreading)."""
+    source = np.arange(ROWS * layout.block_bytes, dtype=np.int32).reshape(ROWS, layout.block_bytes)
+    return interleave_rows_reference(source, layout, spread=False).reshape(-1)
 
 
 # --- the interleaving (numba: a model's output head is hundreds of MB) -------------------------------------
@@ -131,26 +172,27 @@ def _even_bits(v):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _interleave(code, data, out):
-    """interleave_rows_reference in 16-bit words (a block's fields all start at even bytes)."""
-    words = 17 if code == C_Q8_0_X16 else 11  # a block's 16-bit words
-    x16_words, nb = ROWS * words, data.shape[1] // (2 * words)
+def _interleave(data, order, block_bytes, spread_at, out):
+    """out's x16 blocks: byte k of x16 block b of group g is byte order[k] of the group's rows' blocks b; then
+    (spread_at >= 0) Q5_0's 16 qh words at byte spread_at of each x16 block spread (_spread_high_bits)."""
+    x16_bytes = order.shape[0]
+    nb = data.shape[1] // block_bytes
     for g in prange(out.shape[0]):
-        group = out[g].view(np.uint16)
-        for r in range(ROWS):
-            row = data[ROWS * g + r].view(np.uint16)
-            for b in range(nb):
-                o, src = b * x16_words, b * words
-                group[o + r] = row[src]  # d
-                if code == C_Q8_0_X16:
-                    for p in range(16):
-                        group[o + 16 + 16 * p + r] = row[src + 1 + p]
-                else:
-                    qh = np.int64(row[src + 1]) | (np.int64(row[src + 2]) << 16)
-                    group[o + 16 + 2 * r] = np.uint16(_even_bits(qh))
-                    group[o + 17 + 2 * r] = np.uint16(_even_bits(qh >> 1))
-                    for p in range(8):
-                        group[o + 48 + 16 * p + r] = row[src + 3 + p]
+        group = out[g]
+        rows = data[ROWS * g:ROWS * (g + 1)]
+        for b in range(nb):
+            o, src = b * x16_bytes, b * block_bytes
+            for k in range(x16_bytes):
+                s = order[k]
+                group[o + k] = rows[s // block_bytes, src + s % block_bytes]
+            if spread_at >= 0:
+                for r in range(ROWS):
+                    at = o + spread_at + 4 * r
+                    qh = (np.int64(group[at]) | (np.int64(group[at + 1]) << 8) | (np.int64(group[at + 2]) << 16)
+                          | (np.int64(group[at + 3]) << 24))
+                    h = _even_bits(qh) | (_even_bits(qh >> 1) << 16)
+                    for k in range(4):
+                        group[at + k] = np.uint8((h >> (8 * k)) & 255)
 
 
 def interleave_rows(data: np.ndarray, layout: InterleavedLayout) -> np.ndarray:
@@ -158,16 +200,34 @@ def interleave_rows(data: np.ndarray, layout: InterleavedLayout) -> np.ndarray:
     out = np.empty((data.shape[0] // ROWS, data.shape[1] * ROWS), np.uint8)
     rows = np.ascontiguousarray(data).view()
     rows.flags.writeable = False  # (one numba type, the memory-mapped GGUF's, whatever the caller's array)
-    _interleave(layout.code, rows, out)
+    spread_at = 2 * ROWS if layout.code == C_Q5_0_X16 else -1  # (h follows d)
+    _interleave(rows, x16_byte_order(layout), layout.block_bytes, spread_at, out)
     out.flags.writeable = False
     return out
 
 
-# --- the kernels: one, two or four tokens at a time (gemv_blocks passes x1..x3 None for fewer) -------------
+# --- the kernels: one, two or four tokens at a time ---------------------------------------------------------
+# A token's activation rows: xq (16-bit codes), xd (their scales), xs (their block sums), one per token; for fewer
+# than four tokens the kernels are compiled with n < 4 and the others' arrays are stand-ins (never read). (The
+# arrays are unpacked from gemv_blocks' tuples once per call: a tuple's item taken inside the loops cost numba a
+# reference count call each time.)
+
+@njit(inline="always")
+def _prefetch_lines(group, at, start, stop):
+    """Ask for the cache lines of group[at + start:at + stop] (at: an x16 block's offset plus the distance
+    ahead); the K-quants' kernels ask for a quarter of their x16 block at a time."""
+    for line in range(start, stop, 64):
+        prefetch(group, at + line)
+
+
+@njit(inline="always")
+def _step(acc, s, scale, xd, blk):
+    """acc + float(s) * (scale * xd[blk]): a (sub-)block's int32 sums into the float sums."""
+    return fma(to_f32(s), fmul(scale, splat_16(xd[blk])), acc)
+
 
 @njit(inline="always")
 def _q8_0_sum(group, o, xq, b):
-    """x16 block b of a Q8_0 group (at byte o) times one token's codes: 16 vpdpwssd, the 16 rows' int32 sums."""
     s = izeros_16()
     for p in range(16):
         s = madd(s, load_i8w_32(group, o + 32 + 32 * p), splat_pair_32(xq, 32 * b + 2 * p))
@@ -175,87 +235,226 @@ def _q8_0_sum(group, o, xq, b):
 
 
 @njit(inline="always")
-def _q5_0_codes(group, o, h, h4, p):
-    """Pairs p and p + 8 of a Q5_0 x16 block's values, 16 rows as int16 lanes (code - 16); h4: h << 4 (its high
-    bits 0..7 at bits 4..11: bit p of h is bit 4 of h4 >> p; bit p + 8 is bit 4 of h >> p + 4)."""
-    v = load_u8w_32(group, o + 96 + 32 * p)
-    low = ior(iand(v, 15), iand(ishr(h4, p), 16))
-    high = ior(ishr(v, 4), iand(ishr(h, p + 4), 16))
-    return isub(low, 16), isub(high, 16)
-
-
-@njit(inline="always")
-def _step(acc, s, d, xd, b):
-    return fma(to_f32(s), fmul(d, splat_16(xd[b])), acc)
-
-
-@njit(inline="always")
-def _q8_0_block(group, o, b, d, x0, x1, x2, x3, a0, a1, a2, a3):
-    a0 = _step(a0, _q8_0_sum(group, o, x0[0], b), d, x0[1], b)
-    if x1 is not None:
-        a1 = _step(a1, _q8_0_sum(group, o, x1[0], b), d, x1[1], b)
-    if x2 is not None:
-        a2 = _step(a2, _q8_0_sum(group, o, x2[0], b), d, x2[1], b)
-        a3 = _step(a3, _q8_0_sum(group, o, x3[0], b), d, x3[1], b)
+def _q8_0_block(n, group, o, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, a0, a1, a2, a3, ahead):
+    _prefetch_lines(group, o + ahead, 0, 544)
+    d = load_f16_16(group, o)
+    a0 = _step(a0, _q8_0_sum(group, o, q0, b), d, d0, b)
+    if n > 1:
+        a1 = _step(a1, _q8_0_sum(group, o, q1, b), d, d1, b)
+    if n > 2:
+        a2 = _step(a2, _q8_0_sum(group, o, q2, b), d, d2, b)
+        a3 = _step(a3, _q8_0_sum(group, o, q3, b), d, d3, b)
     return a0, a1, a2, a3
 
 
 @njit(inline="always")
-def _q5_0_block(group, o, b, d, x0, x1, x2, x3, a0, a1, a2, a3):
-    """The Q5_0 block's codes unpacked once for the tokens, each token's sum in its own int32 lanes."""
-    h = load_u16_32(group, o + 32)
-    h4 = ishl(h, 4)
-    s0, s1, s2, s3 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
+def _q5_0_block(n, group, o, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, a0, a1, a2, a3, ahead):
+    """The block's codes unpacked once for the tokens (code - 16, int16 lanes), each token's sums its own."""
+    _prefetch_lines(group, o + ahead, 0, 352)
+    d, h = load_f16_16(group, o), load_u16_32(group, o + 32)
+    h4 = ishl(h, 4)  # (h's bits 0..7 at bits 4..11: bit p is bit 4 of h4 >> p; bit p + 8 is bit 4 of h >> p + 4)
+    i0, i1, i2, i3 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
     for p in range(8):
-        low, high = _q5_0_codes(group, o, h, h4, p)
+        v = load_u8w_32(group, o + 96 + 32 * p)
+        low = isub(ior(iand(v, 15), iand(ishr(h4, p), 16)), 16)
+        high = isub(ior(ishr(v, 4), iand(ishr(h, p + 4), 16)), 16)
         k = 32 * b + 2 * p
-        s0 = madd(madd(s0, low, splat_pair_32(x0[0], k)), high, splat_pair_32(x0[0], k + 16))
-        if x1 is not None:
-            s1 = madd(madd(s1, low, splat_pair_32(x1[0], k)), high, splat_pair_32(x1[0], k + 16))
-        if x2 is not None:
-            s2 = madd(madd(s2, low, splat_pair_32(x2[0], k)), high, splat_pair_32(x2[0], k + 16))
-            s3 = madd(madd(s3, low, splat_pair_32(x3[0], k)), high, splat_pair_32(x3[0], k + 16))
-    a0 = _step(a0, s0, d, x0[1], b)
-    if x1 is not None:
-        a1 = _step(a1, s1, d, x1[1], b)
-    if x2 is not None:
-        a2 = _step(a2, s2, d, x2[1], b)
-        a3 = _step(a3, s3, d, x3[1], b)
+        i0 = madd(madd(i0, low, splat_pair_32(q0, k)), high, splat_pair_32(q0, k + 16))
+        if n > 1:
+            i1 = madd(madd(i1, low, splat_pair_32(q1, k)), high, splat_pair_32(q1, k + 16))
+        if n > 2:
+            i2 = madd(madd(i2, low, splat_pair_32(q2, k)), high, splat_pair_32(q2, k + 16))
+            i3 = madd(madd(i3, low, splat_pair_32(q3, k)), high, splat_pair_32(q3, k + 16))
+    a0 = _step(a0, i0, d, d0, b)
+    if n > 1:
+        a1 = _step(a1, i1, d, d1, b)
+    if n > 2:
+        a2 = _step(a2, i2, d, d2, b)
+        a3 = _step(a3, i3, d, d3, b)
     return a0, a1, a2, a3
 
 
-def _x16_rows(block, x16_bytes):
-    """The loop of `block` (_q8_0_block or _q5_0_block) over a thread's groups, compiled on its own."""
+@njit(inline="always")
+def _q4_k_scales(group, o, j, d, dmin):
+    """Sub-block j's scale d * sc and min dmin * m for the 16 rows, sc and m its 6-bit codes (llama.cpp's
+    get_scale_min_k4) from the rows' scale bytes j, j + 4 and (j >= 4) j - 4."""
+    b_j, b_j4 = load_u8_16(group, o + 64 + 16 * j), load_u8_16(group, o + 64 + 16 * ((j + 4) % 12))
+    if j < 4:
+        sc, m = iand(b_j, 63), iand(b_j4, 63)
+    else:
+        b_jm4 = load_u8_16(group, o + 64 + 16 * (j - 4))
+        sc, m = ior(iand(b_j4, 15), ishl(ishr(b_jm4, 6), 4)), ior(ishr(b_j4, 4), ishl(ishr(b_j, 6), 4))
+    return fmul(d, to_f32(sc)), fmul(dmin, to_f32(m))
+
+
+@njit(inline="always")
+def _k_step(acc, s, scale, mins, xd, xs, blk):
+    """_step, then minus mins * the activation's block sum (a K-quant sub-block's min)."""
+    return fma(mins, splat_16(-xs[blk]), _step(acc, s, scale, xd, blk))
+
+
+@njit(inline="always")
+def _q4_k_block(n, group, o, sb, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, a0, a1, a2, a3, ahead):
+    """A super-block: each pair of sub-blocks' codes unpacked once for the tokens (the low and high nibbles of
+    the same bytes), then each token's two sums scaled."""
+    d, dmin = load_f16_16(group, o), load_f16_16(group, o + 32)
+    for i in range(4):
+        _prefetch_lines(group, o + ahead, 576 * i, 576 * (i + 1))  # (a quarter of the 2304 bytes)
+        l0, h0, l1, h1 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
+        l2, h2, l3, h3 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
+        for p in range(16):
+            v = load_u8w_32(group, o + 256 + 512 * i + 32 * p)
+            low, high = iand(v, 15), ishr(v, 4)
+            k = 256 * sb + 64 * i + 2 * p
+            l0, h0 = madd(l0, low, splat_pair_32(q0, k)), madd(h0, high, splat_pair_32(q0, k + 32))
+            if n > 1:
+                l1, h1 = madd(l1, low, splat_pair_32(q1, k)), madd(h1, high, splat_pair_32(q1, k + 32))
+            if n > 2:
+                l2, h2 = madd(l2, low, splat_pair_32(q2, k)), madd(h2, high, splat_pair_32(q2, k + 32))
+                l3, h3 = madd(l3, low, splat_pair_32(q3, k)), madd(h3, high, splat_pair_32(q3, k + 32))
+        j, blk = 2 * i, 8 * sb + 2 * i
+        lo_scale, lo_min = _q4_k_scales(group, o, j, d, dmin)
+        hi_scale, hi_min = _q4_k_scales(group, o, j + 1, d, dmin)
+        a0 = _k_step(_k_step(a0, l0, lo_scale, lo_min, d0, s0, blk), h0, hi_scale, hi_min, d0, s0, blk + 1)
+        if n > 1:
+            a1 = _k_step(_k_step(a1, l1, lo_scale, lo_min, d1, s1, blk), h1, hi_scale, hi_min, d1, s1, blk + 1)
+        if n > 2:
+            a2 = _k_step(_k_step(a2, l2, lo_scale, lo_min, d2, s2, blk), h2, hi_scale, hi_min, d2, s2, blk + 1)
+            a3 = _k_step(_k_step(a3, l3, lo_scale, lo_min, d3, s3, blk), h3, hi_scale, hi_min, d3, s3, blk + 1)
+    return a0, a1, a2, a3
+
+
+@njit(inline="always")
+def _q6_k_codes(group, o, h, p):
+    """Values 128h + 32q + 2p + j (q = 0..3) of the 16 rows, as int16 lanes (code - 32)."""
+    at = o + 288 + 96 * (16 * h + p)
+    a = load_u8w_32(group, at)  # ql bytes 64h + 2p + j
+    b = load_u8w_32(group, at + 32)  # ql bytes 64h + 32 + 2p + j
+    hi = load_u8w_32(group, at + 64)  # qh bytes 32h + 2p + j: 2 high bits each of q = 0..3
+    return (isub(ior(iand(a, 15), iand(ishl(hi, 4), 48)), 32), isub(ior(iand(b, 15), iand(ishl(hi, 2), 48)), 32),
+            isub(ior(ishr(a, 4), iand(hi, 48)), 32), isub(ior(ishr(b, 4), iand(ishr(hi, 2), 48)), 32))
+
+
+@njit(inline="always")
+def _q6_k_sums(v0, v1, v2, v3, xq, k, i0, i1, i2, i3):
+    return (madd(i0, v0, splat_pair_32(xq, k)), madd(i1, v1, splat_pair_32(xq, k + 32)),
+            madd(i2, v2, splat_pair_32(xq, k + 64)), madd(i3, v3, splat_pair_32(xq, k + 96)))
+
+
+@njit(inline="always")
+def _q6_k_scaled(scales, d, xd, blk, i0, i1, i2, i3, acc):
+    """acc + a token's four sums (values 128h + 32q + 16 half .. + 15, q = 0..3), each by its 16 values' scale
+    (scales: the four scales' int8 lanes)."""
+    acc = _step(acc, i0, fmul(d, to_f32(scales[0])), xd, blk)
+    acc = _step(acc, i1, fmul(d, to_f32(scales[1])), xd, blk + 1)
+    acc = _step(acc, i2, fmul(d, to_f32(scales[2])), xd, blk + 2)
+    return _step(acc, i3, fmul(d, to_f32(scales[3])), xd, blk + 3)
+
+
+@njit(inline="always")
+def _q6_k_block(n, group, o, sb, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, a0, a1, a2, a3, ahead):
+    """A super-block by halves (h) and by the 16 values of each scale (half): the codes unpacked once for the
+    tokens, four sums a token (one per 32-value block of the half)."""
+    d = load_f16_16(group, o)
+    for h in range(2):
+        for half in range(2):
+            part = 2 * h + half  # (the codes of a quarter; the first with the scales)
+            _prefetch_lines(group, o + ahead, 0 if part == 0 else 288 + 768 * part, 288 + 768 * (part + 1))
+            z = izeros_16()
+            t00, t01, t02, t03, t10, t11, t12, t13 = z, z, z, z, z, z, z, z
+            t20, t21, t22, t23, t30, t31, t32, t33 = z, z, z, z, z, z, z, z
+            for p in range(8 * half, 8 * half + 8):
+                v0, v1, v2, v3 = _q6_k_codes(group, o, h, p)
+                k = 256 * sb + 128 * h + 2 * p
+                t00, t01, t02, t03 = _q6_k_sums(v0, v1, v2, v3, q0, k, t00, t01, t02, t03)
+                if n > 1:
+                    t10, t11, t12, t13 = _q6_k_sums(v0, v1, v2, v3, q1, k, t10, t11, t12, t13)
+                if n > 2:
+                    t20, t21, t22, t23 = _q6_k_sums(v0, v1, v2, v3, q2, k, t20, t21, t22, t23)
+                    t30, t31, t32, t33 = _q6_k_sums(v0, v1, v2, v3, q3, k, t30, t31, t32, t33)
+            at = o + 32 + 16 * (8 * h + half)
+            scales = (load_i8_16(group, at), load_i8_16(group, at + 32), load_i8_16(group, at + 64),
+                      load_i8_16(group, at + 96))
+            blk = 8 * sb + 4 * h
+            a0 = _q6_k_scaled(scales, d, d0, blk, t00, t01, t02, t03, a0)
+            if n > 1:
+                a1 = _q6_k_scaled(scales, d, d1, blk, t10, t11, t12, t13, a1)
+            if n > 2:
+                a2 = _q6_k_scaled(scales, d, d2, blk, t20, t21, t22, t23, a2)
+                a3 = _q6_k_scaled(scales, d, d3, blk, t30, t31, t32, t33, a3)
+    return a0, a1, a2, a3
+
+
+def _x16_rows(block, layout, n):
+    """The loop of `block` (a _*_block above) over a thread's groups for n = 1 or 4 tokens, compiled on its own
+    (n a constant: the other tokens' code is pruned)."""
+    x16_bytes, block_values = layout.x16_bytes, layout.block_values
+
     @njit(nogil=True)  # (no fastmath: see ops/simd.py)
     def rows(groups, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, ahead):
-        nb = x0[0].shape[0] // 32
+        q0, d0, s0 = x0
+        q1, d1, s1 = x1
+        q2, d2, s2 = x2
+        q3, d3, s3 = x3
+        nb = q0.shape[0] // block_values
         for g in range(first, end):
             group = groups[g]
             a0, a1, a2, a3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
             for b in range(nb):
-                o = b * x16_bytes
-                for line in range(0, x16_bytes, 64):
-                    prefetch(group, o + ahead + line)
-                a0, a1, a2, a3 = block(group, o, b, load_f16_16(group, o), x0, x1, x2, x3, a0, a1, a2, a3)
+                a0, a1, a2, a3 = block(n, group, b * x16_bytes, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3,
+                                       a0, a1, a2, a3, ahead)
             store_f32(out[t0], ROWS * g, a0)
-            if x1 is not None:
+            if n > 1:
                 store_f32(out[t1], ROWS * g, a1)
-            if x2 is not None:
+            if n > 2:
                 store_f32(out[t2], ROWS * g, a2)
                 store_f32(out[t3], ROWS * g, a3)
     return rows
 
 
-_ROWS_Q8_0_X16 = _x16_rows(_q8_0_block, LAYOUTS["Q8_0"].x16_bytes)
-_ROWS_Q5_0_X16 = _x16_rows(_q5_0_block, LAYOUTS["Q5_0"].x16_bytes)
+def _x16_tokens(rows_1, rows_4):
+    """The token schedule of gemv_blocks on an interleaved weight, over `rows_1` / `rows_4` (one format's
+    kernels): four tokens at a time (three as four, the last one twice), then two (as four), then one; group by
+    group past four tokens, so that a group is read from memory once for all of them."""
+    @njit(nogil=True)
+    def tokens(groups, first, end, xq, xd, xsum, out, ahead):
+        n_tok = xq.shape[0]
+        step = 1 if n_tok > 4 else max(end - first, 1)
+        n_fours = (n_tok + 1) // 4
+        for a in range(first, end, step):
+            b = min(a + step, end)
+            for f in range(n_fours):
+                t, last = 4 * f, min(4 * f + 3, n_tok - 1)
+                rows_4(groups, a, b, (xq[t], xd[t], xsum[t]), (xq[t + 1], xd[t + 1], xsum[t + 1]),
+                       (xq[t + 2], xd[t + 2], xsum[t + 2]), (xq[last], xd[last], xsum[last]), out, t, t + 1, t + 2,
+                       last, ahead)
+            u = 4 * n_fours
+            if n_tok - u == 2:
+                x0, x1 = (xq[u], xd[u], xsum[u]), (xq[u + 1], xd[u + 1], xsum[u + 1])
+                rows_4(groups, a, b, x0, x1, x0, x1, out, u, u + 1, u, u + 1, ahead)
+                u += 2
+            for v in range(u, n_tok):
+                x0 = (xq[v], xd[v], xsum[v])
+                rows_1(groups, a, b, x0, x0, x0, x0, out, v, v, v, v, ahead)
+    return tokens
+
+
+_BLOCKS = {"Q8_0": _q8_0_block, "Q5_0": _q5_0_block, "Q4_K": _q4_k_block, "Q6_K": _q6_k_block}
+_TOKENS_Q8_0, _TOKENS_Q5_0, _TOKENS_Q4_K, _TOKENS_Q6_K = (
+    _x16_tokens(_x16_rows(_BLOCKS[name], LAYOUTS[name], 1), _x16_rows(_BLOCKS[name], LAYOUTS[name], 4))
+    for name in ("Q8_0", "Q5_0", "Q4_K", "Q6_K"))
 
 
 @njit(nogil=True)
-def interleaved_gemv(code, groups, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, ahead):
-    """out[t, 16g + r] = row 16g + r's dot product with x_hat of token t for the groups g in [first, end) and the
-    tokens t0 (x0), t1 (x1), t2, t3 (x: (xq, xd) of gemv_blocks' activation rows; x1 None: one token, x2 None:
-    two). Each token's chain of FMAs is the same whatever the others: its values are the one-token run's."""
+def interleaved_gemv(code, groups, first, end, xq, xd, xsum, out, ahead):
+    """out[t, 16g + r] = row 16g + r's dot product with x_hat of token t (xq, xd, xsum: gemv_blocks' activation
+    rows) for every token t and the groups g in [first, end) of a weight of interleaved rows (`code`). Each
+    token's chain of FMAs is the same whatever the other tokens: its values are the one-token run's."""
     if code == C_Q8_0_X16:
-        _ROWS_Q8_0_X16(groups, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, ahead)
+        _TOKENS_Q8_0(groups, first, end, xq, xd, xsum, out, ahead)
+    elif code == C_Q5_0_X16:
+        _TOKENS_Q5_0(groups, first, end, xq, xd, xsum, out, ahead)
+    elif code == C_Q4_K_X16:
+        _TOKENS_Q4_K(groups, first, end, xq, xd, xsum, out, ahead)
     else:
-        _ROWS_Q5_0_X16(groups, first, end, x0, x1, x2, x3, out, t0, t1, t2, t3, ahead)
+        _TOKENS_Q6_K(groups, first, end, xq, xd, xsum, out, ahead)
