@@ -14,11 +14,14 @@
   295 / 202 MiB, far past L3) multiplied in turn, so every row streams from DRAM; the engine's kernel (wide,
   prefetching PREFETCH_BYTES ahead) against itself without the prefetch and against the narrow kernel.
   Figures: GB/s of weight bytes.
+- (`--interleaved-only`) the decode GEMV, one token and four, on the GGUF's rows against rows interleaved 16 at
+  a time (cpu_interleaved.py), Q8_0 / Q5_0 / Q4_K / Q6_K on Qwen2.5-0.5B's, Qwen3.5-0.8B's and Gemma 3 270M's
+  shapes, copies of each weight multiplied in turn (rows from DRAM). Figures: GB/s of weight bytes.
 
 Random GGUF blocks of each format; the kernels alternate in `--rounds` rounds and each figure is the fastest of
 its calls (the machine is shared), all cores.
 
-    python bench/cpu_matmul.py [--tokens 128] [--rounds 5] [--gemv-only] [--several-only]
+    python bench/cpu_matmul.py [--tokens 128] [--rounds 5] [--gemv-only] [--several-only] [--interleaved-only]
                                [--out bench/results/cpu_matmul.json]
 """
 from __future__ import annotations
@@ -159,14 +162,65 @@ def stream_cases(rounds: int, n_weights: int = 40, shape: tuple[int, int] = (153
     return rows
 
 
+INTERLEAVED_SHAPES = {  # (n_out, n_in): Qwen2.5-0.5B's and Qwen3.5-0.8B's, Gemma 3 270M's output head
+    "qwen2.5-0.5b gate/up": (4864, 896), "qwen2.5-0.5b down": (896, 4864), "qwen3.5-0.8b gate/up": (3584, 1024),
+    "qwen3.5-0.8b down": (1024, 3584), "gemma3-270m output": (262144, 640)}
+INTERLEAVED_TYPES = (T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K)
+DRAM_BYTES = 256 * 2**20  # copies of a weight up to this many bytes, multiplied in turn: rows from DRAM
+
+
+def interleaved_cases(rounds: int) -> list[dict]:
+    """The decode GEMV on rows as the GGUF stores them against rows interleaved 16 at a time
+    (cpu_interleaved.py), one token and four, each weight one of copies enough to stream from DRAM."""
+    from cupyllm.ops.matmul.cpu_gemv import gemv_many
+    from cupyllm.ops.matmul.cpu_interleaved import LAYOUTS, interleave_rows
+    rows = []
+    x = np.random.default_rng(6).standard_normal((4, 262144)).astype(np.float32)
+    cases = [(s, t) for s in INTERLEAVED_SHAPES.items() for t in INTERLEAVED_TYPES
+             if s[1][1] % gguf.GGML_QUANT_SIZES[t][0] == 0]
+    for (shape_name, (n_out, n_in)), qtype in tqdm(cases, desc="cpu gemv, interleaved rows"):
+        one = random_rows(qtype, n_out, n_in, seed=len(rows))
+        copies = max(1, DRAM_BYTES // one.nbytes)
+        weights = [one.copy() for _ in range(copies)]
+        for w in weights:
+            w.flags.writeable = False
+        layout = LAYOUTS[qtype.name]
+        operands = {"rows": [(w, WEIGHT_FORMATS[qtype]) for w in weights],
+                    "x16": [(interleave_rows(w, layout), layout) for w in weights]}
+        xs = {n: np.ascontiguousarray(x[:n, :n_in]) for n in (1, 4)}
+        kernels = {f"{name}, {n} token{'s' * (n > 1)}": (lambda ops=ops, n=n: [gemv_many(xs[n], [w]) for w in ops])
+                   for name, ops in operands.items() for n in (1, 4)}
+        got = {name: gemv_many(xs[4], [ops[0]])[0] for name, ops in operands.items()}
+        scale = np.abs(got["rows"]).max()
+        assert np.abs(got["x16"] - got["rows"]).max() <= 1e-4 * scale, (shape_name, qtype.name)
+        seconds = alternating(kernels, rounds, calls=2)
+        total = one.nbytes * copies
+        gbs = {name: round(total / t / 1e9, 1) for name, t in seconds.items()}
+        rows.append({"shape": shape_name, "n_out": n_out, "n_in": n_in, "type": qtype.name, "copies": copies,
+                     "gb_per_s": gbs})
+        print(f"gemv {shape_name:22s} {qtype.name:5s} " + "  ".join(f"{k} {v:5.1f}" for k, v in gbs.items())
+              + " GB/s")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--gemv-only", action="store_true", help="skip the GEMM (it takes most of the time)")
     parser.add_argument("--several-only", action="store_true", help="only the GEMV of several tokens")
+    parser.add_argument("--interleaved-only", action="store_true",
+                        help="only the GEMV on rows interleaved 16 at a time against the GGUF's rows")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_matmul.json")
     args = parser.parse_args()
+    if args.interleaved_only:
+        result = {"cpu": cpu_description(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
+                  "command": "python bench/cpu_matmul.py " + " ".join(sys.argv[1:]),
+                  "gemv_interleaved": interleaved_cases(args.rounds)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print("wrote", args.out)
+        return
     if args.several_only:
         result = {"cpu": cpu_description(), "wide_in_engine": MACHINE_HAS_512_BIT_LANES,
                   "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "gemv_several": several_token_cases(args.rounds)}
