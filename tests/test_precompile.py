@@ -101,6 +101,36 @@ def test_stamp_follows_the_sources(monkeypatch, tmp_path):
     assert not precompile.is_compiled()
 
 
+def test_a_new_compile_drops_every_cached_kernel_of_the_sources(monkeypatch, tmp_path):
+    """numba keys a cached kernel by its own file alone, so one that inlines another file's helpers would load
+    stale after they changed: compile_all deletes the cache files of every cached kernel in SOURCES' modules
+    before it compiles. _cached_kernel_files finds a stale index file of a source module beside the kernels (not
+    another module's); compile_all (here with no jobs, and a file of tmp_path standing for the cache's) deletes
+    what it finds."""
+    from cupyllm.backend import precompile
+    from cupyllm.ops.matmul import cpu_gemv
+
+    folder = Path(cpu_gemv.gemv_blocks._cache._cache_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = folder / "cpu_gemv.no_such_kernel-1.py0.nbi"  # (a name numba's index files take)
+    other = folder / "unrelated.kernel-1.py0.nbi"
+    try:
+        stale.write_bytes(b"")
+        other.write_bytes(b"")
+        found = precompile._cached_kernel_files()
+        assert stale in found and other not in found
+    finally:
+        stale.unlink(missing_ok=True)
+        other.unlink(missing_ok=True)
+    cached = tmp_path / "cpu_gemv.gemv_blocks-1.py0.nbc"
+    cached.write_bytes(b"")
+    monkeypatch.setattr(precompile, "_cached_kernel_files", lambda: [cached])
+    monkeypatch.setattr(precompile, "JOBS", {})
+    monkeypatch.setattr(precompile, "stamp_path", lambda: tmp_path / "stamp")
+    precompile.compile_all(processes=1)
+    assert not cached.exists()
+
+
 def test_every_cached_kernel_the_engine_imports_is_a_stamp_source():
     """Every module with a cached numba kernel that the engine imports is among the sources the stamp hashes (a
     new kernel module must join them, and get a precompile job, or a first run would compile it after all)."""
