@@ -171,29 +171,35 @@ def _even_bits(v):
     return (v | (v >> 8)) & 0xFFFF
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _interleave(data, place, block_bytes, spread_at, out):
-    """out's x16 blocks: byte s of row r's block b goes to byte place[r * block_bytes + s] of the group's x16 block
-    b (each row read in order, its bytes scattered within the x16 block, which stays in the L1 cache); then
+@njit(cache=True, nogil=True)
+def _interleave_group(data, place, block_bytes, spread_at, out, g):
+    """Group g's x16 blocks: byte s of row r's block b goes to byte place[r * block_bytes + s] of x16 block b
+    (each row read in order, its bytes scattered within the x16 block, which stays in the L1 cache); then
     (spread_at >= 0) Q5_0's 16 qh words at byte spread_at of each x16 block spread (_spread_high_bits)."""
     x16_bytes = place.shape[0]
-    nb = data.shape[1] // block_bytes
-    for g in prange(out.shape[0]):
-        group = out[g]
-        for b in range(nb):
-            o, src = b * x16_bytes, b * block_bytes
+    group = out[g]
+    for b in range(data.shape[1] // block_bytes):
+        o, src = b * x16_bytes, b * block_bytes
+        for r in range(ROWS):
+            row = data[ROWS * g + r]
+            for s in range(block_bytes):
+                group[o + place[r * block_bytes + s]] = row[src + s]
+        if spread_at >= 0:
             for r in range(ROWS):
-                row = data[ROWS * g + r]
-                for s in range(block_bytes):
-                    group[o + place[r * block_bytes + s]] = row[src + s]
-            if spread_at >= 0:
-                for r in range(ROWS):
-                    at = o + spread_at + 4 * r
-                    qh = (np.int64(group[at]) | (np.int64(group[at + 1]) << 8) | (np.int64(group[at + 2]) << 16)
-                          | (np.int64(group[at + 3]) << 24))
-                    h = _even_bits(qh) | (_even_bits(qh >> 1) << 16)
-                    for k in range(4):
-                        group[at + k] = np.uint8((h >> (8 * k)) & 255)
+                at = o + spread_at + 4 * r
+                qh = (np.int64(group[at]) | (np.int64(group[at + 1]) << 8) | (np.int64(group[at + 2]) << 16)
+                      | (np.int64(group[at + 3]) << 24))
+                h = _even_bits(qh) | (_even_bits(qh >> 1) << 16)
+                for k in range(4):
+                    group[at + k] = np.uint8((h >> (8 * k)) & 255)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _interleave(data, place, block_bytes, spread_at, out):
+    """_interleave_group for every group, in parallel (the loop alone: numba's parallel passes copy and analyse
+    what a prange body holds, so the work sits in a function compiled on its own)."""
+    for g in prange(out.shape[0]):
+        _interleave_group(data, place, block_bytes, spread_at, out, np.int64(g))
 
 
 def interleave_rows(data: np.ndarray, layout: InterleavedLayout) -> np.ndarray:
