@@ -3,10 +3,12 @@ reference attention streamed over the cache in chunks (memory stays O(chunk), ne
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from threadpoolctl import ThreadpoolController
+from tqdm.auto import tqdm
 
 from ..ops.attention.cpu import MAX_QUERIES, attend_encoded, attend_few, dca_few
 from ..ops.attention.dca import attend_dca
@@ -25,6 +27,9 @@ from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
 from ..models.weights import Weight
 
 NARROW_F32_ROWS = 1024  # float32 weights this narrow run BLAS on one thread in a prefill too (cheap there)
+# a model's first decode step (or short prompt) interleaves its weights' rows (about 1.5 GB/s on 2 cores from the
+# page cache, the disk's pace before): a bar shows it where it takes longer than this, not for the small ones
+INTERLEAVE_BAR_DELAY_S = 1.0
 
 KEY_CHUNK = 4096  # cache slots decoded and scored at a time
 
@@ -42,6 +47,8 @@ class CPUBackend:
         self._threads = RowThreads(threads)
         self._blas = None  # threadpoolctl's handle on BLAS, found on the first float32 decode matmul
         self._x16: dict[int, tuple] = {}  # id(weight blocks) -> (blocks, their rows interleaved or None)
+        self._x16_bar = None  # the bar of the interleaving under way (the first decode step's) once it is slow
+        self._x16_run = None  # (when it started, bytes done) of the interleaving under way, or None
         precompile.ensure_compiled()  # once per machine: every kernel into numba's cache, with a progress bar
         compile_notice.install()  # a kernel that compiles all the same (types the precompile missed) says so
         keep_freed_memory()  # a prefill's arrays reuse freed memory instead of page-faulting in new (cpu_memory.py)
@@ -103,13 +110,30 @@ class CPUBackend:
             layout, x16 = interleaved_layout(data, weight.fmt.name), None
             if layout is not None and 4 * data.nbytes <= host_bytes_available():
                 x16 = (interleave_rows(data, layout), layout)
+                self._show_interleaving(data.nbytes)
             known = self._x16[id(data)] = (data, x16)  # (holding `data` keeps its id from being reused)
         return known[1]
 
+    def _show_interleaving(self, nbytes: int) -> None:
+        """Count a weight interleaved; past INTERLEAVE_BAR_DELAY_S since the first, show a bar of the bytes done
+        (made only then: an open tqdm bar, even one not shown yet, moves the bars that start after it)."""
+        started, done = self._x16_run or (time.monotonic(), 0)
+        self._x16_run = (started, done + nbytes)
+        if self._x16_bar is None and time.monotonic() - started > INTERLEAVE_BAR_DELAY_S:
+            self._x16_bar = tqdm(desc="cupyllm: interleaving the weights' rows for decoding (once)", unit="B",
+                                 unit_scale=True, initial=done, leave=False)
+        if self._x16_bar is not None:
+            self._x16_bar.update(nbytes)
+
     def _gemv_interleaved(self, x: np.ndarray, weights) -> list | None:
-        """Each weight's interleaved rows (or None) when x is few enough tokens for the GEMV; else None."""
+        """Each weight's interleaved rows (or None) when x is few enough tokens for the GEMV; else None. A call
+        that finds every weight known closes the interleaving's bar (the first decode step is over)."""
         if x.shape[0] > TOKENS_PER_GEMV:
             return None
+        if self._x16_run is not None and all(self._x16.get(id(w.data), (None,))[0] is w.data for w in weights):
+            if self._x16_bar is not None:
+                self._x16_bar.close()
+            self._x16_bar = self._x16_run = None
         return [self._interleaved(w) for w in weights]
 
     def linear(self, x: np.ndarray, weight: Weight, bias: np.ndarray | None = None) -> np.ndarray:

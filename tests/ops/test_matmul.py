@@ -357,3 +357,22 @@ def test_cpu_backend_multiplies_interleaved_rows_where_memory_allows(monkeypatch
     monkeypatch.setattr(cpu_backend, "host_bytes_available", lambda: 3.0 * rows.nbytes)
     short = cpu_backend.CPUBackend()
     np.testing.assert_array_equal(short.linear(x[:2], weight), gemv_many(x[:2], [(rows, weight.fmt)])[0])
+
+
+@pytest.mark.skipif(not simd.MACHINE_HAS_512_BIT_LANES, reason="rows interleave where the machine has 512-bit lanes")
+def test_the_interleaving_shows_its_progress_until_the_step_after(monkeypatch, capsys):
+    """The first decode step's interleaving has a bar (made past INTERLEAVE_BAR_DELAY_S: here with the second
+    weight), closed by the first GEMV that finds its weights interleaved already."""
+    from cupyllm.backend import cpu as cpu_backend
+    from cupyllm.models.weights import Weight
+    monkeypatch.setattr(cpu_backend, "INTERLEAVE_BAR_DELAY_S", -1)
+    weights = [Weight(f"w{i}", WEIGHT_FORMATS[T.Q5_0], (32, 256), random_blocks(T.Q5_0, 32, 256, seed=i))
+               for i in range(2)]
+    backend = cpu_backend.CPUBackend()
+    x = np.ones((1, 256), np.float32)
+    backend.linear(x, weights[0])
+    backend.linear(x, weights[1])  # (still the first step: a new weight)
+    assert "interleaving the weights' rows" in capsys.readouterr().err
+    assert backend._x16_bar is not None and backend._x16_bar.n == sum(w.data.nbytes for w in weights)
+    backend.linear(x, weights[0])
+    assert backend._x16_bar is None
