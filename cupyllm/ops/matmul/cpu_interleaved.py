@@ -29,6 +29,7 @@ K-quant min times the activation's block sum), one FMA at a time in order: the s
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,6 +162,12 @@ def x16_byte_order(layout: InterleavedLayout) -> np.ndarray:
 
 # --- the interleaving (numba: a model's output head is hundreds of MB) -------------------------------------
 
+@functools.cache
+def _places(layout: InterleavedLayout) -> np.ndarray:
+    """Where each byte of the 16 rows' blocks goes in the x16 block: x16_byte_order's inverse (once a layout)."""
+    return np.argsort(x16_byte_order(layout)).astype(np.int32)
+
+
 @njit(inline="always")
 def _even_bits(v):
     """Bits 0, 2, .., 30 of v (int64 below 2**32) as bits 0..15."""
@@ -208,15 +215,14 @@ def interleave_rows(data: np.ndarray, layout: InterleavedLayout) -> np.ndarray:
     rows = np.ascontiguousarray(data).view()
     rows.flags.writeable = False  # (one numba type, the memory-mapped GGUF's, whatever the caller's array)
     spread_at = 2 * ROWS if layout.code == C_Q5_0_X16 else -1  # (h follows d)
-    place = np.argsort(x16_byte_order(layout)).astype(np.int32)  # (the byte order's inverse)
-    _interleave(rows, place, layout.block_bytes, spread_at, out)
+    _interleave(rows, _places(layout), layout.block_bytes, spread_at, out)
     out.flags.writeable = False
     return out
 
 
-# --- the kernels: one, two or four tokens at a time ---------------------------------------------------------
-# A token's activation rows: xq (16-bit codes), xd (their scales), xs (their block sums), one per token; for fewer
-# than four tokens the kernels are compiled with n < 4 and the others' arrays are stand-ins (never read). (The
+# --- the kernels: one or four tokens at a time -------------------------------------------------------------
+# A token's activation rows: xq (16-bit codes), xd (their scales), xs (their block sums), one per token; for one
+# token the kernels are compiled with n = 1 and the other tokens' arrays are stand-ins (never read). (The
 # arrays are unpacked from gemv_blocks' tuples once per call: a tuple's item taken inside the loops cost numba a
 # reference count call each time.)
 
@@ -247,9 +253,8 @@ def _q8_0_block(n, group, o, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, 
     _prefetch_lines(group, o + ahead, 0, 544)
     d = load_f16_16(group, o)
     a0 = _step(a0, _q8_0_sum(group, o, q0, b), d, d0, b)
-    if n > 1:
+    if n == 4:
         a1 = _step(a1, _q8_0_sum(group, o, q1, b), d, d1, b)
-    if n > 2:
         a2 = _step(a2, _q8_0_sum(group, o, q2, b), d, d2, b)
         a3 = _step(a3, _q8_0_sum(group, o, q3, b), d, d3, b)
     return a0, a1, a2, a3
@@ -268,15 +273,13 @@ def _q5_0_block(n, group, o, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, 
         high = isub(ior(ishr(v, 4), iand(ishr(h, p + 4), 16)), 16)
         k = 32 * b + 2 * p
         i0 = madd(madd(i0, low, splat_pair_32(q0, k)), high, splat_pair_32(q0, k + 16))
-        if n > 1:
+        if n == 4:
             i1 = madd(madd(i1, low, splat_pair_32(q1, k)), high, splat_pair_32(q1, k + 16))
-        if n > 2:
             i2 = madd(madd(i2, low, splat_pair_32(q2, k)), high, splat_pair_32(q2, k + 16))
             i3 = madd(madd(i3, low, splat_pair_32(q3, k)), high, splat_pair_32(q3, k + 16))
     a0 = _step(a0, i0, d, d0, b)
-    if n > 1:
+    if n == 4:
         a1 = _step(a1, i1, d, d1, b)
-    if n > 2:
         a2 = _step(a2, i2, d, d2, b)
         a3 = _step(a3, i3, d, d3, b)
     return a0, a1, a2, a3
@@ -315,18 +318,16 @@ def _q4_k_block(n, group, o, sb, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3,
             low, high = iand(v, 15), ishr(v, 4)
             k = 256 * sb + 64 * i + 2 * p
             l0, h0 = madd(l0, low, splat_pair_32(q0, k)), madd(h0, high, splat_pair_32(q0, k + 32))
-            if n > 1:
+            if n == 4:
                 l1, h1 = madd(l1, low, splat_pair_32(q1, k)), madd(h1, high, splat_pair_32(q1, k + 32))
-            if n > 2:
                 l2, h2 = madd(l2, low, splat_pair_32(q2, k)), madd(h2, high, splat_pair_32(q2, k + 32))
                 l3, h3 = madd(l3, low, splat_pair_32(q3, k)), madd(h3, high, splat_pair_32(q3, k + 32))
         j, blk = 2 * i, 8 * sb + 2 * i
         lo_scale, lo_min = _q4_k_scales(group, o, j, d, dmin)
         hi_scale, hi_min = _q4_k_scales(group, o, j + 1, d, dmin)
         a0 = _k_step(_k_step(a0, l0, lo_scale, lo_min, d0, s0, blk), h0, hi_scale, hi_min, d0, s0, blk + 1)
-        if n > 1:
+        if n == 4:
             a1 = _k_step(_k_step(a1, l1, lo_scale, lo_min, d1, s1, blk), h1, hi_scale, hi_min, d1, s1, blk + 1)
-        if n > 2:
             a2 = _k_step(_k_step(a2, l2, lo_scale, lo_min, d2, s2, blk), h2, hi_scale, hi_min, d2, s2, blk + 1)
             a3 = _k_step(_k_step(a3, l3, lo_scale, lo_min, d3, s3, blk), h3, hi_scale, hi_min, d3, s3, blk + 1)
     return a0, a1, a2, a3
@@ -375,9 +376,8 @@ def _q6_k_block(n, group, o, sb, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3,
                 v0, v1, v2, v3 = _q6_k_codes(group, o, h, p)
                 k = 256 * sb + 128 * h + 2 * p
                 t00, t01, t02, t03 = _q6_k_sums(v0, v1, v2, v3, q0, k, t00, t01, t02, t03)
-                if n > 1:
+                if n == 4:
                     t10, t11, t12, t13 = _q6_k_sums(v0, v1, v2, v3, q1, k, t10, t11, t12, t13)
-                if n > 2:
                     t20, t21, t22, t23 = _q6_k_sums(v0, v1, v2, v3, q2, k, t20, t21, t22, t23)
                     t30, t31, t32, t33 = _q6_k_sums(v0, v1, v2, v3, q3, k, t30, t31, t32, t33)
             at = o + 32 + 16 * (8 * h + half)
@@ -385,9 +385,8 @@ def _q6_k_block(n, group, o, sb, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3,
                       load_i8_16(group, at + 96))
             blk = 8 * sb + 4 * h
             a0 = _q6_k_scaled(scales, d, d0, blk, t00, t01, t02, t03, a0)
-            if n > 1:
+            if n == 4:
                 a1 = _q6_k_scaled(scales, d, d1, blk, t10, t11, t12, t13, a1)
-            if n > 2:
                 a2 = _q6_k_scaled(scales, d, d2, blk, t20, t21, t22, t23, a2)
                 a3 = _q6_k_scaled(scales, d, d3, blk, t30, t31, t32, t33, a3)
     return a0, a1, a2, a3
@@ -412,9 +411,8 @@ def _x16_rows(block, layout, n):
                 a0, a1, a2, a3 = block(n, group, b * x16_bytes, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3,
                                        a0, a1, a2, a3, ahead)
             store_f32(out[t0], ROWS * g, a0)
-            if n > 1:
+            if n == 4:
                 store_f32(out[t1], ROWS * g, a1)
-            if n > 2:
                 store_f32(out[t2], ROWS * g, a2)
                 store_f32(out[t3], ROWS * g, a3)
     return rows
