@@ -16,7 +16,9 @@
   Figures: GB/s of weight bytes.
 - (`--interleaved-only`) the decode GEMV, one token and four, on the GGUF's rows against rows interleaved 16 at
   a time (cpu_interleaved.py), Q8_0 / Q5_0 / Q4_K / Q6_K on Qwen2.5-0.5B's, Qwen3.5-0.8B's and Gemma 3 270M's
-  shapes, copies of each weight multiplied in turn (rows from DRAM). Figures: GB/s of weight bytes.
+  shapes, copies of each weight multiplied in turn (rows from DRAM). Figures: GB/s of weight bytes. Then the
+  prefill GEMM on the same rows both ways (12, 40, 128 and 512 tokens; not the output head), bit-equal.
+  Figures: G multiply-adds/s.
 
 Random GGUF blocks of each format; the kernels alternate in `--rounds` rounds and each figure is the fastest of
 its calls (the machine is shared), all cores.
@@ -203,6 +205,38 @@ def interleaved_cases(rounds: int) -> list[dict]:
     return rows
 
 
+def interleaved_gemm_cases(rounds: int, token_counts=(12, 40, 128, 512)) -> list[dict]:
+    """The prefill GEMM on the GGUF's rows (the wide kernel) against rows interleaved 16 at a time, the weights'
+    shapes of interleaved_cases but the output head; the values must be bit-equal."""
+    from cupyllm.ops.matmul.cpu_interleaved import LAYOUTS, interleave_rows
+    rows = []
+    cases = [(s, t) for s in INTERLEAVED_SHAPES.items() for t in INTERLEAVED_TYPES
+             if s[1][1] % gguf.GGML_QUANT_SIZES[t][0] == 0 and s[1][0] < 65536]
+    for (shape_name, (n_out, n_in)), qtype in tqdm(cases, desc="cpu gemm, interleaved rows"):
+        data = random_rows(qtype, n_out, n_in, seed=len(rows))
+        layout = LAYOUTS[qtype.name]
+        groups = interleave_rows(data, layout)
+        for n_tok in token_counts:
+            x = np.random.default_rng(n_tok).standard_normal((n_tok, n_in)).astype(np.float32)
+            xp, xd, xs = cpu_gemm.pack_activations(x)
+            outs = {name: np.empty((n_tok, n_out), np.float32) for name in ("rows", "x16")}
+            kernels = {
+                "rows": lambda: cpu_gemm.gemm_blocks_wide(WEIGHT_FORMATS[qtype].code, data, xp, xd, xs, n_tok,
+                                                          outs["rows"], F16_TABLE),
+                "x16": lambda: cpu_gemm.gemm_blocks_wide(layout.code, groups, xp, xd, xs, n_tok, outs["x16"],
+                                                         F16_TABLE)}
+            for kernel in kernels.values():
+                kernel()  # (compiled, warm)
+            assert np.array_equal(outs["rows"], outs["x16"]), (shape_name, qtype.name, n_tok)
+            gmacs = {name: n_out * n_in * n_tok / t / 1e9 for name, t in alternating(kernels, rounds).items()}
+            rows.append({"shape": shape_name, "n_out": n_out, "n_in": n_in, "type": qtype.name, "tokens": n_tok,
+                         "gmac_per_s": {k: round(v, 1) for k, v in gmacs.items()},
+                         "x16_vs_rows": round(gmacs["x16"] / gmacs["rows"], 2)})
+            print(f"gemm {shape_name:22s} {qtype.name:5s} {n_tok:4d} tokens  rows {gmacs['rows']:6.1f}  "
+                  f"x16 {gmacs['x16']:6.1f} G MAC/s  x{rows[-1]['x16_vs_rows']:.2f}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128)
@@ -210,13 +244,14 @@ def main() -> None:
     parser.add_argument("--gemv-only", action="store_true", help="skip the GEMM (it takes most of the time)")
     parser.add_argument("--several-only", action="store_true", help="only the GEMV of several tokens")
     parser.add_argument("--interleaved-only", action="store_true",
-                        help="only the GEMV on rows interleaved 16 at a time against the GGUF's rows")
+                        help="only the GEMV and GEMM on rows interleaved 16 at a time against the GGUF's rows")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_matmul.json")
     args = parser.parse_args()
     if args.interleaved_only:
         result = {"cpu": cpu_description(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
                   "command": "python bench/cpu_matmul.py " + " ".join(sys.argv[1:]),
-                  "gemv_interleaved": interleaved_cases(args.rounds)}
+                  "gemv_interleaved": interleaved_cases(args.rounds),
+                  "gemm_interleaved": interleaved_gemm_cases(args.rounds)}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print("wrote", args.out)

@@ -602,15 +602,15 @@ def bit_words(typingctx, word, first_bit, value):
 @intrinsic
 def store_i16(typingctx, arr, index, v):
     """arr[index:index+8] = v for float32 lanes holding integers in int16's range, or arr[index:index+16] = v
-    for int16 lanes (int16 array)."""
-    if not (_is_array(arr, types.int16) and _is_int(index) and v in (f32x8, i16x16)):
+    for int16 lanes (arr[index:index+32] for 32 of them; int16 array)."""
+    if not (_is_array(arr, types.int16) and _is_int(index) and v in (f32x8, i16x16, i16x32)):
         return None
 
     def codegen(context, builder, sig, args):
         if sig.args[2] == f32x8:
             words, lanes = builder.fptosi(args[2], ir.VectorType(_I16, LANES)), LANES
         else:
-            words, lanes = args[2], 2 * LANES
+            words, lanes = args[2], 2 * LANES if sig.args[2] == i16x16 else 2 * WIDE_LANES
         builder.store(words, _lane_ptr(context, builder, sig.args[0], args[0], args[1], _I16, lanes), align=2)
         return context.get_dummy_value()
     return types.none(arr, index, v), codegen

@@ -339,10 +339,27 @@ def test_interleaved_gemv_matches_reference(qtype, n_in):
         np.testing.assert_array_equal(together[2], together[0])
 
 
+@pytest.mark.parametrize("n_tok", [9, 16, 17, 40, 64])  # a last tile of 16 with padding tokens, whole tiles
+@pytest.mark.parametrize("qtype", X16_TYPES, ids=lambda t: t.name)
+def test_interleaved_gemm_equals_the_row_gemm(qtype, n_tok):
+    """The prefill GEMM on interleaved rows gives the row GEMM's values bit for bit (the same integer sums per
+    scale group, scale products and FMAs in the same order), over two GEMM_K_CHUNK passes and three groups of
+    rows. (Its micro-kernel holds 16 rows a 512-bit register; it runs on any machine, the engine takes it where
+    simd.MACHINE_HAS_512_BIT_LANES.)"""
+    n_out, n_in = 48, 2048
+    rows = random_blocks(qtype, n_out, n_in, seed=7)
+    layout = LAYOUTS[qtype.name]
+    x = np.random.default_rng(8).standard_normal((n_tok, n_in)).astype(np.float32)
+    by_rows, = gemm_many(x, [(rows, WEIGHT_FORMATS[qtype])])
+    interleaved, = gemm_many(x, [(rows, WEIGHT_FORMATS[qtype])], [(interleave_rows(rows, layout), layout)])
+    assert np.isfinite(by_rows).all()
+    np.testing.assert_array_equal(interleaved, by_rows)
+
+
 @pytest.mark.skipif(not simd.MACHINE_HAS_512_BIT_LANES, reason="rows interleave where the machine has 512-bit lanes")
 def test_cpu_backend_multiplies_interleaved_rows_where_memory_allows(monkeypatch):
-    """The CPU backend's decode matmuls read a Q8_0 / Q5_0 weight's rows interleaved (made on its first decode
-    step, kept), its prefills the GGUF's rows; with too little host memory for the copy, the GGUF's rows."""
+    """The CPU backend's matmuls read a Q8_0 / Q5_0 weight's rows interleaved (made on its first matmul, kept),
+    decode and prefill; with too little host memory for the copy, the GGUF's rows."""
     from cupyllm.backend import cpu as cpu_backend
     from cupyllm.models.weights import Weight
     n_in = 256
@@ -353,16 +370,18 @@ def test_cpu_backend_multiplies_interleaved_rows_where_memory_allows(monkeypatch
     backend = cpu_backend.CPUBackend()
     np.testing.assert_array_equal(backend.linear(x[:2], weight), gemv_many(x[:2], [x16])[0])
     np.testing.assert_array_equal(backend.linear_many(x[:1], [weight, weight])[1], gemv_many(x[:1], [x16])[0])
-    np.testing.assert_array_equal(backend.linear(x, weight), gemm_many(x, [(rows, weight.fmt)])[0])
+    np.testing.assert_array_equal(backend.linear(x, weight), gemm_many(x, [(rows, weight.fmt)], [x16])[0])
+    assert backend._x16[id(rows)][1][0] is backend._interleaved(weight)[0]  # (made once)
     monkeypatch.setattr(cpu_backend, "host_bytes_available", lambda: 3.0 * rows.nbytes)
     short = cpu_backend.CPUBackend()
     np.testing.assert_array_equal(short.linear(x[:2], weight), gemv_many(x[:2], [(rows, weight.fmt)])[0])
+    assert short._interleaved(weight) is None
 
 
 @pytest.mark.skipif(not simd.MACHINE_HAS_512_BIT_LANES, reason="rows interleave where the machine has 512-bit lanes")
 def test_the_interleaving_shows_its_progress_until_the_step_after(monkeypatch, capsys):
-    """The first decode step's interleaving has a bar (made past INTERLEAVE_BAR_DELAY_S: here with the second
-    weight), closed by the first GEMV that finds its weights interleaved already."""
+    """The first forward's interleaving has a bar (made past INTERLEAVE_BAR_DELAY_S: here with the second
+    weight), closed by the first matmul that finds its weights interleaved already."""
     from cupyllm.backend import cpu as cpu_backend
     from cupyllm.models.weights import Weight
     monkeypatch.setattr(cpu_backend, "INTERLEAVE_BAR_DELAY_S", -1)

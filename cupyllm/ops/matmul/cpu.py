@@ -44,7 +44,7 @@ def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n
     """[x @ W.T for W in weights]: a decode step's weights that read the same x go through one parallel GEMV
     (one thread wake-up for q/k/v or gate/up) when their arrays share a numba type; a prefill's GEMMs share the
     packing of x; else weight by weight. `interleaved`: for each weight, its rows interleaved (cpu_interleaved.py:
-    (array, layout)) or None; the GEMV reads those, the GEMM the GGUF's rows."""
+    (array, layout)) or None; the GEMV and the GEMM read those (the f32 tiles, the GGUF's rows)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     kernel = _kernel(x.shape[0], [fmt for _, fmt in weights])
     if kernel == "gemv":
@@ -54,12 +54,13 @@ def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n
             return gemv_many(x, weights)
         return [gemv_many(x, [weight])[0] for weight in weights]
     if kernel == "gemm":
-        return gemm_many(x, weights)
+        return gemm_many(x, weights, interleaved)
     quantized = [i for i, (_, fmt) in enumerate(weights) if fmt.qtype != T.F32]
     if 1 < len(quantized) < len(weights) and _kernel(x.shape[0], [weights[i][1] for i in quantized]) == "gemm":
         # a prefill's float32 weights beside quantized ones (DeltaNet's alpha / beta beside qkv / z): BLAS for
         # those, one GEMM for the rest
-        ys = dict(zip(quantized, gemm_many(x, [weights[i] for i in quantized])))
+        x16 = None if interleaved is None else [interleaved[i] for i in quantized]
+        ys = dict(zip(quantized, gemm_many(x, [weights[i] for i in quantized], x16)))
         return [ys[i] if i in ys else matmul(x, data, fmt, n_in) for i, (data, fmt) in enumerate(weights)]
     return [matmul(x, data, fmt, n_in) for data, fmt in weights]
 
@@ -100,7 +101,7 @@ def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int, interl
     if kernel == "gemv":
         return gemv_many(x, [interleaved or (data, fmt)])[0]
     if kernel == "gemm":
-        return gemm_many(x, [(data, fmt)])[0]
+        return gemm_many(x, [(data, fmt)], [interleaved])[0]
     n_out = data.shape[0]
     data = weight_rows(data)
     out = np.empty((x.shape[0], n_out), np.float32)

@@ -33,6 +33,7 @@ from numba import njit, prange
 from .activation_codes import ACTIVATION_BLOCK
 from .cpu_gemv import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _codes32, _half,
                        _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row, weight_rows)
+from .cpu_interleaved import C_Q8_0_X16, interleaved_gemm_group
 from ..simd import (MACHINE_HAS_512_BIT_LANES, borrow, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16,
                     load_i16, load_i16_32, load_i8w, madd, splat, splat_at, splat_at_16, splat_pair, splat_pair_32,
                     store_f32, store_i16, to_f32, zeros, zeros_16)
@@ -327,8 +328,18 @@ def _gemm_tile(task, code, data, xp, xd, xs, n_tok, out, f16):
 
 @njit(nogil=True)
 def _gemm_tile_wide(task, code, data, xp, xd, xs, n_tok, out, f16):
-    """_gemm_row_tile through the wide micro-kernel (WIDE_ROWS rows)."""
-    _gemm_row_tile(task, code, data, xp, xd, xs, n_tok, out, f16, WIDE_ROWS)
+    """_gemm_row_tile through the wide micro-kernel (WIDE_ROWS rows); for the interleaved formats (`data`: groups
+    of 16 rows, cpu_interleaved.py) group `task` through theirs."""
+    if code >= C_Q8_0_X16:
+        interleaved_gemm_group(code, data, task, xp, xd, xs, n_tok, out)
+    else:
+        _gemm_row_tile(task, code, data, xp, xd, xs, n_tok, out, f16, WIDE_ROWS)
+
+
+@njit(inline="always")
+def _gemm_tasks(code, data):
+    """The tasks of a weight: its tiles of ROWS_PER_TASK rows, or (interleaved) its groups of 16."""
+    return data.shape[0] if code >= C_Q8_0_X16 else (data.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK
 
 
 @njit(parallel=True, cache=True, nogil=True)  # (no fastmath: see ops/simd.py)
@@ -346,37 +357,45 @@ def gemm_blocks(code, data, xp, xd, xs, n_tok, out, f16):
 @njit(parallel=True, cache=True, nogil=True)
 def gemm_blocks_wide(code, data, xp, xd, xs, n_tok, out, f16):
     """gemm_blocks through the wide micro-kernel (8 rows x 32 tokens in 512-bit lanes): the same values bit for
-    bit, twice the products an instruction where the machine has AVX-512 (MACHINE_HAS_512_BIT_LANES)."""
+    bit, twice the products an instruction where the machine has AVX-512 (MACHINE_HAS_512_BIT_LANES). Also the
+    interleaved formats' GEMM (`code` one of cpu_interleaved.X16_CODES, `data` the groups of rows): one parallel
+    loop for both, compiled once."""
     xp, xd, xs, f16 = borrow(xp), borrow(xd), borrow(xs), borrow(f16)
     data, out = borrow(data), borrow(out)
-    for task in prange((data.shape[0] + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+    for task in prange(_gemm_tasks(code, data)):
         _gemm_tile_wide(np.int64(task), code, data, xp, xd, xs, n_tok, out, f16)
+
+
+@njit(nogil=True)
+def _pack_tokens(x, xp, xd, xs, group):
+    """Tokens 8 * group .. + 7 of _pack_activations (each pair's eight tokens are one 32-byte write)."""
+    n_tok, n_in = x.shape
+    tokens = xd.shape[1]
+    n_blocks = n_in // ACTIVATION_BLOCK
+    pairs = xp.view(np.int32)
+    codes = np.zeros((8, n_in), np.int16)
+    scales = np.zeros((8, n_blocks), np.float32)
+    sums = np.zeros((8, n_blocks), np.float32)
+    t0 = 8 * group
+    for l in range(min(8, n_tok - t0)):
+        quantize_activation_row(x[t0 + l], codes[l], scales[l], sums[l])
+    code_pairs = codes.reshape(-1).view(np.int32)
+    for p in range(n_in // 2):
+        for l in range(8):
+            pairs[p * tokens + t0 + l] = code_pairs[l * (n_in // 2) + p]
+    for b in range(n_blocks):
+        for l in range(8):
+            xd[b, t0 + l] = scales[l, b]
+            xs[b, t0 + l] = sums[l, b]
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _pack_activations(x, xp, xd, xs):
     """Token t's codes into xp as int32 pairs xp[p * tokens + t], its block scales and sums into xd[b, t],
-    xs[b, t]; the padding tokens past x's rows are zero. Eight tokens a task: each pair's eight tokens are
-    one 32-byte write."""
-    n_tok, n_in = x.shape
-    tokens = xd.shape[1]
-    n_blocks = n_in // ACTIVATION_BLOCK
-    pairs = xp.view(np.int32)
-    for group in prange(tokens // 8):
-        codes = np.zeros((8, n_in), np.int16)
-        scales = np.zeros((8, n_blocks), np.float32)
-        sums = np.zeros((8, n_blocks), np.float32)
-        t0 = 8 * group
-        for l in range(min(8, n_tok - t0)):
-            quantize_activation_row(x[t0 + l], codes[l], scales[l], sums[l])
-        code_pairs = codes.reshape(-1).view(np.int32)
-        for p in range(n_in // 2):
-            for l in range(8):
-                pairs[p * tokens + t0 + l] = code_pairs[l * (n_in // 2) + p]
-        for b in range(n_blocks):
-            for l in range(8):
-                xd[b, t0 + l] = scales[l, b]
-                xs[b, t0 + l] = sums[l, b]
+    xs[b, t]; the padding tokens past x's rows are zero. Eight tokens a task (the task compiled on its own,
+    not copied into the parallel loop)."""
+    for group in prange(xd.shape[1] // 8):
+        _pack_tokens(x, xp, xd, xs, np.int64(group))
 
 
 def pack_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -392,13 +411,20 @@ def pack_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return xp, xd, xs
 
 
-def gemm_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]]) -> list[np.ndarray]:
-    """[x_hat @ W.T for W in weights] (block-quantized W of GEMM_CODES), x packed once for all of them."""
+def gemm_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], interleaved: list | None = None
+              ) -> list[np.ndarray]:
+    """[x_hat @ W.T for W in weights] (block-quantized W of GEMM_CODES), x packed once for all of them.
+    `interleaved`: for each weight its rows interleaved ((array, layout): cpu_interleaved.py) or None; those
+    multiply there (the same values)."""
     xp, xd, xs = pack_activations(x)
     gemm = gemm_blocks_wide if MACHINE_HAS_512_BIT_LANES else gemm_blocks
     outs = []
-    for data, fmt in weights:
+    for (data, fmt), x16 in zip(weights, interleaved or [None] * len(weights)):
         out = np.empty((x.shape[0], data.shape[0]), np.float32)
-        gemm(fmt.code, weight_rows(data), xp, xd, xs, x.shape[0], out, F16_TABLE)
+        if x16 is not None:
+            groups, layout = x16
+            gemm_blocks_wide(layout.code, groups, xp, xd, xs, x.shape[0], out, F16_TABLE)
+        else:
+            gemm(fmt.code, weight_rows(data), xp, xd, xs, x.shape[0], out, F16_TABLE)
         outs.append(out)
     return outs

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from ..simd import (MACHINE_HAS_512_BIT_LANES, fma, fmul, iand, ior, ishl, ishr, isub, izeros_16, load_f16_16,
-                    load_i8_16, load_i8w_32, load_u16_32, load_u8_16, load_u8w_32, madd, prefetch, splat_16,
-                    splat_pair_32, store_f32, to_f32, zeros_16)
+from ..simd import (MACHINE_HAS_512_BIT_LANES, borrow, fma, fmul, fsub, iand, ior, ishl, ishr, isub, izeros_16,
+                    load_f16_16, load_f32_16, load_i16_32, load_i8_16, load_i8w_32, load_u16_32, load_u8_16,
+                    load_u8w_32, madd, prefetch, splat_16, splat_pair_32, store_f32, store_i16, to_f32, zeros_16)
 
 ROWS = 16  # rows interleaved
 C_Q8_0_X16, C_Q5_0_X16, C_Q4_K_X16, C_Q6_K_X16 = 100, 101, 102, 103  # (the GGUF formats' codes are below 16)
@@ -209,13 +209,21 @@ def _interleave(data, place, block_bytes, spread_at, out):
         _interleave_group(data, place, block_bytes, spread_at, out, np.int64(g))
 
 
-def interleave_rows(data: np.ndarray, layout: InterleavedLayout) -> np.ndarray:
-    """interleave_rows_reference's bytes, in parallel; read-only, as the GEMV takes its weights."""
+def interleave_rows(data: np.ndarray, layout: InterleavedLayout, chunk_bytes: int | None = None,
+                    after_chunk=None) -> np.ndarray:
+    """interleave_rows_reference's bytes, in parallel; read-only, as the kernels take their weights. With
+    `chunk_bytes`, about that many bytes of rows at a time, each chunk's rows given to `after_chunk` once they are
+    copied (the CPU backend releases their pages there, so a big weight is never resident twice)."""
     out = np.empty((data.shape[0] // ROWS, data.shape[1] * ROWS), np.uint8)
     rows = np.ascontiguousarray(data).view()
     rows.flags.writeable = False  # (one numba type, the memory-mapped GGUF's, whatever the caller's array)
     spread_at = 2 * ROWS if layout.code == C_Q5_0_X16 else -1  # (h follows d)
-    _interleave(rows, _places(layout), layout.block_bytes, spread_at, out)
+    groups = out.shape[0] if chunk_bytes is None else max(1, chunk_bytes // max(1, ROWS * data.shape[1]))
+    for first in range(0, out.shape[0], groups):
+        end = min(first + groups, out.shape[0])
+        _interleave(rows[ROWS * first:ROWS * end], _places(layout), layout.block_bytes, spread_at, out[first:end])
+        if after_chunk is not None:
+            after_chunk(data[ROWS * first:ROWS * end])
     out.flags.writeable = False
     return out
 
@@ -464,3 +472,163 @@ def interleaved_gemv(code, groups, first, end, xq, xd, xsum, out, ahead):
         _TOKENS_Q4_K(groups, first, end, xq, xd, xsum, out, ahead)
     else:
         _TOKENS_Q6_K(groups, first, end, xq, xd, xsum, out, ahead)
+
+
+# --- the prefill GEMM on interleaved rows ---------------------------------------------------------------
+# A group's 16 rows are unpacked once to int16 codes in x16 order (codes[32 P + 2 r + j]: row r's value 2P + j; the
+# GEMV's unpacking above, stored instead of multiplied), a float scale per 16 rows and scale group and (Q4_K) a
+# min term per 32 values; the micro-kernel then holds 16 tokens' int32 sums, one 512-bit register of 16 rows each,
+# and multiplies one register of the rows' code pairs with each token's pair broadcast (vpdpwssd with an embedded
+# broadcast): 32 products an instruction, as the row GEMM's wide kernel (cpu_gemm.py). Each (row, token) sum is
+# the row GEMM's: the same integer sums per scale group, times the same scale products, added by the same FMAs in
+# the same order, so the values are its bit for bit.
+
+GEMM_TOKENS = 16  # tokens per micro-kernel: 16 int32 chains of 16 rows
+GEMM_K_CHUNK = 1024  # values of the rows per pass over the token tiles (cpu_gemm.K_CHUNK's reason)
+
+
+@njit(nogil=True)
+def _unpack_q8_0(group, n_in, codes, scales, mins):
+    for b in range(n_in // 32):
+        o = b * 544
+        store_f32(scales, ROWS * b, load_f16_16(group, o))
+        for p in range(16):
+            store_i16(codes, 32 * (16 * b + p), load_i8w_32(group, o + 32 + 32 * p))
+
+
+@njit(nogil=True)
+def _unpack_q5_0(group, n_in, codes, scales, mins):
+    for b in range(n_in // 32):
+        o = b * 352
+        store_f32(scales, ROWS * b, load_f16_16(group, o))
+        h = load_u16_32(group, o + 32)
+        h4 = ishl(h, 4)
+        for p in range(8):
+            v = load_u8w_32(group, o + 96 + 32 * p)
+            store_i16(codes, 32 * (16 * b + p), isub(ior(iand(v, 15), iand(ishr(h4, p), 16)), 16))
+            store_i16(codes, 32 * (16 * b + 8 + p), isub(ior(ishr(v, 4), iand(ishr(h, p + 4), 16)), 16))
+
+
+@njit(nogil=True)
+def _unpack_q4_k(group, n_in, codes, scales, mins):
+    for sb in range(n_in // 256):
+        o = sb * 2304
+        d, dmin = load_f16_16(group, o), load_f16_16(group, o + 32)
+        for j in range(8):  # (the row GEMM's min term: 0 - dmin * m)
+            scale, m = _q4_k_scales(group, o, j, d, dmin)
+            store_f32(scales, ROWS * (8 * sb + j), scale)
+            store_f32(mins, ROWS * (8 * sb + j), fsub(zeros_16(), m))
+        for i in range(4):
+            for p in range(16):
+                v = load_u8w_32(group, o + 256 + 512 * i + 32 * p)
+                store_i16(codes, 32 * (128 * sb + 32 * i + p), iand(v, 15))
+                store_i16(codes, 32 * (128 * sb + 32 * i + 16 + p), ishr(v, 4))
+
+
+@njit(nogil=True)
+def _unpack_q6_k(group, n_in, codes, scales, mins):
+    for sb in range(n_in // 256):
+        o = sb * 3360
+        d = load_f16_16(group, o)
+        for s in range(16):  # (16 values a scale: group s holds values 16s .. 16s + 15)
+            store_f32(scales, ROWS * (16 * sb + s), fmul(d, to_f32(load_i8_16(group, o + 32 + 16 * s))))
+        for h in range(2):
+            for p in range(16):
+                v0, v1, v2, v3 = _q6_k_codes(group, o, h, p)
+                at = 32 * (128 * sb + 64 * h + p)
+                store_i16(codes, at, v0)
+                store_i16(codes, at + 32 * 16, v1)
+                store_i16(codes, at + 32 * 32, v2)
+                store_i16(codes, at + 32 * 48, v3)
+
+
+@njit(inline="always")
+def _gemm_end(acc, t, s, scale, xd, xs, m, b, affine):
+    """Token t's sums of a scale group into acc[16t:16t + 16]: + float(s) * (xd * scale) (+ xs * m, the min term
+    of the block b the group lies in), cpu_gemm._group_end's FMAs."""
+    f = fma(to_f32(s), fmul(splat_16(xd[b, t]), scale), load_f32_16(acc, ROWS * t))
+    store_f32(acc, ROWS * t, fma(splat_16(xs[b, t]), m, f) if affine else f)
+
+
+@njit(inline="always")
+def _madd4(s0, s1, s2, s3, w, xp, xo):
+    """Four tokens' sums + the rows' code pair w times each token's pair (xp[xo], xp[xo + 2], ...)."""
+    return (madd(s0, w, splat_pair_32(xp, xo)), madd(s1, w, splat_pair_32(xp, xo + 2)),
+            madd(s2, w, splat_pair_32(xp, xo + 4)), madd(s3, w, splat_pair_32(xp, xo + 6)))
+
+
+@njit(nogil=True)  # (no fastmath: see ops/simd.py)
+def _gemm_tokens16(codes, scales, mins, affine, group_pairs, g_start, g_end, xp, xd, xs, t0, tokens, acc):
+    """acc[16t:16t + 16] += the 16 rows' products with token t's x_hat over scale groups [g_start, g_end), for
+    the tokens t0 .. t0 + 15 (xp: cpu_gemm.pack_activations' pairs, `tokens` of them a pair)."""
+    codes, scales, mins, acc = borrow(codes), borrow(scales), borrow(mins), borrow(acc)  # (the caller owns them)
+    xp, xd, xs = borrow(xp), borrow(xd), borrow(xs)
+    m = zeros_16()
+    for g in range(g_start, g_end):
+        z = izeros_16()
+        s0, s1, s2, s3, s4, s5, s6, s7 = z, z, z, z, z, z, z, z
+        s8, s9, s10, s11, s12, s13, s14, s15 = z, z, z, z, z, z, z, z
+        for pair in range(g * group_pairs, (g + 1) * group_pairs):
+            w = load_i16_32(codes, 32 * pair)
+            xo = 2 * (pair * tokens + t0)
+            s0, s1, s2, s3 = _madd4(s0, s1, s2, s3, w, xp, xo)
+            s4, s5, s6, s7 = _madd4(s4, s5, s6, s7, w, xp, xo + 8)
+            s8, s9, s10, s11 = _madd4(s8, s9, s10, s11, w, xp, xo + 16)
+            s12, s13, s14, s15 = _madd4(s12, s13, s14, s15, w, xp, xo + 24)
+        b = g * group_pairs // 16  # (the 32-value block of the activation's scale)
+        scale = load_f32_16(scales, ROWS * g)
+        if affine:
+            m = load_f32_16(mins, ROWS * g)
+        t = t0
+        _gemm_end(acc, t, s0, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 1, s1, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 2, s2, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 3, s3, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 4, s4, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 5, s5, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 6, s6, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 7, s7, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 8, s8, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 9, s9, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 10, s10, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 11, s11, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 12, s12, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 13, s13, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 14, s14, scale, xd, xs, m, b, affine)
+        _gemm_end(acc, t + 15, s15, scale, xd, xs, m, b, affine)
+
+
+@njit(nogil=True)  # (no fastmath: see ops/simd.py)
+def interleaved_gemm_group(code, groups, g, xp, xd, xs, n_tok, out):
+    """out[t, 16g:16g + 16] = the products of rows 16g .. 16g + 15 with token t's x_hat for every token t, for a
+    weight of interleaved rows (`code`) and the packed activations (cpu_gemm.pack_activations: tokens padded to a
+    multiple of 32, so a last tile of 16 reads zero codes): the group unpacked, then its tiles of 16 tokens,
+    GEMM_K_CHUNK values at a time. (One task of cpu_gemm.gemm_blocks_wide's parallel loop; the values are its
+    row kernel's bit for bit.)"""
+    tokens = xd.shape[1]
+    n_in = xp.shape[0] // tokens
+    group_pairs = 8 if code == C_Q6_K_X16 else 16  # (Q6_K: a scale per 16 values)
+    n_scales = n_in // (2 * group_pairs)
+    codes = np.empty(ROWS * n_in, np.int16)
+    scales = np.empty(ROWS * n_scales, np.float32)
+    mins = np.empty(ROWS * n_scales, np.float32)
+    group = groups[g]
+    if code == C_Q8_0_X16:
+        _unpack_q8_0(group, n_in, codes, scales, mins)
+    elif code == C_Q5_0_X16:
+        _unpack_q5_0(group, n_in, codes, scales, mins)
+    elif code == C_Q4_K_X16:
+        _unpack_q4_k(group, n_in, codes, scales, mins)
+    else:
+        _unpack_q6_k(group, n_in, codes, scales, mins)
+    affine = code == C_Q4_K_X16
+    n_tiles = (n_tok + GEMM_TOKENS - 1) // GEMM_TOKENS
+    acc = np.zeros(ROWS * GEMM_TOKENS * n_tiles, np.float32)
+    chunk = GEMM_K_CHUNK // (2 * group_pairs)
+    for g0 in range(0, n_scales, chunk):
+        for tile in range(n_tiles):
+            _gemm_tokens16(codes, scales, mins, affine, group_pairs, g0, min(g0 + chunk, n_scales), xp, xd, xs,
+                           GEMM_TOKENS * tile, tokens, acc)
+    for t in range(n_tok):
+        store_f32(out[t], ROWS * g, load_f32_16(acc, ROWS * t))
+
