@@ -107,3 +107,47 @@ def test_the_cpu_backend_keeps_freed_memory_for_reuse():
     user_set = {"MALLOC_TOP_PAD_": "1"}
     assert _faults(make_backend + "\nfrom cupyllm.backend.cpu_memory import keep_freed_memory\n"
                    "assert not keep_freed_memory()", user_set) > 10_000
+
+
+def _resident_bytes(address: int) -> int:
+    """The resident bytes (smaps' Rss) of this process's mapping that holds `address`."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mapping's resident size from /proc")
+def test_released_pages_of_a_mapped_file_leave_memory_and_read_back_unchanged(tmp_path):
+    """release_mapped_pages drops the whole pages of a read-only mapped tensor from the process's resident
+    memory (the rows copied elsewhere); reading them again gives the file's bytes. Arrays of memory and
+    copy-on-write mappings are left alone (their pages may hold what the file does not)."""
+    import mmap
+    from cupyllm.backend.cpu_memory import release_mapped_pages
+    path = tmp_path / "tensor.bin"
+    data = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    tensor = np.frombuffer(mapped, np.uint8, count=6 << 20, offset=1000).reshape(-1, 1024)  # (not page-aligned)
+    assert int(tensor.sum(dtype=np.int64)) == int(data[1000:1000 + (6 << 20)].sum(dtype=np.int64))  # all in
+    address = tensor.ctypes.data
+    before = _resident_bytes(address)
+    assert before >= 6 << 20
+    released = release_mapped_pages(tensor)
+    assert released == ((1000 + (6 << 20)) // 4096 - (1000 + 4095) // 4096) * 4096
+    assert _resident_bytes(address) <= before - released
+    np.testing.assert_array_equal(tensor.reshape(-1), data[1000:1000 + (6 << 20)])
+    assert release_mapped_pages(data) == 0
+    with open(path, "r+b") as fh:
+        private = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    written = np.frombuffer(private, np.uint8)
+    written[:4096] = 7
+    assert release_mapped_pages(written) == 0 and (written[:4096] == 7).all()
+    del tensor, written

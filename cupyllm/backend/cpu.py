@@ -15,7 +15,7 @@ from ..ops.attention.dca import attend_dca
 from ..ops.attention.reference import attend, causal_mask, merge
 from ..kv.cache import KVCache, LayerKV, host_bytes_available
 from . import compile_notice, precompile
-from .cpu_memory import keep_freed_memory
+from .cpu_memory import keep_freed_memory, release_mapped_pages
 from ..ops.elementwise.cpu import gelu_tanh_times, rms_norm_rows, rope_rows, silu_times
 from ..ops.deltanet.cpu import conv1d_silu_rows, gated_delta_tokens, gated_rms_norm_rows
 from .cpu_threads import RowThreads
@@ -27,9 +27,10 @@ from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
 from ..models.weights import Weight
 
 NARROW_F32_ROWS = 1024  # float32 weights this narrow run BLAS on one thread in a prefill too (cheap there)
-# a model's first decode step (or short prompt) interleaves its weights' rows (about 1.5 GB/s on 2 cores from the
-# page cache, the disk's pace before): a bar shows it where it takes longer than this, not for the small ones
+# a model's first forward interleaves its weights' rows (about 1.5 GB/s on 2 cores from the page cache, the
+# disk's pace before): a bar shows it where it takes longer than this, not for the small ones
 INTERLEAVE_BAR_DELAY_S = 1.0
+INTERLEAVE_CHUNK_BYTES = 32 << 20  # a weight is interleaved this much at a time, each part's GGUF pages then released
 
 KEY_CHUNK = 4096  # cache slots decoded and scored at a time
 
@@ -47,8 +48,9 @@ class CPUBackend:
         self._threads = RowThreads(threads)
         self._blas = None  # threadpoolctl's handle on BLAS, found on the first float32 decode matmul
         self._x16: dict[int, tuple] = {}  # id(weight blocks) -> (blocks, their rows interleaved or None)
-        self._x16_bar = None  # the bar of the interleaving under way (the first decode step's) once it is slow
-        self._x16_run = None  # (when it started, bytes done) of the interleaving under way, or None
+        self._x16_bar = None  # the bar of the interleaving under way (the first forward's) once it is slow
+        self._x16_run = None  # (seconds spent, bytes done) of the interleaving under way, or None
+        self._x16_clock = 0.0  # when the interleaving's last chunk (or weight) began
         precompile.ensure_compiled()  # once per machine: every kernel into numba's cache, with a progress bar
         compile_notice.install()  # a kernel that compiles all the same (types the precompile missed) says so
         keep_freed_memory()  # a prefill's arrays reuse freed memory instead of page-faulting in new (cpu_memory.py)
@@ -100,36 +102,40 @@ class CPUBackend:
         return self._blas.limit(limits=1, user_api="blas")
 
     def _interleaved(self, weight: Weight) -> tuple | None:
-        """The weight's rows interleaved for the GEMV ((array, layout): ops/matmul/cpu_interleaved.py, a batched
-        decode's several tokens at the memory's pace), made on its first decode step, so that an embedding table
-        that is only looked up (Gemma 4's per-layer one) is never copied. None where the rows do not interleave,
-        or where host memory has less than four times the copy's bytes free (the GEMV then reads the GGUF's)."""
+        """The weight's rows interleaved ((array, layout): ops/matmul/cpu_interleaved.py; the GEMV reads a batched
+        decode's several tokens at the memory's pace, the GEMM as fast as the GGUF's rows or faster), made on the
+        weight's first matmul, so that an embedding table that is only looked up (Gemma 4's per-layer one) is
+        never copied; then the GGUF's pages of it leave this process's memory (the matmuls read the copy, a
+        lookup of a tied embedding faults its few rows back in). None where the rows do not interleave, or where
+        host memory has less than four times the copy's bytes free (the matmuls then read the GGUF's)."""
         data = weight.data
         known = self._x16.get(id(data))
         if known is None or known[0] is not data:
             layout, x16 = interleaved_layout(data, weight.fmt.name), None
             if layout is not None and 4 * data.nbytes <= host_bytes_available():
-                x16 = (interleave_rows(data, layout), layout)
-                self._show_interleaving(data.nbytes)
+                self._x16_clock = time.monotonic()
+                x16 = (interleave_rows(data, layout, INTERLEAVE_CHUNK_BYTES, self._interleaved_chunk), layout)
             known = self._x16[id(data)] = (data, x16)  # (holding `data` keeps its id from being reused)
         return known[1]
 
-    def _show_interleaving(self, nbytes: int) -> None:
-        """Count a weight interleaved; past INTERLEAVE_BAR_DELAY_S since the first, show a bar of the bytes done
-        (made only then: an open tqdm bar, even one not shown yet, moves the bars that start after it)."""
-        started, done = self._x16_run or (time.monotonic(), 0)
-        self._x16_run = (started, done + nbytes)
-        if self._x16_bar is None and time.monotonic() - started > INTERLEAVE_BAR_DELAY_S:
-            self._x16_bar = tqdm(desc="cupyllm: interleaving the weights' rows for decoding (once)", unit="B",
+    def _interleaved_chunk(self, rows: np.ndarray) -> None:
+        """Rows copied: their GGUF pages released; counted, and once the interleaving has taken
+        INTERLEAVE_BAR_DELAY_S (its own time, not the forward's between weights), a bar of the bytes done (made
+        only then: an open tqdm bar, even one not shown yet, moves the bars that start after it)."""
+        release_mapped_pages(rows)
+        now = time.monotonic()
+        spent, done = self._x16_run or (0.0, 0)
+        spent += now - self._x16_clock
+        self._x16_run, self._x16_clock = (spent, done + rows.nbytes), now
+        if self._x16_bar is None and spent > INTERLEAVE_BAR_DELAY_S:
+            self._x16_bar = tqdm(desc="cupyllm: interleaving the weights' rows (once)", unit="B",
                                  unit_scale=True, initial=done, leave=False)
         if self._x16_bar is not None:
-            self._x16_bar.update(nbytes)
+            self._x16_bar.update(rows.nbytes)
 
-    def _gemv_interleaved(self, x: np.ndarray, weights) -> list | None:
-        """Each weight's interleaved rows (or None) when x is few enough tokens for the GEMV; else None. A call
-        that finds every weight known closes the interleaving's bar (the first decode step is over)."""
-        if x.shape[0] > TOKENS_PER_GEMV:
-            return None
+    def _interleaved_rows(self, weights) -> list:
+        """Each weight's interleaved rows (or None). A call that finds every weight known closes the
+        interleaving's bar (the first forward is over)."""
         if self._x16_run is not None and all(self._x16.get(id(w.data), (None,))[0] is w.data for w in weights):
             if self._x16_bar is not None:
                 self._x16_bar.close()
@@ -138,8 +144,7 @@ class CPUBackend:
 
     def linear(self, x: np.ndarray, weight: Weight, bias: np.ndarray | None = None) -> np.ndarray:
         with self._one_blas_thread_for(x, (weight,)):
-            x16 = self._gemv_interleaved(x, (weight,))
-            y = matmul(x, weight.data, weight.fmt, weight.shape[-1], None if x16 is None else x16[0])
+            y = matmul(x, weight.data, weight.fmt, weight.shape[-1], self._interleaved_rows((weight,))[0])
         if bias is not None:
             y += bias
         return y
@@ -148,7 +153,7 @@ class CPUBackend:
         """[linear(x, w, b) for w, b in zip(weights, biases)]; for a decode step one parallel GEMV for all."""
         n_in = weights[0].shape[-1]
         with self._one_blas_thread_for(x, weights):
-            ys = matmul_many(x, [(w.data, w.fmt) for w in weights], n_in, self._gemv_interleaved(x, weights))
+            ys = matmul_many(x, [(w.data, w.fmt) for w in weights], n_in, self._interleaved_rows(weights))
         for y, bias in zip(ys, biases or ()):
             if bias is not None:
                 y += bias
