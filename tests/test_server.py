@@ -146,7 +146,7 @@ def test_batched_forward_equals_one_sequence_at_a_time(tiny_model, arch, options
 def test_prompts_prefill_together_as_alone(tiny_model, arch, options):
     """Prompts of at least rows_independent_from tokens in one forward (the server's waiting prompt chunks): each
     prompt's logits, and the next step's on its cache, are those of the prompt alone, bit for bit (the real
-    Gemma 3 270M: Q8_0 / Q5_0 / Q4_K / Q6_K weights through the GEMM, rows independent). Not a mixture of
+    Gemma 3 270M: Q8_0 / Q5_0 / Q4_K / Q6_K weights, interleaved, through the GEMM, rows independent). Not a mixture of
     experts: an expert multiplies the rows routed to it from every prompt together (the server prefills their
     prompts one by one)."""
     path = gemma_path() if arch == "real-gemma" else tiny_model(arch)[0]
@@ -154,7 +154,7 @@ def test_prompts_prefill_together_as_alone(tiny_model, arch, options):
     t = model.transformer
     shortest = t.ops.rows_independent_from
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (shortest, 23, shortest + 5)]
+    prompts = [rng.integers(3, model.cfg.n_vocab, size=n) for n in (shortest, shortest + 11, shortest + 5)]
     alone = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
     together = [t.ops.new_cache(model.cfg, model.kv_spec) for _ in prompts]
     got = forward_batch(t, [Segment(ids, c) for ids, c in zip(prompts, together)])

@@ -20,7 +20,7 @@ from ..ops.elementwise.cpu import gelu_tanh_times, rms_norm_rows, rope_rows, sil
 from ..ops.deltanet.cpu import conv1d_silu_rows, gated_delta_tokens, gated_rms_norm_rows
 from .cpu_threads import RowThreads
 from ..errors import CupyllmError
-from ..ops.matmul.cpu import TOKENS_PER_GEMV, matmul, matmul_each, matmul_grouped, matmul_many
+from ..ops.matmul.cpu import TOKENS_PER_GEMV, TOKENS_PER_X16_GEMV, matmul, matmul_each, matmul_grouped, matmul_many
 from ..ops.matmul.cpu_gemv import dequantize_ids
 from ..ops.matmul.cpu_interleaved import interleave_rows, interleaved_layout
 from ..ops.elementwise.reference import apply_rope, rope_tables, softcap
@@ -39,9 +39,10 @@ class CPUBackend:
     name = "cpu"
     xp = np
     can_mirror_kv = True  # on request (--kv-mirror) a float32 copy of the decoded cache beside the encoded rows
-    # past TOKENS_PER_GEMV rows every quantized matmul is the GEMM, whose rows do not depend on one another
-    # (tested); a forward of several sequences multiplies float32 weights sequence by sequence (models/batch.py)
-    rows_independent_from = TOKENS_PER_GEMV + 1
+    # past TOKENS_PER_X16_GEMV rows (TOKENS_PER_GEMV where rows are not interleaved) every quantized matmul is the
+    # GEMM, whose rows do not depend on one another (tested); a forward of several sequences multiplies float32
+    # weights sequence by sequence (models/batch.py)
+    rows_independent_from = TOKENS_PER_X16_GEMV + 1
 
     def __init__(self, threads: int | None = None):
         self._rope_tables = {}

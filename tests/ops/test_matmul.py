@@ -356,6 +356,23 @@ def test_interleaved_gemm_equals_the_row_gemm(qtype, n_tok):
     np.testing.assert_array_equal(interleaved, by_rows)
 
 
+def test_interleaved_weights_take_the_gemv_up_to_their_token_count():
+    """Up to TOKENS_PER_X16_GEMV tokens, weights all interleaved go through the GEMV (each token's values its
+    one-token run's); one weight of GGUF rows among them, or more tokens, and the call is the GEMM's."""
+    n_in = 256
+    rows = random_blocks(T.Q4_K, 32, n_in, seed=4)
+    fmt, layout = WEIGHT_FORMATS[T.Q4_K], LAYOUTS["Q4_K"]
+    x16 = (interleave_rows(rows, layout), layout)
+    x = np.random.default_rng(2).standard_normal((cpu_linear.TOKENS_PER_X16_GEMV + 1, n_in)).astype(np.float32)
+    many = x[:cpu_linear.TOKENS_PER_X16_GEMV]
+    both = matmul_many(many, [(rows, fmt), (rows, fmt)], n_in, [x16, x16])
+    for y in both:
+        np.testing.assert_array_equal(y, np.concatenate([gemv_many(row[None], [x16])[0] for row in many]))
+    mixed = matmul_many(many, [(rows, fmt), (rows, fmt)], n_in, [x16, None])
+    np.testing.assert_array_equal(mixed[1], gemm_many(many, [(rows, fmt)])[0])
+    np.testing.assert_array_equal(matmul(x, rows, fmt, n_in, x16), gemm_many(x, [(rows, fmt)], [x16])[0])
+
+
 @pytest.mark.skipif(not simd.MACHINE_HAS_512_BIT_LANES, reason="rows interleave where the machine has 512-bit lanes")
 def test_cpu_backend_multiplies_interleaved_rows_where_memory_allows(monkeypatch):
     """The CPU backend's matmuls read a Q8_0 / Q5_0 weight's rows interleaved (made on its first matmul, kept),
@@ -365,11 +382,12 @@ def test_cpu_backend_multiplies_interleaved_rows_where_memory_allows(monkeypatch
     n_in = 256
     rows = random_blocks(T.Q8_0, 32, n_in, seed=2)
     weight = Weight("w", WEIGHT_FORMATS[T.Q8_0], (32, n_in), rows)
-    x = np.random.default_rng(1).standard_normal((12, n_in)).astype(np.float32)
+    x = np.random.default_rng(1).standard_normal((40, n_in)).astype(np.float32)
     x16 = (interleave_rows(rows, LAYOUTS["Q8_0"]), LAYOUTS["Q8_0"])
     backend = cpu_backend.CPUBackend()
     np.testing.assert_array_equal(backend.linear(x[:2], weight), gemv_many(x[:2], [x16])[0])
     np.testing.assert_array_equal(backend.linear_many(x[:1], [weight, weight])[1], gemv_many(x[:1], [x16])[0])
+    np.testing.assert_array_equal(backend.linear(x[:20], weight), gemv_many(x[:20], [x16])[0])  # (the GEMV's)
     np.testing.assert_array_equal(backend.linear(x, weight), gemm_many(x, [(rows, weight.fmt)], [x16])[0])
     assert backend._x16[id(rows)][1][0] is backend._interleaved(weight)[0]  # (made once)
     monkeypatch.setattr(cpu_backend, "host_bytes_available", lambda: 3.0 * rows.nbytes)

@@ -1,7 +1,8 @@
 """y = x @ W.T on the CPU, W a GGUF weight kept in its blocks: which kernel multiplies.
 
 - up to TOKENS_PER_GEMV tokens (decode): the GEMV (`cpu_matmul.gemv_blocks`) streams each quantized row once
-  per token against x's 16-bit codes;
+  per token against x's 16-bit codes; up to TOKENS_PER_X16_GEMV where every weight has its rows interleaved
+  (cpu_interleaved.py: each group of rows read once for all tokens, unpacked once for every four);
 - more tokens (prefill) with a block-quantized weight: the integer GEMM (`cpu_gemm.gemm_blocks`), the same
   products for 32 tokens at a time;
 - F32 weights: the GEMV for a few tokens (it multiplies x itself for float weights), BLAS on the mapped array
@@ -23,14 +24,19 @@ from .reference import WeightFormat
 # (measured, a forward of n tokens with all their logits on Qwen2.5-0.5B / Gemma 3 270M: the GEMV is faster up to
 # 8 tokens, two fours; the GEMM from 10 on Qwen, from 12 on Gemma; docs/benchmarks.md)
 TOKENS_PER_GEMV = 8
+# the same on rows interleaved 16 at a time: there the GEMV beats the GEMM up to 28 tokens (a forward of n
+# tokens, Gemma 3 270M and Qwen2.5-Coder-0.5B, its last logits or all; docs/benchmarks.md)
+TOKENS_PER_X16_GEMV = 28
 ACTIVATION_CODES = True  # quantized weights multiply x's 16-bit codes (False: x itself, through BLAS tiles)
 ROW_TILE = 2048  # weight rows per f32 tile of the BLAS path
 
 
-def _kernel(n_tok: int, fmts: list[WeightFormat]) -> str:
+def _kernel(n_tok: int, fmts: list[WeightFormat], interleaved: list | None = None) -> str:
     if not ACTIVATION_CODES:
         return "blas" if all(fmt.qtype == T.F32 for fmt in fmts) else "tiles"
     if n_tok <= TOKENS_PER_GEMV:  # (float32 weights too: a BLAS call per narrow weight costs more than its rows)
+        return "gemv"
+    if n_tok <= TOKENS_PER_X16_GEMV and interleaved is not None and all(x16 is not None for x16 in interleaved):
         return "gemv"
     if all(fmt.qtype == T.F32 for fmt in fmts):
         return "blas"
@@ -46,7 +52,7 @@ def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n
     packing of x; else weight by weight. `interleaved`: for each weight, its rows interleaved (cpu_interleaved.py:
     (array, layout)) or None; the GEMV and the GEMM read those (the f32 tiles, the GGUF's rows)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    kernel = _kernel(x.shape[0], [fmt for _, fmt in weights])
+    kernel = _kernel(x.shape[0], [fmt for _, fmt in weights], interleaved)
     if kernel == "gemv":
         if interleaved is not None:
             weights = [w if x16 is None else x16 for w, x16 in zip(weights, interleaved)]
@@ -95,7 +101,7 @@ def matmul(x: np.ndarray, data: np.ndarray, fmt: WeightFormat, n_in: int, interl
     """x f32 [n_tok, n_in] @ W.T where W is `data` (uint8 blocks [n_out, row_bytes]) -> f32 [n_tok, n_out]
     (`interleaved`: matmul_many's, for this weight)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    kernel = _kernel(x.shape[0], [fmt])
+    kernel = _kernel(x.shape[0], [fmt], [interleaved])
     if kernel == "blas":
         return x @ data.view(np.float32).T
     if kernel == "gemv":
