@@ -358,7 +358,8 @@ def test_interleaved_gemm_equals_the_row_gemm(qtype, n_tok):
 
 def test_interleaved_weights_take_the_gemv_up_to_their_token_count():
     """Up to TOKENS_PER_X16_GEMV tokens, weights all interleaved go through the GEMV (each token's values its
-    one-token run's); one weight of GGUF rows among them, or more tokens, and the call is the GEMM's."""
+    one-token run's), beside float32 weights too; one weight of GGUF rows among them, or more tokens, and the
+    call is the GEMM's."""
     n_in = 256
     rows = random_blocks(T.Q4_K, 32, n_in, seed=4)
     fmt, layout = WEIGHT_FORMATS[T.Q4_K], LAYOUTS["Q4_K"]
@@ -370,6 +371,12 @@ def test_interleaved_weights_take_the_gemv_up_to_their_token_count():
         np.testing.assert_array_equal(y, np.concatenate([gemv_many(row[None], [x16])[0] for row in many]))
     mixed = matmul_many(many, [(rows, fmt), (rows, fmt)], n_in, [x16, None])
     np.testing.assert_array_equal(mixed[1], gemm_many(many, [(rows, fmt)])[0])
+    floats = np.random.default_rng(3).standard_normal((16, n_in)).astype(np.float32)  # (DeltaNet's alpha / beta)
+    f32 = (floats.view(np.uint8), WEIGHT_FORMATS[T.F32])
+    beside = matmul_many(many, [(rows, fmt), f32, (rows, fmt)], n_in, [x16, None, x16])
+    np.testing.assert_array_equal(beside[0], both[0])
+    np.testing.assert_array_equal(beside[2], both[0])
+    np.testing.assert_array_equal(beside[1], matmul(many, *f32, n_in))
     np.testing.assert_array_equal(matmul(x, rows, fmt, n_in, x16), gemm_many(x, [(rows, fmt)], [x16])[0])
 
 

@@ -62,11 +62,12 @@ def matmul_many(x: np.ndarray, weights: list[tuple[np.ndarray, WeightFormat]], n
     if kernel == "gemm":
         return gemm_many(x, weights, interleaved)
     quantized = [i for i, (_, fmt) in enumerate(weights) if fmt.qtype != T.F32]
-    if 1 < len(quantized) < len(weights) and _kernel(x.shape[0], [weights[i][1] for i in quantized]) == "gemm":
+    x16 = None if interleaved is None else [interleaved[i] for i in quantized]
+    if 1 < len(quantized) < len(weights) and _kernel(x.shape[0], [weights[i][1] for i in quantized], x16) in (
+            "gemm", "gemv"):
         # a prefill's float32 weights beside quantized ones (DeltaNet's alpha / beta beside qkv / z): BLAS for
-        # those, one GEMM for the rest
-        x16 = None if interleaved is None else [interleaved[i] for i in quantized]
-        ys = dict(zip(quantized, gemm_many(x, [weights[i] for i in quantized], x16)))
+        # those, one GEMM (or, interleaved, one GEMV) for the rest
+        ys = dict(zip(quantized, matmul_many(x, [weights[i] for i in quantized], n_in, x16)))
         return [ys[i] if i in ys else matmul(x, data, fmt, n_in) for i, (data, fmt) in enumerate(weights)]
     return [matmul(x, data, fmt, n_in) for data, fmt in weights]
 
