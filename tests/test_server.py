@@ -517,3 +517,22 @@ def test_a_segment_without_room_fails_alone(qwen):
             np.testing.assert_array_equal(job.result, qwen.transformer.forward(ids, np.arange(len(ids)), alone))
     finally:
         engine.close()
+
+
+
+def test_the_server_warms_the_model_up_before_serving():
+    """The server starts serving once its batcher has run one token through the model (the real Gemma 3 270M):
+    the CPU backend's weights are interleaved by then (where the machine's rows interleave), not in the first
+    request, and the slots' caches are empty again; a request then gives what Model.generate gives."""
+    from cupyllm.ops import simd
+    model = cupyllm.load(gemma_path(), device="cpu", ctx=64, progress=False)
+    want = model.generate("The three primary colours are", max_tokens=6, **GREEDY)
+    fresh = cupyllm.load(gemma_path(), device="cpu", ctx=64, progress=False)
+    with serving(fresh, parallel=2) as url:
+        interleaved = [x16 for _, x16 in fresh.transformer.ops._x16.values() if x16 is not None]
+        assert bool(interleaved) == simd.MACHINE_HAS_512_BIT_LANES
+        slots = httpx.get(f"{url}/slots").json()
+        assert [slot["tokens_cached"] for slot in slots] == [0, 0]
+        got = client(url).completions.create(model="m", prompt="The three primary colours are", max_tokens=6,
+                                             **GREEDY).choices[0].text
+    assert got == want

@@ -21,6 +21,7 @@ Model._cache_holding_prefix does for one cache). An idle slot's cache can be sav
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
@@ -48,6 +49,14 @@ def start_cpu_threads() -> None:
     zero blocks: a kernel the precompile has put in numba's cache, so that starting a server compiles nothing.)"""
     data, fmt = zero_weight(2, 256)
     matmul_many(np.ones((1, 256), np.float32), [(data, fmt)], 256)
+
+
+def warm_up(model, cache) -> None:
+    """One token through the model on an empty slot's cache, which is emptied again: the CPU backend interleaves
+    the weights' rows on their first matmul (seconds for a model of gigabytes, cupyllm/ops/matmul/cpu_interleaved.py),
+    so this happens when the server starts, not in its first request (llama-server warms up too)."""
+    model._forward_numpy(np.zeros(1, np.int64), np.zeros(1, np.int64), cache)
+    cache.clear()
 
 
 STALL_SECONDS = 0.05  # the batcher waits this long for a busy slot's next step before running without it
@@ -201,6 +210,7 @@ class Engine:
         # prompt chunks of at least this many tokens prefill together (None: one by one)
         self._prompt_rows = None if rows is None or model.cfg.n_expert else rows
         self.counters = Counters()
+        self.warm = threading.Event()  # set once the batcher has warmed the model up (warm_up)
         self._pending: list[Request] = []  # waiting for a slot
         self._lock = threading.Condition()  # guards slots' requests, _pending, _jobs, _busy
         self._jobs: list[_Job] = []
@@ -211,6 +221,7 @@ class Engine:
         self._threads.append(threading.Thread(target=self._batch_loop, name="cupyllm-batcher", daemon=True))
         for thread in self._threads:
             thread.start()
+        self.warm.wait()  # (the batcher's warm_up: the weights ready before the first request)
 
     # --- requests ---------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -462,8 +473,17 @@ class Engine:
         return job.result
 
     def _batch_loop(self) -> None:
-        if self.model.device == "cpu":
-            start_cpu_threads()  # (before anything else runs here: see its docstring)
+        try:
+            if self.model.device == "cpu":
+                start_cpu_threads()  # (before anything else runs here: see its docstring)
+                try:  # (the constructor waits for this: no request can reach slot 0's cache meanwhile)
+                    warm_up(self.model, self.slots[0].cache)
+                except Exception as exc:  # noqa: BLE001 - a request then fails with the model's own error
+                    print(f"cupyllm serve: the warm-up forward failed ({type(exc).__name__}: {exc})",
+                          file=sys.stderr, flush=True)
+                    self.slots[0].cache.clear()
+        finally:
+            self.warm.set()
         while True:
             with self._lock:
                 # run when every busy slot waits on a job (a slot between jobs samples its next token: briefly);
