@@ -43,6 +43,9 @@ for model_arg, n_prompt, kv_k, kv_v, threads, mirror in runs:
     model = cupyllm.load(sys.argv[model_arg], device="cpu", kv_type_k=kv_k, kv_type_v=kv_v,
                          threads=threads, kv_mirror=mirror, max_chunk=16)
     model.generate([1 + i % 50 for i in range(n_prompt)], max_tokens=3, temperature=0)
+# a prompt past the GEMV's tokens in one chunk: the prefill GEMM on rows interleaved and as stored
+model = cupyllm.load(sys.argv[1], device="cpu")
+model.generate([1 + i % 50 for i in range(40)], max_tokens=2, temperature=0)
 
 # the server's batcher: its thread warm-up, then decode steps of several sequences in one forward (Gemma 3; the
 # Qwen3.5 hybrid's DeltaNet layers on each sequence's rows)
@@ -67,9 +70,9 @@ print(json.dumps(compiled))
 
 def test_a_run_after_the_precompile_compiles_nothing(tiny_model):
     """Compile events counted in a process that runs tiny Gemma 3, Qwen3, Qwen3.5 (Gated DeltaNet) and
-    Qwen3.5-MoE models with prompts of 2 to 40 tokens (chunks of 16), six KV formats and the mirror, 1 and all
-    threads, and the server's batcher (its warm-up, batched decode steps), after the precompile filled the
-    cache: none. (The cache is the suite's own, which earlier tests
+    Qwen3.5-MoE models with prompts of 2 to 40 tokens (chunks of 16, and one of 40: the GEMM on interleaved rows
+    and on rows as stored), six KV formats and the mirror, 1 and all threads, and the server's batcher (its
+    warm-up, batched decode steps), after the precompile filled the cache: none. (The cache is the suite's own, which earlier tests
     fill too; the strict form of this check, on a fresh NUMBA_CACHE_DIR, takes the whole precompile:
     docs/benchmarks.md#cpu-first-run.)"""
     from cupyllm.backend import precompile

@@ -57,15 +57,8 @@ def _gemv() -> None:
 
 def _gemm() -> None:
     from ..ops.matmul.cpu import TOKENS_PER_GEMV, matmul_many
-    from ..ops.matmul.cpu_interleaved import LAYOUTS, ROWS, interleaved_layout
-    data, fmt = zero_weight(4, 256)
-    x = np.ones((TOKENS_PER_GEMV + 1, 256), np.float32)
-    matmul_many(x, [(data, fmt)], 256)
-    data, fmt = zero_weight(ROWS, 256)
-    if interleaved_layout(data, fmt.name) is not None:  # (the machine's rows interleave: zero blocks stay zero)
-        groups = np.zeros((1, data.nbytes), np.uint8)
-        groups.flags.writeable = False  # (interleave_rows' array type)
-        matmul_many(x, [(data, fmt)], 256, [(groups, LAYOUTS[fmt.name])])
+    data, fmt = zero_weight(4, 256)  # (the GEMM on interleaved rows is a branch of the same kernel, same types)
+    matmul_many(np.ones((TOKENS_PER_GEMV + 1, 256), np.float32), [(data, fmt)], 256)
 
 
 def _weight_rows() -> None:
