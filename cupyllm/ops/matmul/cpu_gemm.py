@@ -33,7 +33,7 @@ from numba import njit, prange
 from .activation_codes import ACTIVATION_BLOCK
 from .cpu_gemv import (C_Q4_0, C_Q4_1, C_Q4_K, C_Q5_0, C_Q5_1, C_Q5_K, C_Q6_K, C_Q8_0, F16_TABLE, _codes32, _half,
                        _i8, _k_codes, _k_scale_mins, _q6_codes, _u32_at, quantize_activation_row, weight_rows)
-from .cpu_interleaved import C_Q8_0_X16, interleaved_gemm_group
+from .cpu_interleaved import C_Q8_0_X16, _group_end_16, interleaved_gemm_group
 from ..simd import (MACHINE_HAS_512_BIT_LANES, borrow, fma, fmul, fsub, izeros, izeros_16, load_f32, load_f32_16,
                     load_i16, load_i16_32, load_i8w, madd, splat, splat_at, splat_at_16, splat_pair, splat_pair_32,
                     store_f32, store_i16, to_f32, zeros, zeros_16)
@@ -182,13 +182,6 @@ def _rows4_tiles(q, n_in, scales, n_groups, mins, affine, group_pairs, g_start, 
 # --- the wide micro-kernel: 8 rows x 32 tokens in 512-bit registers (AVX-512) ------------------------------
 # The same sums as _rows4_tokens32, each lane's operations in the same order (so bit for bit the same results):
 # 16 int32 chains of sixteen lanes (8 rows x 2 vectors of 16 tokens), twice the products an instruction.
-
-@njit(inline="always")
-def _group_end_16(acc, i, s, xd, w, affine, xs, m):
-    """_group_end on sixteen lanes."""
-    f = fma(to_f32(s), fmul(xd, w), load_f32_16(acc, i))
-    store_f32(acc, i, fma(xs, m, f) if affine else f)
-
 
 @njit(inline="always")
 def _group_ends_16(acc, ao, s0, s1, d0, d1, c, affine, e0, e1, m, half):

@@ -269,16 +269,22 @@ def _q8_0_block(n, group, o, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, 
 
 
 @njit(inline="always")
+def _q5_0_codes(v, h, h4, p):
+    """Step p's codes (code - 16, int16 lanes) from its nibble bytes v (the x16 block's bytes 96 + 32p ..):
+    values 2p + j (low nibbles) and 2p + 16 + j (high), their 5th bits from h (the block's qh words) and
+    h4 = h << 4 (h's bits 0..7 at bits 4..11: bit p is bit 4 of h4 >> p; bit p + 8 is bit 4 of h >> p + 4)."""
+    return isub(ior(iand(v, 15), iand(ishr(h4, p), 16)), 16), isub(ior(ishr(v, 4), iand(ishr(h, p + 4), 16)), 16)
+
+
+@njit(inline="always")
 def _q5_0_block(n, group, o, b, q0, q1, q2, q3, d0, d1, d2, d3, s0, s1, s2, s3, a0, a1, a2, a3, ahead):
     """The block's codes unpacked once for the tokens (code - 16, int16 lanes), each token's sums its own."""
     _prefetch_lines(group, o + ahead, 0, 352)
     d, h = load_f16_16(group, o), load_u16_32(group, o + 32)
-    h4 = ishl(h, 4)  # (h's bits 0..7 at bits 4..11: bit p is bit 4 of h4 >> p; bit p + 8 is bit 4 of h >> p + 4)
+    h4 = ishl(h, 4)
     i0, i1, i2, i3 = izeros_16(), izeros_16(), izeros_16(), izeros_16()
     for p in range(8):
-        v = load_u8w_32(group, o + 96 + 32 * p)
-        low = isub(ior(iand(v, 15), iand(ishr(h4, p), 16)), 16)
-        high = isub(ior(ishr(v, 4), iand(ishr(h, p + 4), 16)), 16)
+        low, high = _q5_0_codes(load_u8w_32(group, o + 96 + 32 * p), h, h4, p)
         k = 32 * b + 2 * p
         i0 = madd(madd(i0, low, splat_pair_32(q0, k)), high, splat_pair_32(q0, k + 16))
         if n == 4:
@@ -504,9 +510,9 @@ def _unpack_q5_0(group, n_in, codes, scales, mins):
         h = load_u16_32(group, o + 32)
         h4 = ishl(h, 4)
         for p in range(8):
-            v = load_u8w_32(group, o + 96 + 32 * p)
-            store_i16(codes, 32 * (16 * b + p), isub(ior(iand(v, 15), iand(ishr(h4, p), 16)), 16))
-            store_i16(codes, 32 * (16 * b + 8 + p), isub(ior(ishr(v, 4), iand(ishr(h, p + 4), 16)), 16))
+            low, high = _q5_0_codes(load_u8w_32(group, o + 96 + 32 * p), h, h4, p)
+            store_i16(codes, 32 * (16 * b + p), low)
+            store_i16(codes, 32 * (16 * b + 8 + p), high)
 
 
 @njit(nogil=True)
@@ -543,11 +549,18 @@ def _unpack_q6_k(group, n_in, codes, scales, mins):
 
 
 @njit(inline="always")
+def _group_end_16(acc, i, s, xd, w, affine, xs, m):
+    """acc[i:i+16] += float(s) * (xd * w) (+ xs * m for the affine formats): a scale group's integer sums into
+    the float sums, sixteen lanes (cpu_gemm._group_end's FMAs; both 512-bit GEMMs end their groups here, so their
+    values agree bit for bit)."""
+    f = fma(to_f32(s), fmul(xd, w), load_f32_16(acc, i))
+    store_f32(acc, i, fma(xs, m, f) if affine else f)
+
+
+@njit(inline="always")
 def _gemm_end(acc, t, s, scale, xd, xs, m, b, affine):
-    """Token t's sums of a scale group into acc[16t:16t + 16]: + float(s) * (xd * scale) (+ xs * m, the min term
-    of the block b the group lies in), cpu_gemm._group_end's FMAs."""
-    f = fma(to_f32(s), fmul(splat_16(xd[b, t]), scale), load_f32_16(acc, ROWS * t))
-    store_f32(acc, ROWS * t, fma(splat_16(xs[b, t]), m, f) if affine else f)
+    """Token t's sums of a scale group into acc[16t:16t + 16], the min term from the block b the group lies in."""
+    _group_end_16(acc, ROWS * t, s, splat_16(xd[b, t]), scale, affine, splat_16(xs[b, t]), m)
 
 
 @njit(inline="always")
