@@ -467,28 +467,47 @@ def hsum(typingctx, v):
 
 
 @intrinsic
-def store_hsums_4(typingctx, arr, index, a, b, c, d):
-    """arr[index + t] = hsum of the t-th of the sixteen-lane a, b, c, d (t < 4; float32 array), the same sums in
-    the same order as `hsum`'s, with the shuffles of the four shared: two vectors' halves meet in one add."""
-    if not (_is_array(arr, types.float32) and _is_int(index) and all(v == f32x16 for v in (a, b, c, d))):
+def hsums_16(typingctx, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15):
+    """Lane t: the sum of p_t's sixteen lanes, bit for bit `hsum`'s (lanes i and i + 8 first, then i + 4, i + 2,
+    i + 1), the sixteen sums in one tree: each level adds two vectors' halves in one add, so 15 adds and 30
+    two-source shuffles make all sixteen, where one hsum alone takes 4 adds and 4 shuffles."""
+    vs = (p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15)
+    if not all(v == f32x16 for v in vs):
         return None
 
     def codegen(context, builder, sig, args):
-        def pick(x, y, lanes):
-            return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+        def pair_sums(x, y, first, second):  # x's and y's lanes `first` + their lanes `second` (of 32)
+            def pick(lanes):
+                return builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+            return builder.fadd(pick(first), pick(second))
+        level = list(args)
+        # each level: a vector holds 2, 4, 8, then 16 of the p's, each p in 8, 4, 2, then 1 lanes
+        for width in (8, 4, 2, 1):
+            first = [base + o for base in range(0, 32, 2 * width) for o in range(width)]
+            level = [pair_sums(level[m], level[m + 1], first, [f + width for f in first])
+                     for m in range(0, len(level), 2)]
+        return level[0]
+    return f32x16(*vs), codegen
 
-        def pair_sums(x, y, first, second):  # pick(first) + pick(second) of x's lanes then y's
-            return builder.fadd(pick(x, y, first), pick(x, y, second))
-        lo, hi = list(range(8)) + list(range(16, 24)), list(range(8, 16)) + list(range(24, 32))
-        ab, cd = pair_sums(args[2], args[3], lo, hi), pair_sums(args[4], args[5], lo, hi)  # lane i + lane i + 8
-        fours = [q + o for q in (0, 8, 16, 24) for o in range(4)]
-        s4 = pair_sums(ab, cd, fours, [f + 4 for f in fours])  # each vector's lanes i + i + 4: 4 lanes apiece
-        twos = [q + o for q in (0, 4, 8, 12) for o in range(2)]
-        s2 = pair_sums(s4, s4, twos, [t + 2 for t in twos])
-        s1 = pair_sums(s2, s2, [0, 2, 4, 6], [1, 3, 5, 7])
-        builder.store(s1, _lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType(), 4), align=4)
+
+@intrinsic
+def store_f32_where(typingctx, arr, index, v, bits):
+    """arr[index + t] = lane t of the sixteen-lane v where bit t of the integer `bits` is set; the other elements
+    untouched and not accessed (one masked store: lanes past the array's end may be masked off)."""
+    if not (_is_array(arr, types.float32) and _is_int(index) and v == f32x16 and _is_int(bits)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        pointer = _lane_ptr(context, builder, sig.args[0], args[0], args[1], ir.FloatType(), WIDE_LANES)
+        mask_type = ir.VectorType(ir.IntType(1), WIDE_LANES)
+        mask = builder.bitcast(builder.trunc(context.cast(builder, args[3], sig.args[3], types.int64),
+                                             ir.IntType(WIDE_LANES)), mask_type)
+        fnty = ir.FunctionType(ir.VoidType(), [_VF16, pointer.type, _I32, mask_type])
+        suffix = "p0" if getattr(pointer.type, "is_opaque", False) else "p0v16f32"  # (typed pointers: LLVM < 17)
+        store = builder.module.declare_intrinsic(f"llvm.masked.store.v16f32.{suffix}", fnty=fnty)
+        builder.call(store, [args[2], pointer, ir.Constant(_I32, 4), mask])
         return context.get_dummy_value()
-    return types.none(arr, index, a, b, c, d), codegen
+    return types.none(arr, index, v, bits), codegen
 
 
 @intrinsic

@@ -109,25 +109,33 @@ def test_simd_word_lanes_match_numpy():
 
 
 @njit
-def _wide_reductions(x):
-    """hsum of four sixteen-lane vectors one at a time, then all four by store_hsums_4; hmax and fmax of 16."""
-    out = np.empty(10, np.float32)
+def _wide_reductions(x, bits):
+    """hsum of sixteen sixteen-lane vectors one at a time, then all sixteen by hsums_16 (stored where `bits`
+    says, over a row of 3s); hmax and fmax of 16."""
+    out = np.full(2 * 16 + 2, 3.0, np.float32)
     vs = (simd.load_f32_16(x, 0), simd.load_f32_16(x, 16), simd.load_f32_16(x, 32), simd.load_f32_16(x, 48))
-    for t in range(4):
-        out[t] = simd.hsum(vs[t])
-    simd.store_hsums_4(out, 4, vs[0], vs[1], vs[2], vs[3])
-    out[8] = simd.hmax(vs[1])
-    out[9] = simd.hmax(simd.fmax(vs[2], vs[3]))
+    for t in range(16):
+        out[t] = simd.hsum(simd.load_f32_16(x, 16 * t))
+    ld = simd.load_f32_16
+    sums = simd.hsums_16(ld(x, 0), ld(x, 16), ld(x, 32), ld(x, 48), ld(x, 64), ld(x, 80), ld(x, 96), ld(x, 112),
+                         ld(x, 128), ld(x, 144), ld(x, 160), ld(x, 176), ld(x, 192), ld(x, 208), ld(x, 224),
+                         ld(x, 240))
+    simd.store_f32_where(out, 16, sums, bits)
+    out[32] = simd.hmax(vs[1])
+    out[33] = simd.hmax(simd.fmax(vs[2], vs[3]))
     return out
 
 
-def test_four_sums_at_once_are_hsums_bit_for_bit():
+def test_sixteen_sums_at_once_are_hsums_bit_for_bit():
     rng = np.random.default_rng(4)
-    x = (rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6, 64)).astype(np.float32)  # sums that round
-    out = _wide_reductions(x)
-    np.testing.assert_array_equal(out[4:8], out[:4])
-    np.testing.assert_allclose(out[:4], x.reshape(4, 16).astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-4)
-    assert out[8] == x[16:32].max() and out[9] == np.maximum(x[32:48], x[48:64]).max()
+    x = (rng.standard_normal(256) * 10.0 ** rng.integers(-6, 6, 256)).astype(np.float32)  # sums that round
+    bits = 0b1011_0000_1111_0111
+    out = _wide_reductions(x, bits)
+    stored = (bits >> np.arange(16)) & 1 == 1
+    np.testing.assert_array_equal(out[16:32][stored], out[:16][stored])
+    assert np.all(out[16:32][~stored] == 3.0)
+    np.testing.assert_allclose(out[:16], x.reshape(16, 16).astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-4)
+    assert out[32] == x[16:32].max() and out[33] == np.maximum(x[32:48], x[48:64]).max()
 
 
 @njit

@@ -9,12 +9,14 @@ the query: with K stored as (K - offset) / scale, q . K = (q * scale) . K_stored
 
 Work is split over (KV head, block of `BLOCK_KEYS` slots, half that for one KV head), each task decoding its rows
 once for every query head of its group (GQA) and returning a partial (sum, max, weighted values); the partials merge
-by log-sum-exp (split-K flash decoding). In a block: each key's dot products four query heads at a time (one K load
-for four FMAs, the four horizontal sums sharing their shuffles), the scores scaled and their maxima taken 16 at a
-time, the softmax weights 16 at a time (`simd.fexp`); then the value rows `VALUE_KEYS` at a time, decoded once,
-summed into register tiles of four rows by 64 columns (four weights and four V loads per key feed sixteen FMAs),
-never a load and store of the sums per key. The sums are the same float32 operations in the same order as the
-one-head-at-a-time kernel before (bit for bit); bench/attention_cpu.py measures it.
+by log-sum-exp (split-K flash decoding). In a block, the keys 16 at a time: which of them each query sees (a bit
+per key), the rows some query sees decoded once, then each query head's 16 scores in one register: every key's
+products summed 16 columns at a time in a register of its own (each q load feeding 16 FMAs), the 16 horizontal
+sums in one shuffle tree (`simd.hsums_16`: 45 instructions for 16 sums, where one sum alone takes 8), stored
+under the key mask; the scores scaled and their maxima taken 16 at a time, the softmax weights 16 at a time
+(`simd.fexp`); then the seen value rows `VALUE_KEYS` at a time, decoded once, summed into register tiles of four
+rows by 64 columns (four weights and four V loads per key feed sixteen FMAs), never a load and store of the sums
+per key. bench/attention_cpu.py measures it.
 
 The same kernel reads float32 rows in place (`attend_floats`:
 the CPU cache's float32 mirror: attend_few, dca_few). Semantics: `reference.attend` over
@@ -32,79 +34,39 @@ from numba import get_thread_id, njit, prange
 
 from ..kv_formats.formats import get_format, is_rotated
 from ..kv_formats.cpu import F32, HALF_TABLE, decode_in_place, row_codec
-from ..simd import (borrow, fadd, fexp, fma, fmax, fmul, fsub, hmax, hsum, load_f32_16, splat_16, splat_at_16,
-                    store_f32, store_hsums_4, zeros_16)
+from ..simd import (borrow, fadd, fexp, fma, fmax, fmul, fsub, hmax, hsum, hsums_16, load_f32_16, splat_16,
+                    splat_at_16, store_f32, store_f32_where, zeros_16)
 
 # slots per task (a multiple of 16): enough work per task, and the task's scores stay in L1; with one KV head,
 # half as many, so that a short cache still makes a task per core (Gemma 3 270M's decode step over 200 slots: 47
 # us a layer with 256, 31 with 128; over 4000 slots 90 / 83 us; at two KV heads and 16k slots 128 was slower).
 # A model's blocks start at fixed slots, so a query's values do not depend on how many follow it (a verify run).
 BLOCK_KEYS = 256
-VALUE_KEYS = 16  # value rows decoded together (16 KiB at dv 256: in L1 beside the scores), then summed in registers
+VALUE_KEYS = 16  # value rows decoded together (16 KiB at dv 256: in L1 beside the scores), then summed in registers;
+# 16 as pass 1's key masks (a bit per key of 16)
 
 
 @njit(inline="always")
-def _dot(a, ao, b, bo, n):
-    """sum_c a[ao + c] * b[bo + c] over c < n (1-D float32 arrays): 16 lanes at a time into four sums (one sum
-    would chain every multiply-add on the one before: 4 cycles each), then the tail."""
-    s0, s1, s2, s3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    c = 0
-    while c + 64 <= n:
-        s0 = fma(load_f32_16(a, ao + c), load_f32_16(b, bo + c), s0)
-        s1 = fma(load_f32_16(a, ao + c + 16), load_f32_16(b, bo + c + 16), s1)
-        s2 = fma(load_f32_16(a, ao + c + 32), load_f32_16(b, bo + c + 32), s2)
-        s3 = fma(load_f32_16(a, ao + c + 48), load_f32_16(b, bo + c + 48), s3)
-        c += 64
-    while c + 16 <= n:
-        s0 = fma(load_f32_16(a, ao + c), load_f32_16(b, bo + c), s0)
-        c += 16
-    total = hsum(fadd(fadd(s0, s1), fadd(s2, s3)))
-    for t in range(c, n):
-        total += a[ao + t] * b[bo + t]
-    return total
-
-
-@njit(inline="always")
-def _dots_4(q, qo, k, ko, d, out, oo):
-    """out[oo + h] = _dot(q, qo + h * d, k, ko, d) for h < 4, the same sums in the same order, each K load
-    shared by the four (d a multiple of 16)."""
-    a0, a1, a2, a3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()  # head 0's four partial sums, ...
-    b0, b1, b2, b3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    c0, c1, c2, c3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    e0, e1, e2, e3 = zeros_16(), zeros_16(), zeros_16(), zeros_16()
-    qb, qc, qe = qo + d, qo + 2 * d, qo + 3 * d
-    c = 0
-    while c + 64 <= d:
-        k0 = load_f32_16(k, ko + c)
-        k1 = load_f32_16(k, ko + c + 16)
-        k2 = load_f32_16(k, ko + c + 32)
-        k3 = load_f32_16(k, ko + c + 48)
-        a0 = fma(load_f32_16(q, qo + c), k0, a0)
-        a1 = fma(load_f32_16(q, qo + c + 16), k1, a1)
-        a2 = fma(load_f32_16(q, qo + c + 32), k2, a2)
-        a3 = fma(load_f32_16(q, qo + c + 48), k3, a3)
-        b0 = fma(load_f32_16(q, qb + c), k0, b0)
-        b1 = fma(load_f32_16(q, qb + c + 16), k1, b1)
-        b2 = fma(load_f32_16(q, qb + c + 32), k2, b2)
-        b3 = fma(load_f32_16(q, qb + c + 48), k3, b3)
-        c0 = fma(load_f32_16(q, qc + c), k0, c0)
-        c1 = fma(load_f32_16(q, qc + c + 16), k1, c1)
-        c2 = fma(load_f32_16(q, qc + c + 32), k2, c2)
-        c3 = fma(load_f32_16(q, qc + c + 48), k3, c3)
-        e0 = fma(load_f32_16(q, qe + c), k0, e0)
-        e1 = fma(load_f32_16(q, qe + c + 16), k1, e1)
-        e2 = fma(load_f32_16(q, qe + c + 32), k2, e2)
-        e3 = fma(load_f32_16(q, qe + c + 48), k3, e3)
-        c += 64
-    while c + 16 <= d:
-        k0 = load_f32_16(k, ko + c)
-        a0 = fma(load_f32_16(q, qo + c), k0, a0)
-        b0 = fma(load_f32_16(q, qb + c), k0, b0)
-        c0 = fma(load_f32_16(q, qc + c), k0, c0)
-        e0 = fma(load_f32_16(q, qe + c), k0, e0)
-        c += 16
-    store_hsums_4(out, oo, fadd(fadd(a0, a1), fadd(a2, a3)), fadd(fadd(b0, b1), fadd(b2, b3)),
-                  fadd(fadd(c0, c1), fadd(c2, c3)), fadd(fadd(e0, e1), fadd(e2, e3)))
+def _scores_16(q, qo, k, ko, stride, d):
+    """Lane t: sum_c q[qo + c] * k[ko + t * stride + c] over c < d (a multiple of 16): the 16 keys' products
+    summed 16 columns at a time in a register each (each load of q feeds 16 FMAs, each K load one), then the 16
+    horizontal sums in one tree (simd.hsums_16), not 16 trees."""
+    p0, p1, p2, p3, p4, p5, p6, p7 = (zeros_16(), zeros_16(), zeros_16(), zeros_16(), zeros_16(), zeros_16(),
+                                      zeros_16(), zeros_16())
+    p8, p9, p10, p11, p12, p13, p14, p15 = (zeros_16(), zeros_16(), zeros_16(), zeros_16(), zeros_16(), zeros_16(),
+                                            zeros_16(), zeros_16())
+    for c in range(0, d, 16):
+        x = load_f32_16(q, qo + c)
+        o = ko + c
+        p0, p1 = fma(x, load_f32_16(k, o), p0), fma(x, load_f32_16(k, o + stride), p1)
+        p2, p3 = fma(x, load_f32_16(k, o + 2 * stride), p2), fma(x, load_f32_16(k, o + 3 * stride), p3)
+        p4, p5 = fma(x, load_f32_16(k, o + 4 * stride), p4), fma(x, load_f32_16(k, o + 5 * stride), p5)
+        p6, p7 = fma(x, load_f32_16(k, o + 6 * stride), p6), fma(x, load_f32_16(k, o + 7 * stride), p7)
+        p8, p9 = fma(x, load_f32_16(k, o + 8 * stride), p8), fma(x, load_f32_16(k, o + 9 * stride), p9)
+        p10, p11 = fma(x, load_f32_16(k, o + 10 * stride), p10), fma(x, load_f32_16(k, o + 11 * stride), p11)
+        p12, p13 = fma(x, load_f32_16(k, o + 12 * stride), p12), fma(x, load_f32_16(k, o + 13 * stride), p13)
+        p14, p15 = fma(x, load_f32_16(k, o + 14 * stride), p14), fma(x, load_f32_16(k, o + 15 * stride), p15)
+    return hsums_16(p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15)
 
 
 @njit(inline="always")
@@ -181,17 +143,17 @@ def _take(work, at, n):
     return work[at:at + n], at + n
 
 
-def _scratch_words(rows: int, block_keys: int, d: int, dv: int, k_row_bytes: int, v_row_bytes: int) -> int:
+def _scratch_words(rows: int, block_keys: int, d_pad: int, dv: int, k_row_bytes: int, v_row_bytes: int) -> int:
     """float32 words of one thread's scratch in _attend_encoded: scores and weights [rows, block_keys], the rows'
-    maxima and sums, their value sums [rows, dv], a decoded K row, a key's dot products (rows + 4 >= group + 4),
-    VALUE_KEYS decoded V rows, the row decoder's uint32 scratch."""
-    bits_words = max(d, dv, (max(k_row_bytes, v_row_bytes) + 7) // 4)
-    return 2 * rows * block_keys + 2 * rows + rows * dv + d + rows + 4 + VALUE_KEYS * dv + bits_words
+    maxima and sums, their value sums [rows, dv], 16 decoded K rows [16, d_pad], VALUE_KEYS decoded V rows, the
+    row decoder's uint32 scratch."""
+    bits_words = max(d_pad, dv, (max(k_row_bytes, v_row_bytes) + 7) // 4)
+    return 2 * rows * block_keys + 2 * rows + rows * dv + 16 * d_pad + VALUE_KEYS * dv + bits_words
 
 
 @njit(nogil=True)  # no fastmath: the inlined row decode stays exact
 def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, v_all, k_codec, k_table, v_codec,
-                 v_table, half_table, n_q, n_head, n_k, d, k_row_bytes, v_row_bytes, window, chunk_len, scale,
+                 v_table, half_table, n_q, n_head, n_k, d, d_pad, k_row_bytes, v_row_bytes, window, chunk_len, scale,
                  softcap, block_keys, scratch, index_scratch, part_acc, part_max, part_sum):  # pragma: no cover
     """One task of _attend_encoded: KV head task // n_blocks over the block (task % n_blocks) of block_keys slots,
     into its partial (sum, max, weighted values). Compiled on its own, not inlined into the parallel loop:
@@ -211,8 +173,7 @@ def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, 
     row_max, at = _take(work, at, rows)
     total, at = _take(work, at, rows)
     acc, at = _take(work, at, rows * dv)
-    k_row, at = _take(work, at, d)
-    dots, at = _take(work, at, group + 4)
+    k_rows, at = _take(work, at, 16 * d_pad)
     v_rows, at = _take(work, at, VALUE_KEYS * dv)
     bits_f = work[at:]  # the row decoder's scratch
     bits = bits_f.view(np.uint32)
@@ -220,33 +181,49 @@ def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, 
     row_max[:] = -np.inf
     total[:] = 0.0
     acc[:] = 0.0
-    k_floats = k_all if k_codec[0] == F32 else k_row  # where key j's values are, from k_at
-    # pass 1: decode each visible key once, dot it with every query head of the group (four at a time)
-    for j in range(first, stop):
-        kp = k_pos[j]
-        if kp < 0:
-            continue
-        decoded = False
+    k_rows[:] = 0.0  # (columns past d stay 0: q's are 0 there too)
+    index = borrow(index_scratch[get_thread_id()])
+    seen_at, v_at = index[:VALUE_KEYS], index[VALUE_KEYS:2 * VALUE_KEYS]
+    seen_subs = index[2 * VALUE_KEYS:2 * VALUE_KEYS + block_keys // 16]  # each 16 keys' seen_keys, for pass 3
+    masks = index[2 * VALUE_KEYS + block_keys // 16:]
+    # pass 1: the keys 16 at a time: which each query sees, in which DCA regime (a bit per key: masks[3 * i +
+    # regime]); the rows some query sees decoded once (or read in place), then each query head's 16 scores
+    # in one register (_scores_16), stored where seen
+    for sub in range(first, stop, 16):
+        n = min(16, stop - sub)
+        seen_keys = 0
+        seen_subs[(sub - first) // 16] = 0
         for i in range(n_q):
-            if kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window) or \
-                    (window < 0 and q_pos[i] - kp < -window):  # (the complement: a mixed cache's tail)
-                continue
-            if not decoded and k_codec[0] != F32:
-                decode_in_place(k_bytes, (j * n_kv + kh) * k_row_bytes, k_codec, k_table, half_table, bits,
-                                bits_f, k_row)
-                decoded = True
-            k_at = (j * n_kv + kh) * d if k_codec[0] == F32 else 0
-            regime = 0 if chunk_len == 0 else min(q_pos[i] // chunk_len - kp // chunk_len, 2)
-            q_at = ((regime * n_q + i) * n_head + kh * group) * d
-            g = 0
-            if d % 16 == 0:
-                while g + 4 <= group:
-                    _dots_4(q_flat, q_at + g * d, k_floats, k_at, d, dots, g)
-                    g += 4
-            for g in range(g, group):
-                dots[g] = _dot(q_flat, q_at + g * d, k_floats, k_at, d)
-            for g in range(group):
-                scores[(i * group + g) * block_keys + j - first] = q_offset[regime, i, kh * group + g] + dots[g]
+            masks[3 * i] = masks[3 * i + 1] = masks[3 * i + 2] = 0
+            for t in range(n):
+                kp = k_pos[sub + t]
+                if kp < 0 or kp > q_pos[i] or (window > 0 and q_pos[i] - kp >= window) or \
+                        (window < 0 and q_pos[i] - kp < -window):  # (the complement: a mixed cache's tail)
+                    continue
+                regime = 0 if chunk_len == 0 else min(q_pos[i] // chunk_len - kp // chunk_len, 2)
+                masks[3 * i + regime] |= 1 << t
+            seen_keys |= masks[3 * i] | masks[3 * i + 1] | masks[3 * i + 2]
+        seen_subs[(sub - first) // 16] = seen_keys
+        if seen_keys == 0:
+            continue
+        if k_codec[0] == F32 and n == 16 and d == d_pad:  # float32 rows (the mirror) in place
+            k_src, k_at, k_stride = k_all, (sub * n_kv + kh) * d, n_kv * d
+        else:
+            for t in range(n):
+                if seen_keys >> t & 1:
+                    decode_in_place(k_bytes, ((sub + t) * n_kv + kh) * k_row_bytes, k_codec, k_table, half_table,
+                                    bits, bits_f, k_rows, t * d_pad, d)
+            k_src, k_at, k_stride = k_rows, 0, d_pad
+        for i in range(n_q):
+            for regime in range(3):
+                mask = masks[3 * i + regime]
+                if mask == 0:
+                    continue
+                q_at = ((regime * n_q + i) * n_head + kh * group) * d_pad
+                for g in range(group):
+                    s = fadd(splat_16(q_offset[regime, i, kh * group + g]),
+                             _scores_16(q_flat, q_at + g * d_pad, k_src, k_at, k_stride, d_pad))
+                    store_f32_where(scores, (i * group + g) * block_keys + sub - first, s, mask)
     # the scores scaled (and soft-capped) a row at a time, 16 at a time; their maxima
     for r in range(rows):
         o = r * block_keys
@@ -274,29 +251,24 @@ def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, 
             store_f32(weights, o, e)
             sums = fadd(sums, e)
         total[r] = hsum(sums)
-    # pass 3: the value rows some query sees, VALUE_KEYS at a time: decoded once (or found in place), then
-    # each 16-lane column of four rows' value sums kept in registers over them (one V load, four FMAs)
-    seen_at = borrow(index_scratch[get_thread_id()])
-    v_at = seen_at[VALUE_KEYS:]
+    # pass 3: the value rows some query sees (pass 1's masks), VALUE_KEYS at a time: decoded once (or found in
+    # place), then each 16-lane column of four rows' value sums kept in registers over them (one V load, four FMAs)
     v_src = v_all if v_codec[0] == F32 else v_rows
     whole = dv - dv % 16
     for sub in range(first, stop, VALUE_KEYS):
+        seen_keys = seen_subs[(sub - first) // 16]
         n_seen = 0
-        for j in range(sub, min(sub + VALUE_KEYS, stop)):
-            seen = False
-            for r in range(rows):
-                if scores[r * block_keys + j - first] != -np.inf:
-                    seen = True
-                    break
-            if not seen:
+        for t in range(min(VALUE_KEYS, stop - sub)):
+            if not seen_keys >> t & 1:
                 continue
+            j = sub + t
             seen_at[n_seen] = j - first
             if v_codec[0] == F32:
                 v_at[n_seen] = (j * n_kv + kh) * dv
             else:
                 v_at[n_seen] = n_seen * dv
                 decode_in_place(v_bytes, (j * n_kv + kh) * v_row_bytes, v_codec, v_table, half_table, bits,
-                                bits_f, v_rows[n_seen * dv:(n_seen + 1) * dv])
+                                bits_f, v_rows, n_seen * dv, dv)
             n_seen += 1
         if n_seen == 0:
             continue
@@ -331,10 +303,10 @@ def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, 
 
 
 @njit(parallel=True, cache=True, nogil=True)  # no fastmath: the inlined row decode stays exact
-def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len, scale, softcap,
+def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, d, window, chunk_len, scale, softcap,
                     k_codec, k_table, v_codec, v_table, half_table, block_keys, scratch, index_scratch,
                     part_acc, part_max, part_sum):  # pragma: no cover - compiled
-    n_regime, n_q, n_head, d = q.shape
+    n_regime, n_q, n_head, d_pad = q.shape
     n_k, n_kv, _ = k_data.shape
     n_blocks = part_max.shape[1]
     k_row_bytes, v_row_bytes = k_data.shape[2], v_data.shape[2]
@@ -352,8 +324,9 @@ def _attend_encoded(q, q_offset, q_pos, k_data, v_data, k_pos, window, chunk_len
         # (the task as an int64: in the parallel function numba makes of this body the index is a uint64, and
         # passed on as it is it would compile _attend_task a second time, for that type)
         _attend_task(np.int64(task), q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, v_all, k_codec,
-                     k_table, v_codec, v_table, half_table, n_q, n_head, n_k, d, k_row_bytes, v_row_bytes, window,
-                     chunk_len, scale, softcap, block_keys, scratch, index_scratch, part_acc, part_max, part_sum)
+                     k_table, v_codec, v_table, half_table, n_q, n_head, n_k, d, d_pad, k_row_bytes, v_row_bytes,
+                     window, chunk_len, scale, softcap, block_keys, scratch, index_scratch, part_acc, part_max,
+                     part_sum)
 
 
 def attend_encoded(q: np.ndarray, q_pos: np.ndarray, layer_kv, *, scale: float, window: int = 0,
@@ -398,6 +371,9 @@ def attend_rows(q, q_offset, q_pos, k_data, v_data, k_pos, k_format, v_format, d
     n_regime, n_q, n_head, d = q.shape
     n_k, n_kv = k_data.shape[:2]
     group = n_head // n_kv
+    d_pad = -(-d // 16) * 16  # the kernel's dot products run 16 columns at a time: q's pad columns are 0
+    if d_pad != d:
+        q = np.concatenate([q, np.zeros((n_regime, n_q, n_head, d_pad - d), np.float32)], axis=-1)
     block_keys = BLOCK_KEYS if n_kv > 1 else BLOCK_KEYS // 2
     n_blocks = max(1, -(-n_k // block_keys))
     part_acc = np.zeros((n_kv, n_blocks, n_q * group, dv), np.float32)
@@ -405,11 +381,12 @@ def attend_rows(q, q_offset, q_pos, k_data, v_data, k_pos, k_format, v_format, d
     part_sum = np.zeros((n_kv, n_blocks, n_q * group), np.float32)
     k_codec, k_table = row_codec(k_format)
     v_codec, v_table = row_codec(v_format)
-    words = _scratch_words(n_q * group, block_keys, d, dv, k_data.shape[2], v_data.shape[2])
+    words = _scratch_words(n_q * group, block_keys, d_pad, dv, k_data.shape[2], v_data.shape[2])
     scratch = np.empty((numba.config.NUMBA_NUM_THREADS, words), np.float32)  # a slice per thread
-    index_scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 2 * VALUE_KEYS), np.int64)  # pass 3's key lists
+    # pass 3's key lists, pass 1's key masks
+    index_scratch = np.empty((numba.config.NUMBA_NUM_THREADS, 2 * VALUE_KEYS + block_keys // 16 + 3 * n_q), np.int64)
     _attend_encoded(q, np.ascontiguousarray(q_offset, np.float32), np.ascontiguousarray(q_pos, np.int64), k_data,
-                    v_data, np.ascontiguousarray(k_pos, np.int64), int(window), int(chunk_len), np.float32(scale),
+                    v_data, np.ascontiguousarray(k_pos, np.int64), d, int(window), int(chunk_len), np.float32(scale),
                     np.float32(softcap), k_codec, k_table, v_codec, v_table, HALF_TABLE, block_keys, scratch,
                     index_scratch, part_acc, part_max, part_sum)
     out, lse = _merge_blocks(part_acc, part_max, part_sum)  # [n_kv, n_q * group, ...]

@@ -78,26 +78,26 @@ def decode_row(row, codec, table, half_table, bits, bits_f, out):  # pragma: no 
 @njit(cache=True, nogil=True)
 def decode_row_at(data, at, codec, table, half_table, bits, bits_f, out):  # pragma: no cover - compiled
     """decode_row of the row at byte `at` of data (uint8, 1-D: a whole cache, flat)."""
-    decode_in_place(data, at, codec, table, half_table, bits, bits_f, out)
+    decode_in_place(data, at, codec, table, half_table, bits, bits_f, out, 0, out.shape[0])
 
 
 @njit(inline="always")
-def decode_in_place(data, at, codec, table, half_table, bits, bits_f, out):  # pragma: no cover - compiled
-    """decode_row_at, inlined into the caller's loop (ops/attention/cpu.py): a call would cost a view of the
-    row and an atomic reference count of every array argument, and the threads' counts of the shared arrays
-    contend for their cache lines (measured: 43% of a lean decode's attention). Sixteen values at a time
+def decode_in_place(data, at, codec, table, half_table, bits, bits_f, out, out_at, d):  # pragma: no cover - compiled
+    """decode_row_at into out[out_at:out_at + d], inlined into the caller's loop (ops/attention/cpu.py): a call
+    (or a slice of `out`) would cost a view of the row and an atomic reference count of every array argument, and
+    the threads' counts of the shared arrays contend for their cache lines (measured: 43% of a lean decode's
+    attention). Sixteen values at a time
     (ops/simd.py) where the row allows it; bytes past the row are read only into index bits the masks drop.
     No float operation here may be contracted or reordered: a caller compiled with fastmath would change them."""
     kind, block_values = codec[0], codec[2]
-    d = out.shape[0]
     if d % 16 or kind == F32 or kind == Q6_0 or (kind == ROTATED and block_values % 16):
-        _decode_row_scalar(data, at, codec, table, half_table, bits, bits_f, out)
+        _decode_row_scalar(data, at, codec, table, half_table, bits, bits_f, out[out_at:out_at + d])
     elif kind == F16:
         for c in range(0, d, 16):
-            store_f32(out, c, load_f16_16(data, at + 2 * c))
+            store_f32(out, out_at + c, load_f16_16(data, at + 2 * c))
     elif kind == BF16:
         for c in range(0, d, 16):
-            store_f32(out, c, load_bf16_16(data, at + 2 * c))
+            store_f32(out, out_at + c, load_bf16_16(data, at + 2 * c))
     elif kind == ROTATED:
         block_bytes, step, index_bits = codec[1], codec[3], codec[4]
         mask = (1 << index_bits) - 1
@@ -111,7 +111,7 @@ def decode_in_place(data, at, codec, table, half_table, bits, bits_f, out):  # p
             for sixteen in range(block_values // 16):
                 indices = bit_fields_16(_word(data, base + 2 + 2 * step * sixteen, 8), step, mask)
                 levels = lookup_16(small_table, indices) if small else gather_16(table, indices)
-                store_f32(out, blk * block_values + 16 * sixteen, fmul(f, levels))
+                store_f32(out, out_at + blk * block_values + 16 * sixteen, fmul(f, levels))
     else:  # llama.cpp 32-value blocks: value = d * q (+ m); the low 16 values, then the high 16
         block_bytes = codec[1]
         for blk in range(d // 32):
@@ -120,7 +120,7 @@ def decode_in_place(data, at, codec, table, half_table, bits, bits_f, out):  # p
             scale = splat_16(_half(data, base, half_table))
             if kind == Q8_0:
                 for h in range(2):
-                    store_f32(out, o + 16 * h, fmul(to_f32(load_i8_16(data, base + 2 + 16 * h)), scale))
+                    store_f32(out, out_at + o + 16 * h, fmul(to_f32(load_i8_16(data, base + 2 + 16 * h)), scale))
                 continue
             affine = kind == Q4_1 or kind == Q5_1
             low = splat_16(_half(data, base + 2, half_table) if affine else np.float32(0.0))
@@ -136,7 +136,7 @@ def decode_in_place(data, at, codec, table, half_table, bits, bits_f, out):  # p
                     value = fadd(fmul(scale, to_f32(q)), low)
                 else:
                     value = fmul(to_f32(isub(q, 16 if five_bits else 8)), scale)
-                store_f32(out, o + 16 * h, value)
+                store_f32(out, out_at + o + 16 * h, value)
 
 
 @njit(cache=True, nogil=True)
@@ -239,9 +239,10 @@ def _decode_row_into(data_flat, row, row_bytes, codec, table, half_table, group,
     """Row `row` of _decode_rows: decoded in place, then unrotated. Compiled on its own, not inlined into the
     parallel loop, whose passes would copy and analyse the whole inlined decoder (most of the compile time)."""
     bits = borrow(scratch[get_thread_id()])
-    values = out_flat[row * d:(row + 1) * d]
-    decode_in_place(data_flat, row * row_bytes, codec, table, half_table, bits, bits.view(np.float32), values)
+    decode_in_place(data_flat, row * row_bytes, codec, table, half_table, bits, bits.view(np.float32), out_flat,
+                    row * d, d)
     if group:
+        values = out_flat[row * d:(row + 1) * d]
         for first in range(0, d, group):
             _unrotate_group(values[first:first + group], inv_sqrt, signs)
 
