@@ -2,11 +2,12 @@
 each KV format in place, beside the NumPy reference (`reference.attend`: BLAS matmuls over float32 K and V that
 were decoded beforehand, so its time holds no decode) in the same run, at the shapes of the two real models.
 
-    python bench/attention_cpu.py [--keys 32768] [--rounds 7] [--kv-types f16,q8_0,q4_0,turbo3]
+    python bench/attention_cpu.py [--keys 32768] [--rounds 7] [--calls 20] [--kv-types f16,q8_0,q4_0,turbo3]
                                   [--out bench/results/attention_cpu.json]
 
-Each figure is the best of `--rounds` runs, the engines alternating; ratio = reference time / kernel time (above
-1: the kernel faster). Random rows: attention's cost does not depend on the values.
+Each figure is the best of `--rounds` rounds of `--calls` runs, the engines alternating by round (not by run: the
+reference's BLAS threads spin on after a call and would take a core from the kernel's next run); ratio =
+reference time / kernel time (above 1: the kernel faster). Random rows: attention's cost does not depend on the values.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=20, help="runs of one engine in a row, each round")
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0,turbo3")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "attention_cpu.json")
     args = parser.parse_args()
@@ -72,7 +74,7 @@ def main() -> None:
         times = {"kernel": [], "reference": []}
         for _ in range(args.rounds):
             for engine, run in (("kernel", kernel), ("reference", reference)):
-                times[engine].append(_seconds(run))
+                times[engine].extend(_seconds(run) for _ in range(args.calls))
         kernel_ms, reference_ms = 1e3 * min(times["kernel"]), 1e3 * min(times["reference"])
         rows.append({"shape": shape, "kv_type": name, "keys": args.keys, "kv_heads": n_kv, "query_heads": n_head,
                      "head_dim": head_dim, "kernel_ms": round(kernel_ms, 3), "reference_ms": round(reference_ms, 3),
@@ -81,7 +83,7 @@ def main() -> None:
         tqdm.write(f"{shape} {name}: kernel {kernel_ms:.2f} ms, reference {reference_ms:.2f} ms "
                    f"(x{reference_ms / kernel_ms:.2f}), max error {error:.1e}")
     report = {"device": cpu_description(), "what": "one decode query over a cache of `keys` slots, best of rounds",
-              "rounds": args.rounds, "rows": rows}
+              "rounds": args.rounds, "calls": args.calls, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
