@@ -1,12 +1,15 @@
-"""End-to-end CPU speed: prefill (128-token prompt) and decode (64 tokens, greedy) on the two real models,
+"""End-to-end CPU speed: prefill (a 128-token prompt) and decode (64 tokens, greedy) on the two real models,
 beside llama.cpp (llama-cpp-python, n_threads=2) and HF transformers (float32) in the same run; and on a
 random-weight Gemma 4 E2B (tests/support/make_tiny_models.py preset `gemma4-e2b`, Q4_K blocks with the real shapes,
 written to ~/.cache/cupyllm/bench once: no Gemma 4 GGUF ships on PyPI) beside llama.cpp; likewise the hybrid
 Qwen3.5-0.8B (`qwen3.5-0.8b`) and 8 of Qwen3.6-35B-A3B's 40 layers (`qwen3.6-35b-a3b-8l`).
 
     python bench/e2e_cpu.py [--models gemma qwen gemma4-e2b qwen3.5-0.8b qwen3.6-35b-a3b-8l]
-                            [--skip-transformers] [--rounds 3]
-                            [--out bench/results/e2e_cpu.json]
+                            [--skip-transformers] [--rounds 3] [--prompt-tokens 128] [--decode-tokens 64]
+                            [--llama-flash-attn] [--out bench/results/e2e_cpu.json]
+
+Long context: `--prompt-tokens 4096` (the decode then runs over that cache); `--llama-flash-attn` gives llama.cpp
+its flash attention (`flash_attn=True`, llama-server's `-fa`), its faster setting at long context.
 
 Ratios are cupyllm / peer (above 1: cupyllm faster). The engines of a model are loaded together in one process
 and timed alone, one after the other, in `--rounds` rounds whose engine order alternates, so each engine's runs
@@ -29,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # make_tiny_models
 
-PROMPT_TOKENS, DECODE_TOKENS, THREADS = 128, 64, 2
+PROMPT_TOKENS, DECODE_TOKENS, THREADS = 128, 64, 2  # (defaults)
 # random-weight presets of tests/support/make_tiny_models.py -> the size of their tokenizer's real vocabulary
 RANDOM_MODELS = {"gemma4-e2b": 280, "qwen3.5-0.8b": 272, "qwen3.6-35b-a3b-8l": 272}
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
@@ -39,10 +42,10 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "scientific results, and made pamphlets a political weapon during the Reformation. ") * 4
 
 
-def prompt_ids(model) -> list[int]:
+def prompt_ids(model, n: int = PROMPT_TOKENS) -> list[int]:
+    """The first n tokens of TEXT, repeated as often as it takes."""
     ids = model.tokenize(TEXT)
-    assert len(ids) >= PROMPT_TOKENS
-    return ids[:PROMPT_TOKENS]
+    return (ids * -(-n // len(ids)))[:n]
 
 
 def preset_path(name: str) -> Path:
@@ -57,18 +60,18 @@ def preset_path(name: str) -> Path:
     return path
 
 
-def _timed(prefill, step, ids: list[int]) -> dict:
-    """Prefill `ids`, then DECODE_TOKENS greedy steps: tokens/s of each. prefill(ids) -> last logits (starting
+def _timed(prefill, step, ids: list[int], decode_tokens: int = DECODE_TOKENS) -> dict:
+    """Prefill `ids`, then `decode_tokens` greedy steps: tokens/s of each. prefill(ids) -> last logits (starting
     from an empty cache); step(token) -> logits."""
     t0 = time.perf_counter()
     logits = prefill(ids)
     t_prefill = time.perf_counter() - t0
     token = int(np.argmax(logits))
     t0 = time.perf_counter()
-    for _ in range(DECODE_TOKENS):
+    for _ in range(decode_tokens):
         token = int(np.argmax(step(token)))
     t_decode = time.perf_counter() - t0
-    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": DECODE_TOKENS / t_decode}
+    return {"prefill_tps": len(ids) / t_prefill, "decode_tps": decode_tokens / t_decode}
 
 
 def _warm_up(prefill, step, ids: list[int]) -> None:
@@ -79,11 +82,11 @@ def _warm_up(prefill, step, ids: list[int]) -> None:
     step(ids[17])
 
 
-def cupyllm_engine(path: Path, ids: list[int]):
+def cupyllm_engine(path: Path, ids: list[int], decode_tokens: int = DECODE_TOKENS):
     import cupyllm
     from cupyllm.generate import prefill
 
-    model = cupyllm.load(path, device="cpu", ctx=PROMPT_TOKENS + DECODE_TOKENS + 8, progress=False)
+    model = cupyllm.load(path, device="cpu", ctx=len(ids) + decode_tokens + 8, progress=False)
     forward = model.transformer.forward
     state = {}
 
@@ -98,28 +101,33 @@ def cupyllm_engine(path: Path, ids: list[int]):
         return logits
 
     _warm_up(run_prefill, step, ids)
-    return lambda: _timed(run_prefill, step, ids), {}
+    return lambda: _timed(run_prefill, step, ids, decode_tokens), {}
 
 
-def llama_cpp_engine(path: Path, ids: list[int]):
+def llama_cpp_engine(path: Path, ids: list[int], decode_tokens: int = DECODE_TOKENS, flash_attn: bool = False):
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_threads=THREADS, n_threads_batch=THREADS, n_ctx=512, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(path), n_threads=THREADS, n_threads_batch=THREADS, verbose=False,
+                n_ctx=max(512, len(ids) + decode_tokens + 8), n_batch=512, flash_attn=flash_attn)
+
+    def last_logits():  # (llm.scores holds no row without logits_all: the context's last logits)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
 
     def run_prefill(prompt):
         llm.reset()
         llm.eval(prompt)
-        return llm.scores[llm.n_tokens - 1]
+        return last_logits()
 
     def step(token):
         llm.eval([token])
-        return llm.scores[llm.n_tokens - 1]
+        return last_logits()
 
     _warm_up(run_prefill, step, ids)
-    return lambda: _timed(run_prefill, step, ids), {"version": _version("llama_cpp")}
+    return lambda: _timed(run_prefill, step, ids, decode_tokens), {"version": _version("llama_cpp"),
+                                                                  "flash_attn": flash_attn}
 
 
-def transformers_engine(path: Path, ids: list[int]):
+def transformers_engine(path: Path, ids: list[int], decode_tokens: int = DECODE_TOKENS):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -140,7 +148,7 @@ def transformers_engine(path: Path, ids: list[int]):
         return out.logits[0, -1].numpy()
 
     _warm_up(run_prefill, step, ids)
-    return lambda: _timed(run_prefill, step, ids), {"version": _version("transformers")}
+    return lambda: _timed(run_prefill, step, ids, decode_tokens), {"version": _version("transformers")}
 
 
 def _version(module: str) -> str:
@@ -157,23 +165,28 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=["gemma", "qwen"], choices=["gemma", "qwen", *RANDOM_MODELS])
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per engine and model (median reported)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--decode-tokens", type=int, default=DECODE_TOKENS)
+    parser.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp with flash_attn=True")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "e2e_cpu.json")
     args = parser.parse_args(argv)
 
     import cupyllm
 
     paths = {"gemma": gemma_path, "qwen": qwen_path, **{m: (lambda m=m: preset_path(m)) for m in RANDOM_MODELS}}
-    engines = {"cupyllm": cupyllm_engine, "llama.cpp": llama_cpp_engine}
+    engines = {"cupyllm": cupyllm_engine,
+               "llama.cpp": lambda *a: llama_cpp_engine(*a, flash_attn=args.llama_flash_attn)}
     if not args.skip_transformers:
         engines["transformers"] = transformers_engine
     results = {}
     for name in tqdm(args.models, desc="e2e cpu bench", unit="model"):
         path = paths[name]()
         if name in RANDOM_MODELS:  # random weights: random ids of its small real vocabulary
-            ids = np.random.default_rng(0).integers(4, RANDOM_MODELS[name], PROMPT_TOKENS).tolist()
+            ids = np.random.default_rng(0).integers(4, RANDOM_MODELS[name], args.prompt_tokens).tolist()
         else:
-            ids = prompt_ids(cupyllm.load(path, device="cpu", ctx=64, progress=False))
-        loaded = {e: engines[e](path, ids) for e in engines if not (name in RANDOM_MODELS and e == "transformers")}
+            ids = prompt_ids(cupyllm.load(path, device="cpu", ctx=64, progress=False), args.prompt_tokens)
+        loaded = {e: engines[e](path, ids, args.decode_tokens) for e in engines
+                  if not (name in RANDOM_MODELS and e == "transformers")}
         runs = {e: [] for e in loaded}
         for r in tqdm(range(args.rounds), desc=name, unit="round", leave=False):
             for engine in (list(loaded) if r % 2 == 0 else list(loaded)[::-1]):
@@ -189,7 +202,8 @@ def main(argv=None) -> int:
             row[f"ratio_vs_{peer}"] = {k: ours[k] / row[peer][k] for k in ("prefill_tps", "decode_tps")}
     report = {
         "bench": "e2e_cpu", "device": cpu_description(),
-        "threads": THREADS, "prompt_tokens": PROMPT_TOKENS, "decode_tokens": DECODE_TOKENS, "rounds": args.rounds,
+        "threads": THREADS, "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+        "rounds": args.rounds, "llama_flash_attn": args.llama_flash_attn,
         "figures": "median over the rounds (engines interleaved)",
         "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results,
     }
