@@ -10,9 +10,9 @@ from gguf import GGMLQuantizationType as T
 from threadpoolctl import ThreadpoolController
 from tqdm.auto import tqdm
 
-from ..ops.attention.cpu import MAX_QUERIES, attend_encoded, attend_few, dca_few
+from ..ops.attention.cpu import MAX_QUERIES, attend_block, attend_encoded, attend_few, dca_few
 from ..ops.attention.dca import attend_dca
-from ..ops.attention.reference import attend, causal_mask, merge
+from ..ops.attention.reference import causal_mask, merge
 from ..kv.cache import KVCache, LayerKV, host_bytes_available
 from . import compile_notice, precompile
 from .cpu_memory import keep_freed_memory, release_mapped_pages
@@ -260,7 +260,7 @@ class CPUBackend:
             allowed = causal_mask(q_pos[start:stop], k_pos, window)
             if not allowed.any():
                 return _nothing_seen(stop - start, q.shape[1], layer_kv.v_head_dim)
-            return attend(q[start:stop], k, v, allowed, scale=scale, softcap=softcap)
+            return attend_block(q[start:stop], k, v, allowed, scale=scale, softcap=softcap)
         return self._stream_keys(q.shape[0], layer_kv, block)
 
     def dca_attention(self, q_intra, q_successive, q_inter, q_pos: np.ndarray, layer_kv: LayerKV, dca, *,

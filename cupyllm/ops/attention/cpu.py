@@ -443,6 +443,45 @@ def _merge_blocks(part_acc, part_max, part_sum):
     return out, lse
 
 
+def attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | None, *, scale: float,
+                 softcap: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """`reference.attend` for a prefill's block of queries, in fewer passes over its [n_kv, group, n_q, n_k] scores
+    (the part of a long prefill that is not matmul): the scale folded into q before the matmul, the mask written
+    in place over only the columns that some query of the block does not see (a causal block: its own slots), and
+    the weights' row sums a column of the P @ V matmul (V with a column of ones) instead of a pass of their own.
+    Within float32 rounding of the reference (the same operations, summed in another order)."""
+    n_q, n_head, d = q.shape
+    n_k, n_kv, dv = v.shape
+    group = n_head // n_kv
+    if n_k == 0:
+        return np.zeros((n_q, n_head, dv), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
+    q_scaled = np.asarray(q, np.float32) * np.float32(scale)
+    qg = np.ascontiguousarray(q_scaled.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3)).reshape(n_kv, -1, d)
+    scores = np.matmul(qg, np.ascontiguousarray(k.transpose(1, 2, 0))).reshape(n_kv, group, n_q, n_k)
+    if softcap > 0.0:
+        scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
+    if allowed is not None:
+        unseen = np.flatnonzero(~allowed.all(axis=0))  # columns some query does not see
+        if unseen.size:
+            lo, hi = unseen[0], unseen[-1] + 1
+            np.copyto(scores[..., lo:hi], np.float32(-np.inf), where=~allowed[:, lo:hi])
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, np.float32(0.0))
+    scores -= row_max
+    probs = np.exp(scores, out=scores)
+    v_ones = np.empty((n_kv, n_k, dv + 1), np.float32)
+    v_ones[..., :dv] = v.transpose(1, 0, 2)
+    v_ones[..., dv] = 1.0
+    out = np.matmul(probs.reshape(n_kv, group * n_q, n_k), v_ones).reshape(n_kv, group, n_q, dv + 1)
+    row_sum = out[..., dv]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(row_sum[..., None] > 0, out[..., :dv] / row_sum[..., None], np.float32(0.0))
+        lse = np.where(row_sum > 0, row_max[..., 0] + np.log(row_sum), np.float32(-np.inf))
+    out = out.transpose(2, 0, 1, 3).reshape(n_q, n_head, dv)
+    lse = lse.transpose(2, 0, 1).reshape(n_q, n_head)
+    return out.astype(np.float32, copy=False), lse.astype(np.float32, copy=False)
+
+
 MAX_QUERIES = 16  # decode steps and verify runs of drafts: this file's kernels, which give each query the same
 # values whatever the others (speculative decoding keeps greedy text unchanged); above this the reference's BLAS path
 
