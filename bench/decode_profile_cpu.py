@@ -2,12 +2,13 @@
 bytes it reads per second (the GEMV of a decode step streams the weight from DRAM: its GB/s against the machine's
 says whether the step is memory-bound or compute-bound).
 
-    python bench/decode_profile_cpu.py [MODEL] [--context 200] [--steps 20] [--batch 1] [--out PATH]
+    python bench/decode_profile_cpu.py [MODEL] [--context 200] [--steps 20] [--batch 1] [--prefill] [--out PATH]
 
 MODEL: a GGUF path (default: the default model). The context is prefilled with random tokens, then `--steps`
 one-token steps of `--batch` sequences (models/batch.py forward_batch) are timed twice, the second time with
 every backend method wrapped in a timer (the wrappers add a few microseconds a call: compare the step time of
-both). Each figure is per step; nested operations (gated_linear runs linear_many) count in both.
+both). Each figure is per step; nested operations (gated_linear runs linear_many) count in both. `--prefill`: the
+context's prefill itself instead (512-token chunks, as `generate`), timed the same way, figures per prefill.
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prefill", action="store_true", help="time the context's prefill, not decode steps")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model = cupyllm.load(args.model, device="cpu", ctx=args.context + 2 * args.steps + 8, progress=False)
@@ -88,7 +90,7 @@ def main() -> None:
         forward_batch(transformer, [Segment(rng.integers(100, 5000, size=args.context), cache)])
         cache.n_past = args.context
 
-    def steps() -> float:
+    def decode_steps() -> float:
         start = time.perf_counter()
         for _ in range(args.steps):
             forward_batch(transformer, [Segment(np.array([int(rng.integers(100, 5000))]), c) for c in caches])
@@ -99,6 +101,17 @@ def main() -> None:
     forward_batch(transformer, [Segment(np.array([int(rng.integers(100, 5000))]), c) for c in caches])
     for cache in caches:  # (a first decode step, untimed: the CPU backend interleaves the weights' rows in it)
         cache.n_past += 1
+    prompt = np.random.default_rng(1).integers(100, 5000, size=args.context).tolist()  # (--prefill's)
+
+    def prefill_once() -> float:
+        from cupyllm.generate import prefill
+        start = time.perf_counter()
+        prefill(transformer.forward, prompt, transformer.ops.new_cache(model.cfg, model.kv_spec), 512)
+        return time.perf_counter() - start
+
+    steps = prefill_once if args.prefill else decode_steps
+    if args.prefill:
+        args.steps = 1  # (figures per prefill)
     plain = steps()
     timer = OperationTimer(transformer.ops)
     try:
@@ -114,12 +127,15 @@ def main() -> None:
         rows.append(row)
         extra = f"  {row['gb_per_s']:5.1f} GB/s" if "gb_per_s" in row else ""
         print(f"{row['ms_per_step']:8.3f} ms  x{row['calls_per_step']:<5g} {key}{extra}")
-    print(f"step {plain * 1e3:.2f} ms ({args.batch / plain:.1f} tok/s); with the timers {timed * 1e3:.2f} ms")
+    tokens = args.context if args.prefill else args.batch
+    print(f"{'prefill' if args.prefill else 'step'} {plain * 1e3:.2f} ms ({tokens / plain:.1f} tok/s); "
+          f"with the timers {timed * 1e3:.2f} ms")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
             "cpu": cpu_description(), "date": time.strftime("%Y-%m-%d"), "model": str(args.model or "default"),
-            "context": args.context, "steps": args.steps, "batch": args.batch, "step_ms": round(plain * 1e3, 2),
+            "context": args.context, "steps": args.steps, "batch": args.batch, "prefill": args.prefill,
+            "step_ms": round(plain * 1e3, 2),
             "step_ms_timed": round(timed * 1e3, 2), "operations": rows,
             "command": " ".join(["python", *sys.argv])}, indent=1) + "\n")
 
