@@ -296,9 +296,14 @@ def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, 
             for r in range(rows):
                 for n in range(n_seen):
                     acc[r * dv + c] += weights[r * block_keys + seen_at[n]] * v_src[v_at[n] + c]
-    part_acc[kh, task % n_blocks] = acc.reshape(rows, dv)
-    part_max[kh, task % n_blocks] = row_max
-    part_sum[kh, task % n_blocks] = total
+    # (element by element: an array assigned to a slice compiles numba's formatted shape-mismatch error, seconds
+    # of the first run's compile for a message no valid call raises)
+    b = task % n_blocks
+    for r in range(rows):
+        part_max[kh, b, r] = row_max[r]
+        part_sum[kh, b, r] = total[r]
+        for c in range(dv):
+            part_acc[kh, b, r, c] = acc[r * dv + c]
 
 
 

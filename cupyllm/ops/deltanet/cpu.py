@@ -65,12 +65,12 @@ def conv1d_rows(x, weight, conv_state, out):
     else:
         for t in range(n):
             _conv_row(x, taps, conv_state, t, out[t])
-    if n >= hist:
-        conv_state[:] = x[n - hist:]
-    else:
-        for r in range(hist - n):
-            conv_state[r] = conv_state[r + n]
-        conv_state[hist - n:] = x
+    # the last hist inputs, older state first (element by element: an array assigned to a slice compiles numba's
+    # formatted shape-mismatch error, seconds of the first run's compile)
+    for r in range(hist):
+        src = r + n  # position in [state, x]
+        for c in range(x.shape[1]):
+            conv_state[r, c] = conv_state[src, c] if src < hist else x[src - hist, c]
 
 
 def conv1d_silu_rows(x, weight, conv_state, out):

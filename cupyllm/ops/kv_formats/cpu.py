@@ -149,7 +149,8 @@ def _decode_row_scalar(data, at, codec, table, half_table, bits, bits_f, out):  
             a = at + 4 * c
             bits[c] = (np.uint32(data[a]) | (np.uint32(data[a + 1]) << 8) | (np.uint32(data[a + 2]) << 16)
                        | (np.uint32(data[a + 3]) << 24))
-        out[:] = bits_f[:d]
+        for c in range(d):  # (not out[:] = ...: see _attend_task's partials)
+            out[c] = bits_f[c]
     elif kind == F16:  # the half's bits moved into a float32, scaled by 2^112
         for c in range(d):
             bits[c] = ((np.uint32(data[at + 2 * c]) | (np.uint32(data[at + 2 * c + 1]) << 8)) & 0x7FFF) << 13
@@ -162,7 +163,8 @@ def _decode_row_scalar(data, at, codec, table, half_table, bits, bits_f, out):  
     elif kind == BF16:
         for c in range(d):
             bits[c] = (np.uint32(data[at + 2 * c]) | (np.uint32(data[at + 2 * c + 1]) << 8)) << 16
-        out[:] = bits_f[:d]
+        for c in range(d):  # (not out[:] = ...: see _attend_task's partials)
+            out[c] = bits_f[c]
     elif kind == ROTATED:
         step, index_bits = codec[3], codec[4]
         mask = (1 << index_bits) - 1
