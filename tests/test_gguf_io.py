@@ -232,3 +232,24 @@ def test_a_refused_file_is_refused_by_load_and_info(tiny_model, tmp_path):
         with pytest.raises(ModelFileError, match="blk.0.attn_q.weight' has shape"):
             reader(bad)
     assert _load(path).cfg.head_dim == 32
+
+
+@pytest.mark.parametrize("corrupt", ["header", "hyperparameter", "tensor shape", "renamed tensor"])
+def test_a_corrupt_file_is_refused_before_a_gpu_backend_is_made(tiny_model, tmp_path, monkeypatch, corrupt):
+    """With device="gpu" (--device gpu) the file's checks run before the backend is made: nothing of a corrupt
+    file reaches the GPU, and a machine without one says what is wrong with the file, not with the device."""
+    import cupyllm
+    from cupyllm import api
+
+    def no_backend(*args, **kwargs):
+        raise AssertionError("a backend was made for a file that was not checked yet")
+    monkeypatch.setattr(api, "select_backend", no_backend)
+    path, _, _ = tiny_model("qwen2")
+    bad = {"header": lambda: _patched(path, tmp_path, [(_field(path, "tensor-count", "").start,
+                                                        struct.pack("<Q", 2**40))]),
+           "hyperparameter": lambda: _set_value(path, tmp_path, "qwen2.attention.head_count_kv", 1),
+           "tensor shape": lambda: _patched(path, tmp_path, [(_field(path, "n-dims", "blk.0.attn_q.weight").start,
+                                                              struct.pack("<I", 3))]),
+           "renamed tensor": lambda: _rename(path, tmp_path, "name", "blk.0.attn_v.bias", "blk.0.attn_v.bixs")}
+    with pytest.raises(ModelFileError, match=str(tmp_path)):
+        cupyllm.load(bad[corrupt](), device="gpu", ctx=32, progress=False)
