@@ -276,15 +276,15 @@ def test_one_block_merge_is_the_general_merge():
 
 
 def test_prefill_block_is_the_reference():
-    """attend_block (a prefill's block of queries: scale folded into q, the mask written over the columns some
-    query does not see, the row sums from the P @ V matmul) gives the reference's (O, LSE) within float32
-    rounding: causal blocks over a cache, sliding windows, soft-capping, GQA, queries that see no key, random
-    masks, all keys seen (no mask)."""
+    """attend_block (a prefill's block of queries: 128 at a time over only the keys they see, scale folded into
+    q, the mask written over the columns some query does not see, the row sums from the P @ V matmul) gives the
+    reference's (O, LSE) within float32 rounding: causal blocks over a cache, sliding windows, soft-capping, GQA,
+    queries that see no key, random masks, all keys seen (no mask)."""
     rng = np.random.default_rng(11)
     for trial in range(40):
         n_kv = int(rng.choice([1, 2, 4]))
         group, d, dv = int(rng.choice([1, 3, 7])), int(rng.choice([8, 64, 80])), int(rng.choice([8, 64]))
-        n_q, n_k = int(rng.integers(17, 70)), int(rng.integers(1, 300))
+        n_q, n_k = int(rng.integers(17, 300)), int(rng.integers(1, 300))  # (blocks of 128 queries)
         q = rng.standard_normal((n_q, n_kv * group, d)).astype(np.float32)
         k = rng.standard_normal((n_k, n_kv, d)).astype(np.float32)
         v = rng.standard_normal((n_k, n_kv, dv)).astype(np.float32)
