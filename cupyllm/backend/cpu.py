@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..ops.attention.cpu import MAX_QUERIES, attend_block, attend_encoded, attend_few, dca_few
 from ..ops.attention.dca import attend_dca
-from ..ops.attention.reference import causal_mask, merge
+from ..ops.attention.reference import causal_mask, merge, nothing_seen
 from ..kv.cache import KVCache, LayerKV, host_bytes_available
 from . import compile_notice, precompile
 from .cpu_memory import keep_freed_memory, release_mapped_pages
@@ -259,7 +259,7 @@ class CPUBackend:
         def block(start, stop, k, v, k_pos):
             allowed = causal_mask(q_pos[start:stop], k_pos, window)
             if not allowed.any():
-                return _nothing_seen(stop - start, q.shape[1], layer_kv.v_head_dim)
+                return nothing_seen(stop - start, q.shape[1], layer_kv.v_head_dim)
             return attend_block(q[start:stop], k, v, allowed, scale=scale, softcap=softcap)
         return self._stream_keys(q.shape[0], layer_kv, block)
 
@@ -332,9 +332,3 @@ def _over_parts(layer_kv, window: int, attend_lse) -> np.ndarray:
         result = attend_lse(part, part_window)
         out, lse = result if out is None else merge(out, lse, *result)
     return out
-
-
-def _nothing_seen(n_q: int, n_head: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
-    """(O, LSE) of queries that see no key of a block: zeros and -inf (they merge as nothing)."""
-    return np.zeros((n_q, n_head, dv), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
-

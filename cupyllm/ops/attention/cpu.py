@@ -34,6 +34,7 @@ from numba import get_thread_id, njit, prange
 
 from ..kv_formats.formats import get_format, is_rotated
 from ..kv_formats.cpu import F32, HALF_TABLE, decode_in_place, row_codec
+from .reference import grouped_queries, normalized, nothing_seen
 from ..simd import (borrow, fadd, fexp, fma, fmax, fmul, fsub, hmax, hsum, hsums_16, load_f32_16, splat_16,
                     splat_at_16, store_f32, store_f32_where, zeros_16)
 
@@ -192,7 +193,6 @@ def _attend_task(task, q_flat, q_offset, q_pos, k_pos, k_bytes, v_bytes, k_all, 
     for sub in range(first, stop, 16):
         n = min(16, stop - sub)
         seen_keys = 0
-        seen_subs[(sub - first) // 16] = 0
         for i in range(n_q):
             masks[3 * i] = masks[3 * i + 1] = masks[3 * i + 2] = 0
             for t in range(n):
@@ -475,9 +475,8 @@ def attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarra
         if seen.size < SEEN_FRACTION_TO_GATHER * n_k:  # (a gather of K and V rows: cheap beside the matmuls)
             k, v, allowed, n_k = k[seen], v[seen], allowed[:, seen], seen.size
     if n_k == 0:
-        return np.zeros((n_q, n_head, dv), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
-    q_scaled = np.asarray(q, np.float32) * np.float32(scale)
-    qg = np.ascontiguousarray(q_scaled.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3)).reshape(n_kv, -1, d)
+        return nothing_seen(n_q, n_head, dv)
+    qg = grouped_queries(np.asarray(q, np.float32) * np.float32(scale), n_kv)
     scores = np.matmul(qg, np.ascontiguousarray(k.transpose(1, 2, 0))).reshape(n_kv, group, n_q, n_k)
     if softcap > 0.0:
         scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
@@ -494,13 +493,7 @@ def attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarra
     v_ones[..., :dv] = v.transpose(1, 0, 2)
     v_ones[..., dv] = 1.0
     out = np.matmul(probs.reshape(n_kv, group * n_q, n_k), v_ones).reshape(n_kv, group, n_q, dv + 1)
-    row_sum = out[..., dv]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(row_sum[..., None] > 0, out[..., :dv] / row_sum[..., None], np.float32(0.0))
-        lse = np.where(row_sum > 0, row_max[..., 0] + np.log(row_sum), np.float32(-np.inf))
-    out = out.transpose(2, 0, 1, 3).reshape(n_q, n_head, dv)
-    lse = lse.transpose(2, 0, 1).reshape(n_q, n_head)
-    return out.astype(np.float32, copy=False), lse.astype(np.float32, copy=False)
+    return normalized(out[..., :dv], row_max, out[..., dv])
 
 
 MAX_QUERIES = 16  # decode steps and verify runs of drafts: this file's kernels, which give each query the same

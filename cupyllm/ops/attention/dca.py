@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import CupyllmError
-from .reference import attend, causal_mask, merge
+from .reference import attend, causal_mask, merge, nothing_seen
 
 INTRA, SUCCESSIVE, INTER = 0, 1, 2
 
@@ -92,6 +92,5 @@ def attend_dca(q_intra, q_successive, q_inter, k, v, q_pos, k_pos, dca: DCAConfi
         part = attend(q, k, v, allowed, scale=scale, softcap=softcap)
         out, lse = part if out is None else merge(out, lse, *part)
     if out is None:  # no query sees any key of this block
-        n_q, n_head, _ = q_intra.shape
-        return np.zeros((n_q, n_head, v.shape[-1]), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
+        return nothing_seen(*q_intra.shape[:2], v.shape[-1])
     return out, lse

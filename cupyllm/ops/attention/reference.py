@@ -34,10 +34,8 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | No
     n_k, n_kv, dv = v.shape
     group = n_head // n_kv
     if n_k == 0:
-        return np.zeros((n_q, n_head, dv), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
-    # [n_kv, group * n_q, d]: every query head that shares a KV head in one batched matmul (GQA)
-    qg = np.ascontiguousarray(q.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3)).reshape(n_kv, group * n_q, d)
-    scores = np.matmul(qg, np.ascontiguousarray(k.transpose(1, 2, 0)))  # [n_kv, group*n_q, n_k]
+        return nothing_seen(n_q, n_head, dv)
+    scores = np.matmul(grouped_queries(q, n_kv), np.ascontiguousarray(k.transpose(1, 2, 0)))  # [n_kv, group * n_q, n_k]
     scores *= np.float32(scale)
     if softcap > 0.0:
         scores = np.float32(softcap) * np.tanh(scores / np.float32(softcap))
@@ -50,12 +48,31 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray | No
     probs = np.exp(scores, out=scores)
     row_sum = probs.sum(axis=-1)  # [n_kv, group, n_q]
     out = np.matmul(probs.reshape(n_kv, group * n_q, n_k), np.ascontiguousarray(v.transpose(1, 0, 2)))
-    out = out.reshape(n_kv, group, n_q, dv)
+    return normalized(out.reshape(n_kv, group, n_q, dv), row_max, row_sum)
+
+
+def nothing_seen(n_q: int, n_head: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
+    """(O, LSE) of queries that see no key: zeros and -inf (they merge as nothing)."""
+    return np.zeros((n_q, n_head, dv), np.float32), np.full((n_q, n_head), -np.inf, np.float32)
+
+
+def grouped_queries(q: np.ndarray, n_kv: int) -> np.ndarray:
+    """q [n_q, n_head, d] as [n_kv, group * n_q, d]: every query head that shares a KV head in one batched
+    matmul (GQA)."""
+    n_q, n_head, d = q.shape
+    group = n_head // n_kv
+    return np.ascontiguousarray(q.reshape(n_q, n_kv, group, d).transpose(1, 2, 0, 3)).reshape(n_kv, group * n_q, d)
+
+
+def normalized(out: np.ndarray, row_max: np.ndarray, row_sum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(O [n_q, n_head, dv], LSE [n_q, n_head]) from a block's weighted value sums out [n_kv, group, n_q, dv],
+    its rows' maxima [n_kv, group, n_q, 1] (0 for a row that saw nothing) and weight sums [n_kv, group, n_q]."""
+    n_kv, group, n_q, dv = out.shape
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(row_sum[..., None] > 0, out / row_sum[..., None], np.float32(0.0))
         lse = np.where(row_sum > 0, row_max[..., 0] + np.log(row_sum), np.float32(-np.inf))
-    out = out.transpose(2, 0, 1, 3).reshape(n_q, n_head, dv)
-    lse = lse.transpose(2, 0, 1).reshape(n_q, n_head)
+    out = out.transpose(2, 0, 1, 3).reshape(n_q, n_kv * group, dv)
+    lse = lse.transpose(2, 0, 1).reshape(n_q, n_kv * group)
     return out.astype(np.float32, copy=False), lse.astype(np.float32, copy=False)
 
 
