@@ -7,7 +7,8 @@ were decoded beforehand, so its time holds no decode) in the same run, at the sh
 
 Each figure is the best of `--rounds` rounds of `--calls` runs, the engines alternating by round (not by run: the
 reference's BLAS threads spin on after a call and would take a core from the kernel's next run); ratio =
-reference time / kernel time (above 1: the kernel faster). Random rows: attention's cost does not depend on the values.
+reference time / kernel time (above 1: the kernel faster). Random rows: attention's cost does not depend on the
+values.
 """
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ change speed (a refactor) is shown to be within noise.
 
 Each round runs, for each model, one process per revision in alternating order (two versions of the package
 cannot share a process): the model loaded, bench/e2e_cpu.py's warm-up, then its timing (a 128-token prefill, or
-`--prompt-tokens`, then 64 greedy decode steps over that cache, tokens/s). The baseline runs from a git worktree
-of REV; each figure is the median over the rounds (all rounds are in the JSON); ratio = this checkout / baseline
-(above 1: faster now).
+`--prompt-tokens`, then e2e_cpu's 64 greedy decode steps over that cache, tokens/s). The baseline runs from a git
+worktree of REV; each figure is the median over the rounds (all rounds are in the JSON); ratio = this checkout /
+baseline (above 1: faster now).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 from host_cpu import cpu_description
+from e2e_cpu import DECODE_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
             row[name]["rounds"] = tree_runs
         row["ratio_now_over_baseline"] = {k: row["now"][k] / row["baseline"][k] for k in ("prefill_tps", "decode_tps")}
     report = {"bench": "e2e_cpu_revisions", "device": cpu_description(), "now": head, "baseline": base,
-              "rounds": args.rounds, "prompt_tokens": args.prompt_tokens, "decode_tokens": 64,
+              "rounds": args.rounds, "prompt_tokens": args.prompt_tokens, "decode_tokens": DECODE_TOKENS,
               "figures": "median over the rounds (revisions alternating, one process each)",
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

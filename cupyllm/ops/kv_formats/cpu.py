@@ -86,8 +86,8 @@ def decode_in_place(data, at, codec, table, half_table, bits, bits_f, out, out_a
     """decode_row_at into out[out_at:out_at + d], inlined into the caller's loop (ops/attention/cpu.py): a call
     (or a slice of `out`) would cost a view of the row and an atomic reference count of every array argument, and
     the threads' counts of the shared arrays contend for their cache lines (measured: 43% of a lean decode's
-    attention). Sixteen values at a time
-    (ops/simd.py) where the row allows it; bytes past the row are read only into index bits the masks drop.
+    attention). Sixteen values at a time (ops/simd.py) where the row allows it; bytes past the row are read only
+    into index bits the masks drop.
     No float operation here may be contracted or reordered: a caller compiled with fastmath would change them."""
     kind, block_values = codec[0], codec[2]
     if d % 16 or kind == F32 or kind == Q6_0 or (kind == ROTATED and block_values % 16):
